@@ -1,0 +1,28 @@
+"""Tree training for HuggingFace Transformers: pack prefix-sharing sequences into tries and score them at once.
+
+`import hf_tree_attn` registers `attn_implementation="tree_flex"` with transformers (idempotent).
+"""
+
+from .attention import ATTN_IMPLEMENTATION, register, tree_flex_attention
+from .logprobs import check_tree_model, forest_logprobs, gather_sequences, pad_sequences, sequence_logprobs
+from .metrics import estimate_flops
+from .tree import PackedForest, pack_forest, tree_token_ratio
+
+register()
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "PackedForest",
+    "check_tree_model",
+    "estimate_flops",
+    "forest_logprobs",
+    "gather_sequences",
+    "pack_forest",
+    "pad_sequences",
+    "register",
+    "sequence_logprobs",
+    "tree_flex_attention",
+    "tree_token_ratio",
+]

@@ -1,0 +1,252 @@
+"""Per-token log-probabilities and entropies from one forward over a packed forest.
+
+The token at row `r` is predicted by the hidden state of its parent row `parent[r]`. A branching row predicts
+several children, and a row shared by many sequences is scored once: the LM head and log-softmax run only on
+the *unique parent rows* of the scored tokens, in row chunks, so the `(tokens, vocab)` logits never exist at
+once (under autograd each chunk is recomputed in backward rather than stored). Per-sequence values are then
+gathered from the per-row table; autograd sums the gradients of shared rows — exactly the flat gradient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from .attention import ATTN_IMPLEMENTATION
+from .tree import PackedForest, TokenSequence, pack_forest
+
+__all__ = [
+    "check_tree_model",
+    "forest_forward_kwargs",
+    "forest_logprobs",
+    "gather_sequences",
+    "pad_sequences",
+    "sequence_logprobs",
+]
+
+_LOGITS_CHUNK_BYTES = 1 << 30  # fp32 logits held per chunk
+
+# Config fields of layer kinds whose state is not per-token attention: a tree would silently mix branches.
+_UNSUPPORTED_LAYER_TYPES = ("linear_attention", "mamba", "conv", "recurrent", "ssm", "gated_deltanet")
+
+
+def check_tree_model(model: torch.nn.Module) -> None:
+    """Raise a clear error if `model` cannot score a packed tree exactly."""
+    config = model.config
+    impl = getattr(config, "_attn_implementation", None)
+    if impl != ATTN_IMPLEMENTATION:
+        raise ValueError(
+            f"The model uses attn_implementation={impl!r}; tree packing needs {ATTN_IMPLEMENTATION!r}. Load it with "
+            f"`from_pretrained(..., attn_implementation={ATTN_IMPLEMENTATION!r})` or call "
+            f"`model.set_attn_implementation({ATTN_IMPLEMENTATION!r})` (after `import hf_tree_attn`)."
+        )
+    layer_types = set(getattr(config, "layer_types", None) or ())
+    bad = sorted(t for t in layer_types if any(u in t for u in _UNSUPPORTED_LAYER_TYPES))
+    if bad:
+        raise NotImplementedError(
+            f"{type(config).__name__} has layer types {bad}; their recurrent state would leak across tree "
+            "branches. Train this model without tree packing."
+        )
+    if getattr(config, "logit_scale", None) not in (None, 1.0):
+        raise NotImplementedError(
+            f"{type(config).__name__} scales its logits (logit_scale={config.logit_scale}), which the tree LM head "
+            "does not implement. Train this model without tree packing."
+        )
+    head = model.get_output_embeddings()
+    if not isinstance(head, torch.nn.Linear) or type(head) is not torch.nn.Linear:
+        raise NotImplementedError(
+            f"The output embedding is a {type(head).__name__}, not a plain nn.Linear (a LoRA on `lm_head`?). The tree "
+            "LM head reads `lm_head.weight` directly: leave `lm_head` out of the adapter's target_modules."
+        )
+
+
+def forest_forward_kwargs(forest: PackedForest, device: torch.device | str) -> dict:
+    """`model(**kwargs)` inputs for one forest on `device`: ids, depth position ids and the tree mask."""
+    return {
+        "input_ids": forest.input_ids.to(device),
+        "position_ids": forest.position_ids.to(device),
+        "attention_mask": forest.attention_mask(device),
+        "tree_max_depth": forest.max_depth,
+        "use_cache": False,
+    }
+
+
+def _final_hidden_states(model: torch.nn.Module, inputs: dict) -> torch.Tensor:
+    """Last hidden states `(batch, seq, hidden)` (after the final norm) through the *root* forward.
+
+    The root module is called — not `model.model` and `lm_head` — so FSDP2's root hooks, PEFT and TRL's forward
+    patch all run. An empty `logits_to_keep` makes the model's own LM head a no-op.
+    """
+    captured = {}
+
+    def grab(module, args, output):
+        captured["hidden"] = output[0] if isinstance(output, tuple) else output.last_hidden_state
+
+    device = inputs["input_ids"].device
+    handle = model.get_decoder().register_forward_hook(grab)
+    try:
+        model(**inputs, logits_to_keep=torch.empty(0, dtype=torch.long, device=device))
+    finally:
+        handle.remove()
+    return captured["hidden"]
+
+
+def _lm_head_params(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    head = model.get_output_embeddings()
+    weight, bias = head.weight, head.bias
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without distributed
+        DTensor = ()
+    if isinstance(weight, DTensor):  # FSDP2 shard: gather (differentiably) as TRL's fused head does
+        weight = weight.full_tensor()
+        bias = bias.full_tensor() if isinstance(bias, DTensor) else bias
+    return weight, bias
+
+
+def _head_chunk(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    owner: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    softcap: float | None,
+    with_entropy: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs `(E,)` of `targets` under rows `owner` of `hidden` `(U, hidden)`, and entropies `(U,)`."""
+    logits = F.linear(hidden, weight, bias).float()  # (U, vocab)
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    logits = logits / temperature
+    lse = torch.logsumexp(logits, dim=-1)
+    logps = logits[owner, targets] - lse[owner]
+    if not with_entropy:
+        return logps, lse.new_zeros(0)
+    entropy = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+    return logps, entropy
+
+
+def forest_logprobs(
+    model: torch.nn.Module,
+    forest: PackedForest,
+    rows: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+    chunk_rows: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Score the tokens of one packed forest with one forward.
+
+    Args:
+        model: a causal LM loaded with `attn_implementation="tree_flex"` (PEFT / FSDP2 wrappers are fine).
+        forest: the micro-batch, on the model's device.
+        rows: `(R,)` long — rows whose token to score; default all rows that have a parent. Rows without a
+            parent (roots, padding) score 0.
+        temperature: logits are divided by it (as TRL does for the sampling temperature).
+        return_entropy: also return the entropy of the distribution that predicts each scored row.
+        chunk_rows: LM-head rows per chunk; default keeps each fp32 logits chunk under 1 GiB.
+
+    Returns:
+        `(logps, entropy)`, each `(S,)` float32 indexed by row (0 at unscored rows); `entropy` is None unless
+        requested. Differentiable.
+    """
+    device = forest.input_ids.device
+    if rows is None:
+        rows = torch.nonzero(forest.parent >= 0).squeeze(1)
+    rows = rows.to(device)
+    inputs = forest_forward_kwargs(forest, device)
+    hidden = _final_hidden_states(model, inputs)[0]  # (S, hidden)
+    weight, bias = _lm_head_params(model)
+    softcap = getattr(model.config, "final_logit_softcapping", None)
+
+    parents = forest.parent.to(device)[rows]
+    if (parents < 0).any():
+        bad = rows[parents < 0][:5].tolist()
+        raise ValueError(f"rows {bad} have no parent (a root or padding); only tokens after a first one are scored.")
+    uniq, owner = torch.unique(parents, return_inverse=True)  # uniq sorted: chunks of owners are contiguous
+    order = torch.argsort(owner, stable=True)
+    owner_sorted, targets = owner[order], forest.input_ids[0].to(device)[rows][order]
+    vocab = weight.shape[0]
+    chunk = chunk_rows or max(1, _LOGITS_CHUNK_BYTES // (4 * vocab))
+    bounds = torch.searchsorted(owner_sorted, torch.arange(0, len(uniq) + chunk, chunk, device=device)).tolist()
+
+    logps_parts, entropy_parts = [], []
+    needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    for c, start in enumerate(range(0, len(uniq), chunk)):
+        lo, hi = bounds[c], bounds[c + 1]
+        args = (
+            hidden[uniq[start : start + chunk]],
+            weight,
+            bias,
+            owner_sorted[lo:hi] - start,
+            targets[lo:hi],
+            temperature,
+            softcap,
+            return_entropy,
+        )
+        lp, ent = checkpoint(_head_chunk, *args, use_reentrant=False) if needs_grad else _head_chunk(*args)
+        logps_parts.append(lp)
+        entropy_parts.append(ent)
+
+    seq_len = forest.input_ids.shape[1]
+    logps = torch.zeros(seq_len, dtype=torch.float32, device=device)
+    logps = logps.index_put((rows[order],), torch.cat(logps_parts))
+    entropy = None
+    if return_entropy:
+        per_parent = torch.cat(entropy_parts)  # (U,)
+        entropy = torch.zeros(seq_len, dtype=torch.float32, device=device).index_put((rows,), per_parent[owner])
+    return logps, entropy
+
+
+def gather_sequences(forest: PackedForest, table: torch.Tensor) -> list[torch.Tensor]:
+    """Per-sequence values `[table[positions(k)[1:]] for k]` from a per-row table `(S,)`; `L_k - 1` entries each."""
+    positions = forest.seq_positions.to(table.device)
+    offsets = forest.seq_offsets.tolist()
+    return [table[positions[offsets[k] + 1 : offsets[k + 1]]] for k in range(len(forest.seq_ids))]
+
+
+def pad_sequences(values: Sequence[torch.Tensor], padding_value: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad 1-D tensors into `(N, L_max)` plus a `(N, L_max)` bool mask of the real entries."""
+    padded = torch.nn.utils.rnn.pad_sequence(list(values), batch_first=True, padding_value=padding_value)
+    lengths = torch.tensor([len(v) for v in values], device=padded.device)
+    mask = torch.arange(padded.shape[1], device=padded.device)[None] < lengths[:, None]
+    return padded, mask
+
+
+def sequence_logprobs(
+    model: torch.nn.Module,
+    sequences: Sequence[TokenSequence],
+    max_tokens_per_mb: int | None = None,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+) -> list[torch.Tensor] | tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Log p(tok_t | tok_<t) for t = 1..L-1 of every sequence, computing each shared prefix once.
+
+    Args:
+        model: a causal LM with `attn_implementation="tree_flex"`, on CPU (dense mask + SDPA) or CUDA (compiled
+            FlexAttention), in train or eval mode.
+        sequences: token-id sequences (lists or 1-D tensors).
+        max_tokens_per_mb: token budget of one forward (a multiple of 128); `None` = one forward for all.
+        temperature: logits are divided by it.
+        return_entropy: also return per-token entropies.
+
+    Returns:
+        `logps` — `logps[i]` is `(len(sequences[i]) - 1,)` float32, differentiable; with `return_entropy`,
+        `(logps, entropies)` of the same shapes.
+    """
+    check_tree_model(model)
+    device = next(model.parameters()).device
+    logps: list[torch.Tensor | None] = [None] * len(sequences)
+    entropies: list[torch.Tensor | None] = [None] * len(sequences)
+    for forest in pack_forest(sequences, max_tokens_per_mb=max_tokens_per_mb):
+        forest = forest.to(device)
+        table, entropy_table = forest_logprobs(model, forest, temperature=temperature, return_entropy=return_entropy)
+        for seq_id, values in zip(forest.seq_ids, gather_sequences(forest, table)):
+            logps[seq_id] = values
+        if return_entropy:
+            for seq_id, values in zip(forest.seq_ids, gather_sequences(forest, entropy_table)):
+                entropies[seq_id] = values
+    return (logps, entropies) if return_entropy else logps

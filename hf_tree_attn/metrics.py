@@ -1,0 +1,63 @@
+"""How much a tree saves: unique-token ratio and a forward-FLOPs estimate for a model config.
+
+FLOP counts follow `reference/peers.md` §1 (forward only; backward has the same ratio): per-token linear
+work, attention over (query, key) pairs, and the LM head on the scored tokens only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from .tree import TokenSequence, _as_array, _sorted_with_lcp
+
+__all__ = ["estimate_flops"]
+
+
+def estimate_flops(config, sequences: Sequence[TokenSequence], prompt_lengths: Sequence[int] | None = None) -> dict:
+    """Forward FLOPs of scoring `sequences` flat (one row each) and as one prefix forest.
+
+    Args:
+        config: a transformers decoder config (`hidden_size`, `num_hidden_layers`, `intermediate_size`,
+            `num_attention_heads`, `num_key_value_heads`, `head_dim`, `vocab_size`).
+        sequences: token-id sequences.
+        prompt_lengths: tokens at depth below `prompt_lengths[i]` are not scored (as TRL's `logits_to_keep`);
+            default scores every token after the first.
+
+    Returns:
+        `{"flat_flops", "tree_flops", "flops_ratio" (tree / flat), "flops_saved" (1 - ratio), "token_ratio"}`.
+    """
+    d, layers, vocab = config.hidden_size, config.num_hidden_layers, config.vocab_size
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or d // heads
+    linear = 2 * layers * (2 * d * heads * head_dim + 2 * d * kv_heads * head_dim + 3 * d * config.intermediate_size)
+    attn_pair = 4 * layers * heads * head_dim  # QK^T and PV for one (query, key) pair
+    head = 2 * d * vocab
+
+    arrays = [_as_array(s, i) for i, s in enumerate(sequences)]
+    order, lcp = _sorted_with_lcp(arrays)
+    lengths = np.array([len(arrays[i]) for i in order], dtype=np.int64)
+    first_scored = np.ones_like(lengths) if prompt_lengths is None else np.maximum(np.asarray(prompt_lengths)[order], 1)
+
+    flat_tokens = int(lengths.sum())
+    flat_pairs = int((lengths * (lengths + 1) // 2).sum())
+    flat_scored = int(np.maximum(lengths - first_scored, 0).sum())
+    # Tree: each sequence adds depths lcp..L-1; a row at depth t attends to t + 1 ancestors-or-self. A scored
+    # token needs its parent's logits; distinct (parent) rows are counted once, i.e. one per new scored token
+    # plus, where a branch starts inside the scored region, its shared parent is already counted.
+    tree_tokens = int((lengths - lcp).sum())
+    tree_pairs = int(((lengths * (lengths + 1) - lcp * (lcp + 1)) // 2).sum())
+    new_parent_rows = np.maximum(lengths - np.maximum(lcp, first_scored), 0)
+    tree_scored = int(new_parent_rows.sum())
+
+    flat = flat_tokens * linear + flat_pairs * attn_pair + flat_scored * head
+    tree = tree_tokens * linear + tree_pairs * attn_pair + tree_scored * head
+    return {
+        "flat_flops": float(flat),
+        "tree_flops": float(tree),
+        "flops_ratio": tree / flat,
+        "flops_saved": 1.0 - tree / flat,
+        "token_ratio": tree_tokens / flat_tokens,
+    }

@@ -1,0 +1,314 @@
+"""Pack token sequences that share prefixes into prefix tries laid out in depth-first preorder.
+
+The tiny example used throughout the package (and as a test fixture) — two completions of one prompt::
+
+    sequences = [[5, 6, 7, 8], [5, 6, 9]]
+
+    trie            DFS row (S = 5, no padding)        ancestor-or-self mask (q rows, kv columns)
+                    row        0  1  2  3  4                  kv 0 1 2 3 4
+      5             token      5  6  7  8  9               q 0  ■ ⬚ ⬚ ⬚ ⬚
+      |             depth      0  1  2  3  2                 1  ■ ■ ⬚ ⬚ ⬚
+      6             parent    -1  0  1  2  1                 2  ■ ■ ■ ⬚ ⬚
+     / \\            subtree_end 5  5  4  4  5                 3  ■ ■ ■ ■ ⬚
+    7   9                                                    4  ■ ■ ⬚ ⬚ ■
+    |
+    8               positions(0) = [0, 1, 2, 3]   positions(1) = [0, 1, 4]
+
+Token ``q`` may attend to token ``kv`` iff ``kv <= q < subtree_end[kv]``. ``position_ids`` is the depth, so
+RoPE sees exactly the positions of the unpacked sequence.
+
+Building is vectorised per sequence, never per token: sort the sequences (``memcmp`` on big-endian bytes),
+take the longest common prefix (LCP) of sorted neighbours, and append each sequence's tokens after that LCP.
+A trie is a run of sorted sequences whose neighbours share at least one token; whole tries are bin-packed
+into micro-batches (first-fit decreasing by unique tokens), and a trie larger than a micro-batch is cut into
+runs of consecutive sequences — each run repeats only the prefix it still shares with the rest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import numpy as np
+import torch
+
+__all__ = ["PackedForest", "pack_forest", "tree_token_ratio"]
+
+TokenSequence = Sequence[int] | torch.Tensor | np.ndarray
+
+
+@dataclass
+class PackedForest:
+    """One micro-batch: a forest of tries in one padded row.
+
+    Attributes:
+        input_ids: `(1, S)` long — tokens in DFS preorder, then padding (token 0).
+        position_ids: `(1, S)` long — depth of each token inside its own sequence; 0 for padding.
+        subtree_end: `(S,)` int32 — one past the last row of each token's subtree; `r + 1` for padding row `r`.
+        parent: `(S,)` long — row whose hidden state predicts this token; -1 for roots and padding.
+        seq_ids: indices into the packed `sequences` of the sequences in this micro-batch.
+        num_tree_tokens: unique (unpadded) tokens in the row.
+        num_original_tokens: total tokens of the sequences in `seq_ids`.
+        seq_positions: `(num_original_tokens,)` long — row of every token of every sequence, concatenated in
+            `seq_ids` order; `seq_offsets` `(len(seq_ids) + 1,)` long delimits them.
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    subtree_end: torch.Tensor
+    parent: torch.Tensor
+    seq_ids: list[int]
+    num_tree_tokens: int
+    num_original_tokens: int
+    seq_positions: torch.Tensor
+    seq_offsets: torch.Tensor
+    _mask_cache: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def seq_len(self) -> int:
+        """Padded row length `S`."""
+        return self.input_ids.shape[1]
+
+    @cached_property
+    def max_depth(self) -> int:
+        """Largest depth of a real token (the longest sequence length minus one)."""
+        return int(self.position_ids[0, : self.num_tree_tokens].max())
+
+    def positions(self, k: int) -> torch.Tensor:
+        """Row positions `(len(sequences[seq_ids[k]]),)` long of the tokens of the `k`-th packed sequence."""
+        start, end = self.seq_offsets[k], self.seq_offsets[k + 1]
+        return self.seq_positions[start:end]
+
+    def dense_mask(self, device: torch.device | str | None = None) -> torch.Tensor:
+        """Token-level ancestor-or-self mask `(1, 1, S, S)` bool (True = attend); for CPU and the SDPA path."""
+        from .masks import dense_tree_mask
+
+        return dense_tree_mask(self.subtree_end.to(device or self.subtree_end.device))
+
+    def block_mask(self, device: torch.device | str | None = None):
+        """FlexAttention `BlockMask` of the tree mask, built once per device and reused by every layer."""
+        from .masks import tree_block_mask
+
+        device = torch.device(device or self.subtree_end.device)
+        if device not in self._mask_cache:
+            self._mask_cache[device] = tree_block_mask(self.subtree_end.to(device))
+        return self._mask_cache[device]
+
+    def attention_mask(self, device: torch.device | str | None = None):
+        """The mask to pass as `attention_mask=`: a `BlockMask` on CUDA, the dense bool mask elsewhere."""
+        device = torch.device(device or self.subtree_end.device)
+        return self.block_mask(device) if device.type == "cuda" else self.dense_mask(device)
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> PackedForest:
+        """Copy of the forest with its tensors on `device` (mask caches are kept per device)."""
+        moved = {
+            name: getattr(self, name).to(device, non_blocking=non_blocking)
+            for name in ("input_ids", "position_ids", "subtree_end", "parent", "seq_positions", "seq_offsets")
+        }
+        return PackedForest(
+            **moved,
+            seq_ids=self.seq_ids,
+            num_tree_tokens=self.num_tree_tokens,
+            num_original_tokens=self.num_original_tokens,
+            _mask_cache=self._mask_cache,
+        )
+
+
+def _as_array(seq: TokenSequence, index: int) -> np.ndarray:
+    """One sequence as a 1-D int64 array, with the errors a user can act on."""
+    if isinstance(seq, torch.Tensor):
+        if seq.is_floating_point() or seq.is_complex() or seq.dtype == torch.bool:
+            raise TypeError(f"sequences[{index}] has dtype {seq.dtype}; token ids must be integers (torch.long).")
+        arr = seq.detach().cpu().numpy()
+    else:
+        arr = np.asarray(seq)
+        if arr.size and not np.issubdtype(arr.dtype, np.integer):
+            raise TypeError(
+                f"sequences[{index}] holds {arr.dtype} values (first: {arr.flat[0]!r}); token ids must be integers."
+            )
+    if arr.ndim != 1:
+        raise ValueError(f"sequences[{index}] has shape {tuple(arr.shape)}; each sequence must be 1-D token ids.")
+    if arr.size == 0:
+        raise ValueError(f"sequences[{index}] is empty; every sequence needs at least one token. Drop it first.")
+    if arr.min() < 0:
+        raise ValueError(f"sequences[{index}] holds a negative token id ({int(arr.min())}); strip padding first.")
+    return arr.astype(np.int64, copy=False)
+
+
+def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if diff.size else n
+
+
+def _sorted_with_lcp(arrays: list[np.ndarray]) -> tuple[list[int], np.ndarray]:
+    """Lexicographic order of `arrays` and the LCP of each sorted sequence with its predecessor (0 for the first)."""
+    # Big-endian fixed-width bytes compare exactly like the token lists, and a prefix sorts before its extensions.
+    keys = [a.astype(">u4").tobytes() for a in arrays]
+    order = sorted(range(len(arrays)), key=keys.__getitem__)
+    lcp = np.zeros(len(order), dtype=np.int64)
+    for k in range(1, len(order)):
+        lcp[k] = _common_prefix(arrays[order[k - 1]], arrays[order[k]])
+    return order, lcp
+
+
+def _unique_tokens(lengths: np.ndarray, lcp: np.ndarray) -> int:
+    """Unique trie tokens of a run of sorted sequences (the first one contributes all of its tokens)."""
+    return int(lengths[0] + (lengths[1:] - lcp[1:]).sum())
+
+
+def _split_trie(start: int, stop: int, lengths: np.ndarray, lcp: np.ndarray, budget: int) -> list[tuple[int, int]]:
+    """Cut sorted sequences `[start, stop)` of one trie into consecutive runs of at most `budget` unique tokens."""
+    runs, run_start, used = [], start, int(lengths[start])
+    for k in range(start + 1, stop):
+        extra = int(lengths[k] - lcp[k])
+        if used + extra > budget:
+            runs.append((run_start, k))
+            run_start, used = k, int(lengths[k])  # a new run repeats the shared prefix of sequence k
+        else:
+            used += extra
+    runs.append((run_start, stop))
+    return runs
+
+
+def _first_fit_decreasing(sizes: list[int], budget: int | None) -> list[list[int]]:
+    """Bins of item indices; each bin's size sum stays within `budget` (one bin when `budget` is None)."""
+    if budget is None:
+        return [list(range(len(sizes)))]
+    bins: list[list[int]] = []
+    free: list[int] = []
+    for item in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        for b, room in enumerate(free):
+            if sizes[item] <= room:
+                bins[b].append(item)
+                free[b] -= sizes[item]
+                break
+        else:
+            bins.append([item])
+            free.append(budget - sizes[item])
+    return bins
+
+
+def _layout(arrays: list[np.ndarray], order: list[int], pad_multiple: int) -> PackedForest:
+    """DFS layout of the sequences `order` (already in lexicographic order) as one padded row."""
+    seqs = [arrays[i] for i in order]
+    lcp = np.zeros(len(seqs), dtype=np.int64)
+    for k in range(1, len(seqs)):
+        lcp[k] = _common_prefix(seqs[k - 1], seqs[k])
+    lengths = np.array([len(s) for s in seqs], dtype=np.int64)
+    new = lengths - lcp
+    offsets = np.concatenate([[0], np.cumsum(new)])
+    num_tree = int(offsets[-1])
+    padded = -(-num_tree // pad_multiple) * pad_multiple
+
+    tokens = np.zeros(padded, dtype=np.int64)
+    depth = np.zeros(padded, dtype=np.int64)
+    parent = np.full(padded, -1, dtype=np.int64)
+    subtree_end = np.arange(1, padded + 1, dtype=np.int64)
+    positions = []
+
+    path = np.zeros(0, dtype=np.int64)  # rows of the previous sequence, root to leaf: the open subtrees
+    for k, seq in enumerate(seqs):
+        keep, off = int(lcp[k]), int(offsets[k])
+        subtree_end[path[keep:]] = off  # subtrees deeper than the shared prefix end where this sequence starts
+        rows = np.arange(off, offsets[k + 1], dtype=np.int64)
+        if rows.size:  # a sequence identical to its predecessor adds no rows
+            tokens[rows] = seq[keep:]
+            depth[rows] = np.arange(keep, len(seq))
+            parent[rows] = np.concatenate([path[keep - 1 : keep] if keep else [-1], rows[:-1]])
+        path = np.concatenate([path[:keep], rows])
+        positions.append(path)
+    subtree_end[path] = num_tree
+
+    seq_positions = np.concatenate(positions)
+    inverse = np.argsort(order, kind="stable")  # report sequences in increasing seq_id order
+    seq_offsets_sorted = np.concatenate([[0], np.cumsum(lengths)])
+    seq_positions = np.concatenate(
+        [seq_positions[seq_offsets_sorted[k] : seq_offsets_sorted[k + 1]] for k in inverse]
+    )
+    seq_ids = [order[k] for k in inverse]
+    seq_offsets = np.concatenate([[0], np.cumsum(lengths[inverse])])
+    return PackedForest(
+        input_ids=torch.from_numpy(tokens)[None],
+        position_ids=torch.from_numpy(depth)[None],
+        subtree_end=torch.from_numpy(subtree_end).to(torch.int32),
+        parent=torch.from_numpy(parent),
+        seq_ids=seq_ids,
+        num_tree_tokens=num_tree,
+        num_original_tokens=int(lengths.sum()),
+        seq_positions=torch.from_numpy(seq_positions),
+        seq_offsets=torch.from_numpy(seq_offsets),
+    )
+
+
+def pack_forest(
+    sequences: Sequence[TokenSequence],
+    max_tokens_per_mb: int | None = None,
+    pad_multiple: int = 128,
+) -> list[PackedForest]:
+    """Pack `sequences` into prefix-trie forests, one `PackedForest` per micro-batch.
+
+    Args:
+        sequences: token-id sequences (lists of ints or 1-D integer tensors/arrays), each non-empty.
+        max_tokens_per_mb: most padded tokens in one micro-batch (a multiple of `pad_multiple`); `None` packs
+            everything into one micro-batch.
+        pad_multiple: each row is padded to a multiple of this (FlexAttention's block size, 128).
+
+    Returns:
+        Micro-batches; every sequence index appears in exactly one `seq_ids`. Micro-batches hold whole tries
+        (several per row) and are ordered by decreasing size. A trie larger than the budget is cut into runs of
+        consecutive DFS-ordered sequences, each repeating only the prefix it needs.
+    """
+    if isinstance(sequences, torch.Tensor):
+        raise TypeError(
+            "sequences is a tensor; pass a list of 1-D sequences (a padded batch must be stripped of padding "
+            "first, e.g. [row[mask.bool()] for row, mask in zip(input_ids, attention_mask)])."
+        )
+    if len(sequences) == 0:
+        raise ValueError("sequences is empty; pass at least one token sequence.")
+    if pad_multiple < 1:
+        raise ValueError(f"pad_multiple={pad_multiple} must be a positive integer (use 128, FlexAttention's block).")
+    if max_tokens_per_mb is not None and (max_tokens_per_mb <= 0 or max_tokens_per_mb % pad_multiple):
+        fix = max(pad_multiple, -(-max(max_tokens_per_mb, 1) // pad_multiple) * pad_multiple)
+        raise ValueError(
+            f"max_tokens_per_mb={max_tokens_per_mb} must be a positive multiple of pad_multiple={pad_multiple}; "
+            f"use e.g. max_tokens_per_mb={fix}."
+        )
+    arrays = [_as_array(s, i) for i, s in enumerate(sequences)]
+    lengths = np.array([len(a) for a in arrays], dtype=np.int64)
+    if max_tokens_per_mb is not None and lengths.max() > max_tokens_per_mb:
+        i = int(lengths.argmax())
+        raise ValueError(
+            f"sequences[{i}] has {lengths[i]} tokens, more than max_tokens_per_mb={max_tokens_per_mb}; raise "
+            f"max_tokens_per_mb to at least {-(-int(lengths[i]) // pad_multiple) * pad_multiple} or truncate it."
+        )
+
+    order, lcp = _sorted_with_lcp(arrays)
+    sorted_lengths = lengths[order]
+    trie_starts = np.flatnonzero(lcp == 0).tolist() + [len(order)]
+    runs: list[tuple[int, int]] = []
+    for start, stop in zip(trie_starts[:-1], trie_starts[1:]):
+        size = _unique_tokens(sorted_lengths[start:stop], lcp[start:stop])
+        if max_tokens_per_mb is None or size <= max_tokens_per_mb:
+            runs.append((start, stop))
+        else:
+            runs.extend(_split_trie(start, stop, sorted_lengths, lcp, max_tokens_per_mb))
+    sizes = [int(sorted_lengths[a] + (sorted_lengths[a + 1 : b] - lcp[a + 1 : b]).sum()) for a, b in runs]
+
+    forests = []
+    for bin_runs in _first_fit_decreasing(sizes, max_tokens_per_mb):
+        # Runs keep their lexicographic order so runs of one split trie that share a bin merge their prefix again.
+        members = [k for r in sorted(bin_runs) for k in range(*runs[r])]
+        forests.append(_layout(arrays, [order[k] for k in members], pad_multiple))
+    return forests
+
+
+def tree_token_ratio(sequences: Sequence[TokenSequence]) -> float:
+    """Unique trie tokens over total tokens of `sequences` (1.0 = no sharing; 1/G for G copies of one sequence)."""
+    arrays = [_as_array(s, i) for i, s in enumerate(sequences)]
+    if not arrays:
+        raise ValueError("sequences is empty; pass at least one token sequence.")
+    order, lcp = _sorted_with_lcp(arrays)
+    lengths = np.array([len(arrays[i]) for i in order], dtype=np.int64)
+    return _unique_tokens(lengths, lcp) / int(lengths.sum())
