@@ -38,7 +38,7 @@ def _flex_attention(*args, **kwargs):
     return _compiled_flex_attention(*args, **kwargs)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _softcap_score_mod(softcap: float):
     """One function object per softcap value, so the compiled kernel is reused across calls."""
 
@@ -162,7 +162,9 @@ def tree_flex_attention(
         _check_sliding_window(module, kwargs.get("sliding_window"), tree_max_depth)
     if softcap is not None:
         return _eager_attention(module, query, key, value, attention_mask, scaling, softcap), None
-    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    return sdpa_attention_forward(
+        module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+    )
 
 
 def tree_flex_mask(*args, config=None, **kwargs):

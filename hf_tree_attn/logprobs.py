@@ -25,6 +25,7 @@ __all__ = [
     "gather_sequences",
     "pad_sequences",
     "sequence_logprobs",
+    "unwrap_model",
 ]
 
 _LOGITS_CHUNK_BYTES = 1 << 30  # fp32 logits held per chunk
@@ -33,8 +34,16 @@ _LOGITS_CHUNK_BYTES = 1 << 30  # fp32 logits held per chunk
 _UNSUPPORTED_LAYER_TYPES = ("linear_attention", "mamba", "conv", "recurrent", "ssm", "gated_deltanet")
 
 
+def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model inside DDP-style wrappers (`.module`); PEFT and FSDP2 models are returned as is."""
+    while not hasattr(model, "get_decoder") and hasattr(model, "module"):
+        model = model.module
+    return model
+
+
 def check_tree_model(model: torch.nn.Module) -> None:
     """Raise a clear error if `model` cannot score a packed tree exactly."""
+    model = unwrap_model(model)
     config = model.config
     impl = getattr(config, "_attn_implementation", None)
     if impl != ATTN_IMPLEMENTATION:
@@ -86,7 +95,7 @@ def _final_hidden_states(model: torch.nn.Module, inputs: dict) -> torch.Tensor:
         captured["hidden"] = output[0] if isinstance(output, tuple) else output.last_hidden_state
 
     device = inputs["input_ids"].device
-    handle = model.get_decoder().register_forward_hook(grab)
+    handle = unwrap_model(model).get_decoder().register_forward_hook(grab)
     try:
         model(**inputs, logits_to_keep=torch.empty(0, dtype=torch.long, device=device))
     finally:
@@ -95,7 +104,7 @@ def _final_hidden_states(model: torch.nn.Module, inputs: dict) -> torch.Tensor:
 
 
 def _lm_head_params(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
-    head = model.get_output_embeddings()
+    head = unwrap_model(model).get_output_embeddings()
     weight, bias = head.weight, head.bias
     try:
         from torch.distributed.tensor import DTensor
@@ -141,7 +150,8 @@ def forest_logprobs(
     """Score the tokens of one packed forest with one forward.
 
     Args:
-        model: a causal LM loaded with `attn_implementation="tree_flex"` (PEFT / FSDP2 wrappers are fine).
+        model: a causal LM loaded with `attn_implementation="tree_flex"`; PEFT, FSDP2 and DDP wrappers are fine
+            (the wrapped root module is what gets called).
         forest: the micro-batch, on the model's device.
         rows: `(R,)` long — rows whose token to score; default all rows that have a parent. Rows without a
             parent (roots, padding) score 0.
@@ -160,7 +170,7 @@ def forest_logprobs(
     inputs = forest_forward_kwargs(forest, device)
     hidden = _final_hidden_states(model, inputs)[0]  # (S, hidden)
     weight, bias = _lm_head_params(model)
-    softcap = getattr(model.config, "final_logit_softcapping", None)
+    softcap = getattr(unwrap_model(model).config, "final_logit_softcapping", None)
 
     parents = forest.parent.to(device)[rows]
     if (parents < 0).any():

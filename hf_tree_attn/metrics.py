@@ -39,7 +39,9 @@ def estimate_flops(config, sequences: Sequence[TokenSequence], prompt_lengths: S
     arrays = [_as_array(s, i) for i, s in enumerate(sequences)]
     order, lcp = _sorted_with_lcp(arrays)
     lengths = np.array([len(arrays[i]) for i in order], dtype=np.int64)
-    first_scored = np.ones_like(lengths) if prompt_lengths is None else np.maximum(np.asarray(prompt_lengths)[order], 1)
+    first_scored = (
+        np.ones_like(lengths) if prompt_lengths is None else np.maximum(np.asarray(prompt_lengths)[order], 1)
+    )
 
     flat_tokens = int(lengths.sum())
     flat_pairs = int((lengths * (lengths + 1) // 2).sum())

@@ -224,9 +224,7 @@ def _layout(arrays: list[np.ndarray], order: list[int], pad_multiple: int) -> Pa
     seq_positions = np.concatenate(positions)
     inverse = np.argsort(order, kind="stable")  # report sequences in increasing seq_id order
     seq_offsets_sorted = np.concatenate([[0], np.cumsum(lengths)])
-    seq_positions = np.concatenate(
-        [seq_positions[seq_offsets_sorted[k] : seq_offsets_sorted[k + 1]] for k in inverse]
-    )
+    seq_positions = np.concatenate([seq_positions[seq_offsets_sorted[k] : seq_offsets_sorted[k + 1]] for k in inverse])
     seq_ids = [order[k] for k in inverse]
     seq_offsets = np.concatenate([[0], np.cumsum(lengths[inverse])])
     return PackedForest(
