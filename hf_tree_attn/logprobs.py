@@ -23,6 +23,7 @@ __all__ = [
     "forest_forward_kwargs",
     "forest_logprobs",
     "gather_sequences",
+    "lm_head_logprobs",
     "pad_sequences",
     "sequence_logprobs",
     "unwrap_model",
@@ -169,18 +170,52 @@ def forest_logprobs(
     rows = rows.to(device)
     inputs = forest_forward_kwargs(forest, device)
     hidden = _final_hidden_states(model, inputs)[0]  # (S, hidden)
-    weight, bias = _lm_head_params(model)
-    softcap = getattr(unwrap_model(model).config, "final_logit_softcapping", None)
 
     parents = forest.parent.to(device)[rows]
     if (parents < 0).any():
         bad = rows[parents < 0][:5].tolist()
         raise ValueError(f"rows {bad} have no parent (a root or padding); only tokens after a first one are scored.")
-    uniq, owner = torch.unique(parents, return_inverse=True)  # uniq sorted: chunks of owners are contiguous
+    targets = forest.input_ids[0].to(device)[rows]
+    values, entropy_values = lm_head_logprobs(
+        model, hidden, parents, targets, temperature=temperature, return_entropy=return_entropy, chunk_rows=chunk_rows
+    )
+    seq_len = forest.input_ids.shape[1]
+    logps = torch.zeros(seq_len, dtype=torch.float32, device=device).index_put((rows,), values)
+    entropy = None
+    if return_entropy:
+        entropy = torch.zeros(seq_len, dtype=torch.float32, device=device).index_put((rows,), entropy_values)
+    return logps, entropy
+
+
+def lm_head_logprobs(
+    model: torch.nn.Module,
+    hidden: torch.Tensor,
+    sources: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+    chunk_rows: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Chunked LM head + log-softmax on the distinct rows of `hidden` that `sources` points at.
+
+    Args:
+        model: the causal LM whose output embedding (and `final_logit_softcapping`) to use.
+        hidden: `(N, hidden)` final hidden states.
+        sources: `(E,)` long — row of `hidden` that predicts each target; repeated rows are computed once.
+        targets: `(E,)` long — token ids to score.
+        temperature, return_entropy, chunk_rows: as in `forest_logprobs`.
+
+    Returns:
+        `(logps, entropy)`: `(E,)` float32 each (`entropy` None unless requested), differentiable w.r.t. `hidden`
+        and the LM head.
+    """
+    weight, bias = _lm_head_params(model)
+    softcap = getattr(unwrap_model(model).config, "final_logit_softcapping", None)
+    device = hidden.device
+    uniq, owner = torch.unique(sources, return_inverse=True)  # uniq sorted: each chunk's owners are contiguous
     order = torch.argsort(owner, stable=True)
-    owner_sorted, targets = owner[order], forest.input_ids[0].to(device)[rows][order]
-    vocab = weight.shape[0]
-    chunk = chunk_rows or max(1, _LOGITS_CHUNK_BYTES // (4 * vocab))
+    owner_sorted, targets_sorted = owner[order], targets[order]
+    chunk = chunk_rows or max(1, _LOGITS_CHUNK_BYTES // (4 * weight.shape[0]))
     bounds = torch.searchsorted(owner_sorted, torch.arange(0, len(uniq) + chunk, chunk, device=device)).tolist()
 
     logps_parts, entropy_parts = [], []
@@ -192,23 +227,22 @@ def forest_logprobs(
             weight,
             bias,
             owner_sorted[lo:hi] - start,
-            targets[lo:hi],
+            targets_sorted[lo:hi],
             temperature,
             softcap,
             return_entropy,
         )
+        # Under autograd each chunk's logits are recomputed in backward instead of being kept alive.
         lp, ent = checkpoint(_head_chunk, *args, use_reentrant=False) if needs_grad else _head_chunk(*args)
         logps_parts.append(lp)
         entropy_parts.append(ent)
 
-    seq_len = forest.input_ids.shape[1]
-    logps = torch.zeros(seq_len, dtype=torch.float32, device=device)
-    logps = logps.index_put((rows[order],), torch.cat(logps_parts))
-    entropy = None
-    if return_entropy:
-        per_parent = torch.cat(entropy_parts)  # (U,)
-        entropy = torch.zeros(seq_len, dtype=torch.float32, device=device).index_put((rows,), per_parent[owner])
-    return logps, entropy
+    empty = torch.zeros(0, dtype=torch.float32, device=device)
+    logps = torch.cat(logps_parts) if logps_parts else empty
+    logps = torch.zeros_like(logps).index_put((order,), logps)  # back to the order of `sources`
+    if not return_entropy:
+        return logps, None
+    return logps, (torch.cat(entropy_parts)[owner] if entropy_parts else empty)
 
 
 def gather_sequences(forest: PackedForest, table: torch.Tensor) -> list[torch.Tensor]:
