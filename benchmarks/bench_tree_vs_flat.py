@@ -1,0 +1,380 @@
+"""Tree vs flat on one GPU: the GRPO trainer phase, side by side on the same batch.
+
+Trainer phase = old-logprob forward (no grad) + policy forward + backward, gradient checkpointing on, logits
+only for scored (completion) tokens, bf16, random weights from configs shaped like Qwen3 (no download).
+
+Methods, all on the same model object (`attn_implementation="tree_flex"`):
+  flat_padded  rows right-padded to the micro-batch's longest row, SDPA with a padding mask (what TRL does);
+  flat_packed  padding-free: sequences concatenated in one row, FlexAttention document mask;
+  tree         hf_tree_attn: prefix forest, FlexAttention tree mask, LM head on unique parent rows.
+Every method processes the whole logical batch in micro-batches of at most `--max-tokens-per-mb` tokens
+(flat_padded: rows x padded length), and scores exactly the same tokens with the same chunked LM head.
+
+    python benchmarks/bench_tree_vs_flat.py --models qwen3-0.6b --out benchmarks/results/tree_vs_flat.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import platform
+import random
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, Qwen3Config
+
+import hf_tree_attn
+from hf_tree_attn.logprobs import _final_hidden_states, forest_logprobs, lm_head_logprobs
+from hf_tree_attn.masks import tree_block_mask
+
+MODELS = {
+    "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
+    "qwen3-1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
+    "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False),
+}  # fmt: skip
+
+
+@dataclass
+class Workload:
+    name: str
+    sequences: list[list[int]]
+    prompt_lengths: list[int]  # tokens before this depth are context, not scored
+    spec: dict
+
+    def __post_init__(self):
+        # Per-token loss weights (think advantage x mask), tied to (sequence, position) so all methods compute
+        # the same loss: sum_i sum_t w[i][t] * logp_i(t).
+        gen = torch.Generator().manual_seed(0)
+        self.weights = [torch.randn(len(s) - p, generator=gen) for s, p in zip(self.sequences, self.prompt_lengths)]
+
+
+def grpo_workload(rng: random.Random, groups: int, g: int, p: int, c: int, vocab: int, vary: bool = False) -> Workload:
+    """`groups` prompts of `p` tokens, `g` completions each of `c` tokens (`c/2..c` tokens with `vary`)."""
+    seqs, prompt_lengths = [], []
+    for _ in range(groups):
+        prompt = [rng.randrange(vocab) for _ in range(p)]
+        for _ in range(g):
+            length = rng.randint(c // 2, c) if vary else c
+            seqs.append(prompt + [rng.randrange(vocab) for _ in range(length)])
+            prompt_lengths.append(p)
+    spec = {"kind": "grpo", "groups": groups, "G": g, "prompt": p, "completion": f"U[{c // 2},{c}]" if vary else c}
+    return Workload(f"grpo_G{g}_P{p}_C{c}", seqs, prompt_lengths, spec)
+
+
+def agent_workload(rng: random.Random, conversations: int, vocab: int, system: int = 4800) -> Workload:
+    """tau2-like: a shared system prompt, 10-20 turns; each turn is one sample per sampled response (2 branches)
+    holding the whole history; the conversation continues from the first branch. Only the response is scored."""
+    sys_prompt = [rng.randrange(vocab) for _ in range(system)]
+    seqs, prompt_lengths = [], []
+    for _ in range(conversations):
+        history = list(sys_prompt)
+        for _ in range(rng.randint(10, 20)):
+            history += [rng.randrange(vocab) for _ in range(rng.randint(40, 200))]  # user / tool message
+            responses = [[rng.randrange(vocab) for _ in range(rng.randint(80, 400))] for _ in range(2)]
+            for r in responses:
+                seqs.append(history + r)
+                prompt_lengths.append(len(history))
+            history += responses[0]
+    spec = {"kind": "agent", "conversations": conversations, "system": system, "turns": "U[10,20]",
+            "user": "U[40,200]", "response": "U[80,400]", "branches": 2}  # fmt: skip
+    return Workload("tau2_like_agent", seqs, prompt_lengths, spec)
+
+
+def unshared_workload(rng: random.Random, n: int, vocab: int) -> Workload:
+    seqs = [[rng.randrange(vocab) for _ in range(rng.randint(1024, 3072))] for _ in range(n)]
+    return Workload("no_sharing", seqs, [len(s) // 2 for s in seqs], {"kind": "none", "n": n, "length": "U[1k,3k]"})
+
+
+def _token_budget_batches(lengths: list[int], budget: int, padded: bool) -> list[list[int]]:
+    """Consecutive (length-sorted) micro-batches of sequence indices within `budget` tokens."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    batches, cur = [], []
+    for i in order:
+        cost = (len(cur) + 1) * lengths[cur[0] if cur else i] if padded else sum(lengths[j] for j in cur) + lengths[i]
+        if cur and cost > budget:
+            batches.append(cur)
+            cur = []
+        cur.append(i)
+    return batches + [cur]
+
+
+def flat_padded_step(model, wl: Workload, budget: int, device) -> dict:
+    lengths = [len(s) for s in wl.sequences]
+    for train in (False, True):
+        for batch in _token_budget_batches(lengths, budget, padded=True):
+            width = max(lengths[i] for i in batch)
+            ids = torch.zeros(len(batch), width, dtype=torch.long)
+            mask = torch.zeros(len(batch), width, dtype=torch.long)
+            sources, targets, weights = [], [], []
+            for b, i in enumerate(batch):
+                ids[b, : lengths[i]] = torch.tensor(wl.sequences[i])
+                mask[b, : lengths[i]] = 1
+                t = torch.arange(wl.prompt_lengths[i], lengths[i])
+                sources.append(b * width + t - 1)
+                targets.append(ids[b, t])
+                weights.append(wl.weights[i])
+            ids, mask = ids.to(device), mask.to(device)
+            sources, targets = torch.cat(sources).to(device), torch.cat(targets).to(device)
+            weights = torch.cat(weights).to(device)
+            with torch.set_grad_enabled(train):
+                inputs = {"input_ids": ids, "attention_mask": mask, "use_cache": False}
+                hidden = _final_hidden_states(model, inputs).flatten(0, 1)
+                logps, _ = lm_head_logprobs(model, hidden, sources, targets)
+                if train:
+                    (logps * weights).sum().backward()
+    return {}
+
+
+def flat_packed_step(model, wl: Workload, budget: int, device) -> dict:
+    lengths = [len(s) for s in wl.sequences]
+    mask_time = 0.0
+    batches = _token_budget_batches(lengths, budget, padded=False)
+    prepared = []
+    for batch in batches:
+        total = sum(lengths[i] for i in batch)
+        seq_len = -(-total // 128) * 128
+        ids = torch.zeros(seq_len, dtype=torch.long)
+        pos = torch.zeros(seq_len, dtype=torch.long)
+        end = torch.arange(1, seq_len + 1, dtype=torch.int32)
+        sources, targets, weights, off = [], [], [], 0
+        for i in batch:
+            n = lengths[i]
+            ids[off : off + n] = torch.tensor(wl.sequences[i])
+            pos[off : off + n] = torch.arange(n)
+            end[off : off + n] = off + n
+            t = torch.arange(wl.prompt_lengths[i], n)
+            sources.append(off + t - 1)
+            targets.append(ids[off + t])
+            weights.append(wl.weights[i])
+            off += n
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        bm = tree_block_mask(end.to(device))
+        torch.cuda.synchronize()
+        mask_time += time.perf_counter() - t0
+        prepared.append(
+            (
+                ids[None].to(device),
+                pos[None].to(device),
+                bm,
+                *(torch.cat(x).to(device) for x in (sources, targets, weights)),
+            )
+        )
+    for train in (False, True):
+        for ids, pos, bm, sources, targets, weights in prepared:
+            with torch.set_grad_enabled(train):
+                inputs = {"input_ids": ids, "position_ids": pos, "attention_mask": bm, "use_cache": False}
+                hidden = _final_hidden_states(model, inputs)[0]
+                logps, _ = lm_head_logprobs(model, hidden, sources, targets)
+                if train:
+                    (logps * weights).sum().backward()
+    return {"mask_s": mask_time}
+
+
+def tree_step(model, wl: Workload, budget: int, device, fallback_ratio: float | None = None) -> dict:
+    """The tree path; with `fallback_ratio`, batches sharing too little (token ratio above it) go flat_padded."""
+    t0 = time.perf_counter()
+    if fallback_ratio is not None and hf_tree_attn.tree_token_ratio(wl.sequences) > fallback_ratio:
+        decided = time.perf_counter() - t0
+        return {**flat_padded_step(model, wl, budget, device), "pack_s": decided, "mask_s": 0.0, "micro_batches": 0}
+    forests = hf_tree_attn.pack_forest(wl.sequences, max_tokens_per_mb=budget)
+    pack_time = time.perf_counter() - t0
+    prepared, mask_time = [], 0.0
+    for forest in forests:
+        rows = torch.cat([forest.positions(k)[wl.prompt_lengths[s] :] for k, s in enumerate(forest.seq_ids)])
+        # A row shared by several sequences carries the sum of their weights: the same loss as flat.
+        row_weights = torch.zeros(forest.seq_len).index_add_(
+            0, rows, torch.cat([wl.weights[s] for s in forest.seq_ids])
+        )
+        forest = forest.to(device)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        forest.block_mask(device)  # built once, reused by both forwards, every layer and the recompute
+        torch.cuda.synchronize()
+        mask_time += time.perf_counter() - t0
+        rows = torch.unique(rows)
+        prepared.append((forest, rows.to(device), row_weights[rows].to(device)))
+    for train in (False, True):
+        for forest, rows, weights in prepared:
+            with torch.set_grad_enabled(train):
+                table, _ = forest_logprobs(model, forest, rows=rows)
+                if train:
+                    (table[rows] * weights).sum().backward()
+    return {"pack_s": pack_time, "mask_s": mask_time, "micro_batches": len(forests)}
+
+
+METHODS = {"flat_padded": flat_padded_step, "flat_packed": flat_packed_step, "tree": tree_step}
+FALLBACK_RATIO = 0.9  # TreeGRPOConfig's default sharing threshold
+
+
+def time_method(fn, model, wl, budget, device, repeats: int) -> dict:
+    fn(model, wl, budget, device)  # warm-up: compiles, allocator
+    model.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times, extras = [], []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        extras.append(fn(model, wl, budget, device))
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        model.zero_grad(set_to_none=True)
+    out = {"time_s": statistics.median(times), "times_s": times, "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+    for key in extras[0]:
+        out[key] = statistics.median(e[key] for e in extras)
+    return out
+
+
+def grad_probe(model, fn, wl, budget, device) -> torch.Tensor:
+    """Gradients of a few parameters (first and last layer, embeddings) after one step of `fn`, flattened fp32."""
+    fn(model, wl, budget, device)
+    names = ("embed_tokens", "layers.0.self_attn.q_proj", f"layers.{model.config.num_hidden_layers - 1}.mlp.down_proj")
+    grads = [p.grad.float().flatten() for n, p in model.named_parameters() if any(k in n for k in names)]
+    model.zero_grad(set_to_none=True)
+    return torch.cat(grads)
+
+
+def build_model(name: str, device):
+    torch.manual_seed(0)
+    config = Qwen3Config(**MODELS[name], attention_dropout=0.0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="tree_flex", dtype=torch.bfloat16)
+    model.to(device).train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def recompile_check(model, budget, device, vocab) -> dict:
+    """Steps of varying lengths after warm-up: how many new dynamo graphs the tree path compiles."""
+    counters = torch._dynamo.utils.counters
+    rng = random.Random(7)
+    graphs = []
+    for _ in range(6):
+        wl = grpo_workload(rng, groups=rng.randint(2, 6), g=16, p=rng.randint(500, 2500), c=rng.randint(128, 700),
+                           vocab=vocab, vary=True)  # fmt: skip
+        tree_step(model, wl, budget, device)
+        model.zero_grad(set_to_none=True)
+        graphs.append(int(counters["stats"]["unique_graphs"]))
+    return {"unique_graphs_after_each_step": graphs, "new_graphs_after_step_2": graphs[-1] - graphs[1]}
+
+
+def e2e_step(model, device, vocab: int, g: int = 16, p: int = 4096, c: int = 512) -> dict:
+    """One GRPO step with generation: `model.generate` of G completions (KV cache, sdpa path) + the tree trainer
+    phase on the result. Random weights never emit EOS early, so every completion has `c` tokens."""
+    rng = random.Random(1)
+    prompt = torch.tensor([[rng.randrange(vocab) for _ in range(p)]], device=device).repeat(g, 1)
+    model.eval()
+    times = []
+    for _ in range(2):  # first call warms up
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(prompt, do_sample=True, max_new_tokens=c, min_new_tokens=c, pad_token_id=0)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    model.train()
+    wl = Workload("e2e", out.tolist(), [p] * g, {"G": g, "prompt": p, "completion": c})
+    trainer = time_method(tree_step, model, wl, 65536, device, repeats=2)["time_s"]
+    gen = times[-1]
+    return {"spec": wl.spec, "generate_s": gen, "trainer_phase_s": trainer, "trainer_share": trainer / (gen + trainer)}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=["qwen3-0.6b"], choices=list(MODELS))
+    parser.add_argument("--workloads", nargs="+", default=None, help="names to run (default: all)")
+    parser.add_argument("--max-tokens-per-mb", type=int, default=65536)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--scale", type=float, default=1.0, help="multiply the number of groups/conversations")
+    parser.add_argument("--recompile-check", action="store_true")
+    parser.add_argument("--e2e", action="store_true", help="also time one GRPO step with generation")
+    parser.add_argument("--out", default="benchmarks/results/tree_vs_flat.json")
+    args = parser.parse_args()
+
+    device = torch.device("cuda")
+    vocab = MODELS["qwen3-0.6b"]["vocab_size"]
+    rng = random.Random(0)
+    s = args.scale
+    workloads = [
+        grpo_workload(rng, max(1, round(8 * s)), 8, 1024, 1024, vocab),
+        grpo_workload(rng, max(1, round(8 * s)), 16, 2048, 256, vocab),
+        grpo_workload(rng, max(1, round(4 * s)), 16, 4096, 512, vocab),
+        grpo_workload(rng, max(1, round(8 * s)), 32, 1024, 128, vocab),
+        agent_workload(rng, max(1, round(2 * s)), vocab),
+        unshared_workload(rng, max(2, round(32 * s)), vocab),
+    ]
+    if args.workloads:
+        workloads = [w for w in workloads if w.name in args.workloads]
+
+    results = {
+        "command": "python " + " ".join(__import__("sys").argv),
+        "gpu": torch.cuda.get_device_name(),
+        "versions": {
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "python": platform.python_version(),
+        },  # fmt: skip
+        "max_tokens_per_mb": args.max_tokens_per_mb,
+        "runs": [],
+    }
+    print(f"{'model':<11} {'workload':<22} {'tok ceil':>8} {'flop ceil':>9} {'vs padded':>9} {'vs packed':>9} "
+          f"{'%ceil':>6} {'mem/flat':>8} {'pack+mask':>9} {'grad cos':>8}")  # fmt: skip
+    for name in args.models:
+        model = build_model(name, device)
+        for wl in workloads:
+            flops = hf_tree_attn.estimate_flops(model.config, wl.sequences, prompt_lengths=wl.prompt_lengths)
+            run = {"model": name, "model_config": MODELS[name], "workload": wl.name, "spec": wl.spec,
+                   "num_sequences": len(wl.sequences), "total_tokens": sum(map(len, wl.sequences)),
+                   "token_ceiling": 1 / flops["token_ratio"], "flop_ceiling": 1 / flops["flops_ratio"]}  # fmt: skip
+            probes = {}
+            methods = dict(METHODS)
+            if flops["token_ratio"] > FALLBACK_RATIO:  # what the trainer does: measure forced tree and the fallback
+                methods["tree_forced"] = tree_step
+                methods["tree"] = functools.partial(tree_step, fallback_ratio=FALLBACK_RATIO)
+            for method, fn in methods.items():
+                run[method] = time_method(fn, model, wl, args.max_tokens_per_mb, device, args.repeats)
+                probes[method] = grad_probe(model, fn, wl, args.max_tokens_per_mb, device)
+            for method in ("flat_packed", "tree"):  # same loss, same weights: gradients must agree (bf16 noise)
+                cos = torch.nn.functional.cosine_similarity(probes[method], probes["flat_padded"], dim=0)
+                run[method]["grad_cos_vs_flat_padded"] = cos.item()
+            del probes
+            best_flat = min(run["flat_padded"]["time_s"], run["flat_packed"]["time_s"])
+            tree = run["tree"]
+            run["speedup_vs_padded"] = run["flat_padded"]["time_s"] / tree["time_s"]
+            run["speedup_vs_packed"] = run["flat_packed"]["time_s"] / tree["time_s"]
+            run["speedup_vs_best_flat"] = best_flat / tree["time_s"]
+            run["pct_of_token_ceiling"] = 100 * run["speedup_vs_best_flat"] / run["token_ceiling"]
+            run["pct_of_flop_ceiling"] = 100 * run["speedup_vs_best_flat"] / run["flop_ceiling"]
+            best_flat_mem = min(run["flat_padded"]["peak_gib"], run["flat_packed"]["peak_gib"])
+            run["peak_memory_ratio"] = tree["peak_gib"] / best_flat_mem
+            run["pack_and_mask_share"] = (tree["pack_s"] + tree["mask_s"]) / tree["time_s"]
+            results["runs"].append(run)
+            print(f"{name:<11} {wl.name:<22} {run['token_ceiling']:>7.2f}x {run['flop_ceiling']:>8.2f}x "
+                  f"{run['speedup_vs_padded']:>8.2f}x {run['speedup_vs_packed']:>8.2f}x "
+                  f"{run['pct_of_token_ceiling']:>5.0f}% {run['peak_memory_ratio']:>8.2f} "
+                  f"{100 * run['pack_and_mask_share']:>8.1f}% {tree['grad_cos_vs_flat_padded']:>8.5f}",
+                  flush=True)  # fmt: skip
+            with open(args.out, "w") as f:
+                json.dump(results, f, indent=1)
+        if args.e2e:
+            results.setdefault("e2e", {})[name] = e2e_step(model, device, vocab)
+            print("end-to-end GRPO step:", results["e2e"][name], flush=True)
+        if args.recompile_check:
+            results["recompile_check"] = recompile_check(model, args.max_tokens_per_mb, device, vocab)
+            print("recompile check:", results["recompile_check"])
+        del model
+        torch.cuda.empty_cache()
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

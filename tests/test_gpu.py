@@ -1,0 +1,129 @@
+"""The FlexAttention path on CUDA against the dense path and the per-sequence flat forward (run on an H200).
+
+`pytest -m gpu tests/test_gpu.py` — skipped without CUDA (CI).
+"""
+
+import copy
+import random
+
+import pytest
+import torch
+from torch.nn.attention.flex_attention import create_mask
+from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig, Qwen3Config
+
+import hf_tree_attn
+from hf_tree_attn.logprobs import forest_logprobs, gather_sequences
+
+pytestmark = pytest.mark.gpu
+
+CONFIGS = {
+    "qwen3": Qwen3Config(
+        hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, vocab_size=256,
+    ),
+    "llama": LlamaConfig(
+        hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=1, vocab_size=256,
+    ),
+    "gemma2": Gemma2Config(
+        hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, vocab_size=256, sliding_window=4096,
+    ),
+}  # fmt: skip
+
+# dtype -> (atol on per-token logprobs vs the fp32 flat forward, min grad cosine)
+TOLERANCES = {
+    torch.float32: (2e-4, 0.99999),  # flex fp32 on H100/H200 runs its dots in tf32-like precision
+    torch.bfloat16: (6e-2, 0.995),
+}
+
+
+def _forest_sequences(seed: int, groups: int = 3, group_size: int = 5) -> list[list[int]]:
+    """GRPO-like groups crossing 128-token blocks, plus duplicates, a prefix-of-another and 1-token sequences."""
+    rng = random.Random(seed)
+    seqs = []
+    for _ in range(groups):
+        prompt = [rng.randrange(1, 256) for _ in range(rng.randrange(100, 300))]
+        for _ in range(group_size):
+            seqs.append(prompt + [rng.randrange(1, 256) for _ in range(rng.randrange(1, 200))])
+        seqs.append(list(seqs[-1]))  # identical
+        seqs.append(prompt[: rng.randrange(1, len(prompt))])  # a prefix of the others
+    seqs += [[7], [9]]
+    return seqs
+
+
+def _models(name: str, dtype: torch.dtype):
+    torch.manual_seed(0)
+    tree = AutoModelForCausalLM.from_config(copy.deepcopy(CONFIGS[name]), attn_implementation="tree_flex")
+    flat = AutoModelForCausalLM.from_config(copy.deepcopy(CONFIGS[name]), attn_implementation="eager")
+    flat.load_state_dict(tree.state_dict())
+    return tree.to("cuda", dtype), flat.to("cuda", torch.float32)
+
+
+def _flat_logprobs(model, seqs):
+    out = []
+    for s in seqs:
+        ids = torch.tensor([s], device="cuda")
+        logits = model(ids).logits[0].float().log_softmax(-1)
+        out.append(logits[:-1].gather(1, ids[0, 1:, None])[:, 0])
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_flex_tree_matches_flat_forward_and_backward(name, dtype):
+    atol, min_cos = TOLERANCES[dtype]
+    tree_model, flat_model = _models(name, dtype)
+    seqs = _forest_sequences(seed=1)
+    weights = [torch.randn(max(len(s) - 1, 0), device="cuda") for s in seqs]
+
+    tree_lp = hf_tree_attn.sequence_logprobs(tree_model, seqs, max_tokens_per_mb=1024)
+    flat_lp = _flat_logprobs(flat_model, seqs)
+    for t, f in zip(tree_lp, flat_lp):
+        torch.testing.assert_close(t, f, atol=atol, rtol=0)
+
+    sum(((t * w).sum() for t, w in zip(tree_lp, weights))).backward()
+    sum(((f * w).sum() for f, w in zip(flat_lp, weights))).backward()
+    flat_params = dict(flat_model.named_parameters())
+    for pname, p in tree_model.named_parameters():
+        g, ref = p.grad.float().flatten(), flat_params[pname].grad.flatten()
+        cos = torch.nn.functional.cosine_similarity(g, ref, dim=0).item()
+        assert cos >= min_cos, f"{pname}: grad cosine {cos}"
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_flex_equals_dense_mask_path_on_gpu(name):
+    """Same forest, same GPU, BlockMask+FlexAttention vs dense bool mask+SDPA/eager, fp32."""
+    tree_model, _ = _models(name, torch.float32)
+    forest = hf_tree_attn.pack_forest(_forest_sequences(seed=2))[0].to("cuda")
+    flex_table, flex_ent = forest_logprobs(tree_model, forest, return_entropy=True)
+
+    dense = forest.dense_mask("cuda")
+    forest.block_mask = lambda device=None: dense  # route the same forest through the dense path
+    dense_table, dense_ent = forest_logprobs(tree_model, forest, return_entropy=True)
+    torch.testing.assert_close(flex_table, dense_table, atol=2e-4, rtol=0)
+    torch.testing.assert_close(flex_ent, dense_ent, atol=2e-4, rtol=0)
+    assert len(gather_sequences(forest, flex_table)) == len(forest.seq_ids)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_block_mask_equals_dense_mask_token_level(seed):
+    forest = hf_tree_attn.pack_forest(_forest_sequences(seed, groups=6, group_size=8))[0].to("cuda")
+    bm = forest.block_mask("cuda")
+    dense = forest.dense_mask("cuda")
+    seq_len = forest.seq_len
+    assert torch.equal(create_mask(bm.mask_mod, 1, 1, seq_len, seq_len, device="cuda"), dense)
+
+    # Block structure: a block is listed iff it holds an allowed pair; "full" blocks hold only allowed pairs.
+    blocks = seq_len // 128
+    per_block = dense[0, 0].reshape(blocks, 128, blocks, 128)
+    any_allowed, all_allowed = per_block.any(dim=(1, 3)), per_block.all(dim=(1, 3))
+    listed = torch.zeros(blocks, blocks, dtype=torch.bool, device="cuda")
+    full = torch.zeros_like(listed)
+    for q in range(blocks):
+        n = bm.kv_num_blocks[0, 0, q]
+        listed[q, bm.kv_indices[0, 0, q, :n]] = True
+        nf = bm.full_kv_num_blocks[0, 0, q]
+        full[q, bm.full_kv_indices[0, 0, q, :nf]] = True
+    assert torch.equal(listed | full, any_allowed)
+    assert torch.equal(full, all_allowed)
