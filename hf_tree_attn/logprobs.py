@@ -29,7 +29,8 @@ __all__ = [
     "unwrap_model",
 ]
 
-_LOGITS_CHUNK_BYTES = 1 << 30  # fp32 logits held per chunk
+_LOGITS_CHUNK_BYTES = 1 << 30  # fp32 logits held per chunk (torch fallback)
+_FUSED_VOCAB_CHUNK = 32768  # vocab tile of TRL's kernel, as TRL's own fused LM head uses
 
 # Config fields of layer kinds whose state is not per-token attention: a tree would silently mix branches.
 _UNSUPPORTED_LAYER_TYPES = ("linear_attention", "mamba", "conv", "recurrent", "ssm", "gated_deltanet")
@@ -117,6 +118,15 @@ def _lm_head_params(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor 
     return weight, bias
 
 
+def _fused_lm_head():
+    """TRL's chunked log-prob autograd function (the one its flat GRPO trainer uses), or None without trl."""
+    try:
+        from trl.kernels import ChunkedLogProbFunction
+    except ImportError:
+        return None
+    return ChunkedLogProbFunction
+
+
 def _head_chunk(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -158,7 +168,8 @@ def forest_logprobs(
             parent (roots, padding) score 0.
         temperature: logits are divided by it (as TRL does for the sampling temperature).
         return_entropy: also return the entropy of the distribution that predicts each scored row.
-        chunk_rows: LM-head rows per chunk; default keeps each fp32 logits chunk under 1 GiB.
+        chunk_rows: rows per chunk of the plain-torch LM head; default (None) uses TRL's fused chunked kernel
+            when trl is installed (see `lm_head_logprobs`).
 
     Returns:
         `(logps, entropy)`, each `(S,)` float32 indexed by row (0 at unscored rows); `entropy` is None unless
@@ -203,7 +214,9 @@ def lm_head_logprobs(
         hidden: `(N, hidden)` final hidden states.
         sources: `(E,)` long — row of `hidden` that predicts each target; repeated rows are computed once.
         targets: `(E,)` long — token ids to score.
-        temperature, return_entropy, chunk_rows: as in `forest_logprobs`.
+        temperature, return_entropy: as in `forest_logprobs`.
+        chunk_rows: rows per chunk of the plain-torch head. Default (None) uses TRL's fused chunked kernel when
+            trl is installed (Triton on CUDA), else the torch head with chunks of at most 1 GiB of fp32 logits.
 
     Returns:
         `(logps, entropy)`: `(E,)` float32 each (`entropy` None unless requested), differentiable w.r.t. `hidden`
@@ -211,6 +224,16 @@ def lm_head_logprobs(
     """
     weight, bias = _lm_head_params(model)
     softcap = getattr(unwrap_model(model).config, "final_logit_softcapping", None)
+    fused = _fused_lm_head() if chunk_rows is None else None
+    if fused is not None:
+        # TRL's kernel scores one target per row: a branching parent row is repeated once per child (E rows, barely
+        # more than the unique parents); its vocab-tiled, Triton-folded passes beat our fp32 chunks on CUDA.
+        logps, entropy, *_ = fused.apply(
+            hidden[sources], weight, bias, targets, temperature, _FUSED_VOCAB_CHUNK, softcap, 1.0,
+            ("entropy",) if return_entropy else (),
+        )  # fmt: skip
+        return logps.float(), (entropy.float() if return_entropy else None)
+
     device = hidden.device
     uniq, owner = torch.unique(sources, return_inverse=True)  # uniq sorted: each chunk's owners are contiguous
     order = torch.argsort(owner, stable=True)
