@@ -4,6 +4,7 @@
 """
 
 from .attention import ATTN_IMPLEMENTATION, register, tree_flex_attention
+from .collator import TreeDataCollator, TreeMicroBatch
 from .logprobs import check_tree_model, forest_logprobs, gather_sequences, pad_sequences, sequence_logprobs
 from .metrics import estimate_flops
 from .tree import PackedForest, pack_forest, tree_token_ratio
@@ -15,6 +16,8 @@ __version__ = "0.1.0"
 __all__ = [
     "ATTN_IMPLEMENTATION",
     "PackedForest",
+    "TreeDataCollator",
+    "TreeMicroBatch",
     "check_tree_model",
     "estimate_flops",
     "forest_logprobs",

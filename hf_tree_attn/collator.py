@@ -1,0 +1,252 @@
+"""`TreeDataCollator`: HF-style features → packed micro-batches that go straight into `model(**mb)`.
+
+Each feature is one sequence (`input_ids`) plus any per-token fields (`completion_mask`, `labels`, advantages,
+…). The collator strips padding, packs the sequences with `pack_forest` (no second packing implementation) and
+returns one `TreeMicroBatch` per forest. A micro-batch is a `dict` holding *only* model inputs, so `model(**mb)`
+works; everything needed to map results back to the original rows hangs off it as attributes.
+
+Per-token values live in the **expanded layout**: one entry per token of every packed sequence, concatenated in
+`mb.seq_ids` order — exactly the order of `mb.forest.seq_positions`, so entry `e` is the token at trie row
+`mb.positions[e]` of sequence `mb.seq_index[e]`. Two sequences that share a trie row can carry different values at
+that token (their advantages, their loss masks), which is why such values are never stored per row. For the tiny
+example of `hf_tree_attn.tree` (`[[5, 6, 7, 8], [5, 6, 9]]`, no padding)::
+
+    expanded entry e   0  1  2  3 | 4  5  6
+    seq_index          0  0  0  0 | 1  1  1
+    token_index        0  1  2  3 | 0  1  2
+    positions (row)    0  1  2  3 | 0  1  4      rows 0 and 1 appear twice: shared prefix, computed once
+
+Per-row model outputs come back per token with `mb.gather(table)` (`table[..., positions]`) and per original row
+with `mb.unpack(values)` / `TreeDataCollator.unpack(micro_batches, values)`.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from .tree import PackedForest, pack_forest
+
+__all__ = ["TreeDataCollator", "TreeMicroBatch"]
+
+
+class TreeMicroBatch(dict):
+    """Model inputs of one packed forest, plus the map back to the original rows.
+
+    Keys (all `model(**mb)` inputs): `input_ids` `(1, S)` long, `position_ids` `(1, S)` long (depth),
+    `attention_mask` (a `BlockMask` on CUDA, a `(1, 1, S, S)` bool tensor elsewhere), `tree_max_depth` (int, for
+    sliding-window layers) and `use_cache=False`. `labels` is never a key: the model's own shifted loss would read
+    the DFS row as one sequence. Use `mb.fields["labels"]` with `mb.forest.parent` instead.
+
+    Attributes:
+        forest: the `PackedForest`.
+        seq_ids: indices into the collated features of the sequences packed here, increasing.
+        fields: name → `(N,)` tensor in the expanded layout (`N = forest.num_original_tokens`).
+        seq_fields: name → list (one value per sequence, `seq_ids` order) of per-sequence values that are not
+            numbers (strings, nested lists, …).
+
+    The mask is built where the collator runs: a `BlockMask` is not a tensor, so `Trainer` / `accelerate` cannot move
+    it. Move a micro-batch with `mb.to(device)`, which keeps the attributes and rebuilds the mask there.
+    """
+
+    def __init__(
+        self,
+        data: Mapping[str, Any] | None = None,
+        *,
+        forest: PackedForest | None = None,
+        fields: dict[str, torch.Tensor] | None = None,
+        seq_fields: dict[str, list] | None = None,
+    ):
+        super().__init__(data or {})
+        self.forest = forest
+        self.seq_ids = list(forest.seq_ids) if forest is not None else []
+        self.fields = fields or {}
+        self.seq_fields = seq_fields or {}
+
+    @classmethod
+    def from_forest(
+        cls,
+        forest: PackedForest,
+        device: torch.device | str | None = None,
+        fields: dict[str, torch.Tensor] | None = None,
+        seq_fields: dict[str, list] | None = None,
+    ) -> TreeMicroBatch:
+        """The micro-batch of `forest` with its tensors and mask on `device` (default: the forest's device)."""
+        device = torch.device(device) if device is not None else forest.input_ids.device
+        forest = forest.to(device)
+        inputs = {
+            "input_ids": forest.input_ids,
+            "position_ids": forest.position_ids,
+            "attention_mask": forest.attention_mask(device),
+            "tree_max_depth": forest.max_depth,
+            "use_cache": False,
+        }
+        fields = {name: value.to(device) for name, value in (fields or {}).items()}
+        return cls(inputs, forest=forest, fields=fields, seq_fields=seq_fields)
+
+    def to(self, device: torch.device | str) -> TreeMicroBatch:
+        """Copy on `device` (attributes kept, mask rebuilt there)."""
+        return type(self).from_forest(self.forest, device, self.fields, self.seq_fields)
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """`(N,)` long — trie row of every expanded entry."""
+        return self.forest.seq_positions
+
+    @property
+    def lengths(self) -> list[int]:
+        """Token count of each packed sequence, `seq_ids` order."""
+        return self.forest.seq_offsets.diff().tolist()
+
+    @property
+    def seq_index(self) -> torch.Tensor:
+        """`(N,)` long — original row (index into the collated features) of every expanded entry."""
+        ids = torch.tensor(self.seq_ids, dtype=torch.long, device=self.positions.device)
+        return ids.repeat_interleave(self.forest.seq_offsets.diff().to(ids.device))
+
+    @property
+    def token_index(self) -> torch.Tensor:
+        """`(N,)` long — index of every expanded entry inside its own sequence (= its `position_ids` depth)."""
+        offsets = self.forest.seq_offsets.to(self.positions.device)
+        starts = offsets[:-1].repeat_interleave(offsets.diff())
+        return torch.arange(len(self.positions), device=self.positions.device) - starts
+
+    def gather(self, table: torch.Tensor) -> torch.Tensor:
+        """Per-row values `(..., S)` → per-token values `(..., N)` in the expanded layout (differentiable)."""
+        return table[..., self.positions.to(table.device)]
+
+    def unpack(self, values: torch.Tensor | str) -> list[torch.Tensor]:
+        """Expanded-layout values `(N, ...)` (or a field name) → one tensor per packed sequence, `seq_ids` order."""
+        if isinstance(values, str):
+            values = self.fields[values]
+        if values.shape[0] != len(self.positions):
+            raise ValueError(
+                f"values has {values.shape[0]} entries but this micro-batch has {len(self.positions)} tokens; pass "
+                "values in the expanded layout (e.g. `mb.gather(per_row_table)`)."
+            )
+        return list(torch.split(values, self.lengths))
+
+
+def _is_scalar(value: Any) -> bool:
+    return isinstance(value, (numbers.Number, np.generic)) or (isinstance(value, torch.Tensor) and value.ndim == 0)
+
+
+def _length(value: Any) -> int | None:
+    if isinstance(value, (torch.Tensor, np.ndarray)):
+        return value.shape[0] if value.ndim >= 1 else None
+    if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+        return len(value)
+    return None
+
+
+class TreeDataCollator:
+    """Collate features into packed prefix-tree micro-batches (a list of `TreeMicroBatch`).
+
+    Args:
+        max_tokens_per_mb: most padded tokens in one micro-batch (a multiple of `pad_multiple`); `None` packs all
+            features into one micro-batch.
+        pad_multiple: each packed row is padded to a multiple of this (FlexAttention's block size, 128).
+        device: where the tensors and the attention mask are built (`BlockMask` on CUDA, dense bool mask
+            elsewhere); default CPU.
+
+    A feature is a mapping with `input_ids` (list / 1-D tensor) and optionally:
+
+    - `attention_mask` — tokens where it is 0 are padding and are dropped (with every per-token field);
+    - per-token fields — any other key whose value has as many entries as `input_ids` (`labels`,
+      `completion_mask`, per-token advantages, …): kept per token in the expanded layout (`mb.fields`);
+    - per-sequence numbers (an advantage as a float, a reward): broadcast to every token of their sequence, so
+      all numeric fields share the expanded layout;
+    - anything else (strings, lists of another length): kept per sequence in `mb.seq_fields`.
+
+    Every feature must carry the same keys. Micro-batches come in `pack_forest` order (largest first); each
+    sequence lands in exactly one of them.
+    """
+
+    def __init__(
+        self,
+        max_tokens_per_mb: int | None = None,
+        pad_multiple: int = 128,
+        device: torch.device | str | None = None,
+    ):
+        self.max_tokens_per_mb = max_tokens_per_mb
+        self.pad_multiple = pad_multiple
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+
+    def __call__(self, features: Sequence[Mapping[str, Any]]) -> list[TreeMicroBatch]:
+        if len(features) == 0:
+            raise ValueError("features is empty; pass at least one feature with `input_ids`.")
+        keys = list(features[0].keys())
+        for i, feature in enumerate(features):
+            if "input_ids" not in feature:
+                raise KeyError(f"features[{i}] has no 'input_ids' (keys: {sorted(feature)}).")
+            if set(feature) != set(keys):
+                raise ValueError(
+                    f"features[{i}] has keys {sorted(feature)}, features[0] has {sorted(keys)}; every feature needs "
+                    "the same fields."
+                )
+
+        sequences, per_token, per_sequence = [], {}, {}
+        for i, feature in enumerate(features):
+            ids = torch.as_tensor(feature["input_ids"], dtype=torch.long)
+            full_len = ids.shape[0] if ids.ndim == 1 else -1
+            if ids.ndim != 1:
+                raise ValueError(f"features[{i}]['input_ids'] has shape {tuple(ids.shape)}; it must be 1-D.")
+            keep = None
+            if "attention_mask" in feature:
+                keep = torch.as_tensor(feature["attention_mask"]).bool()
+                if keep.shape != ids.shape:
+                    raise ValueError(
+                        f"features[{i}]['attention_mask'] has shape {tuple(keep.shape)}, input_ids "
+                        f"{tuple(ids.shape)}; they must match."
+                    )
+                ids = ids[keep]
+            sequences.append(ids)
+            for name in keys:
+                if name in ("input_ids", "attention_mask"):
+                    continue
+                value = feature[name]
+                if _length(value) == full_len:
+                    tensor = torch.as_tensor(value)
+                    per_token.setdefault(name, []).append(tensor[keep] if keep is not None else tensor)
+                elif _is_scalar(value):
+                    per_token.setdefault(name, []).append(torch.as_tensor(value).expand(len(ids)))
+                else:
+                    per_sequence.setdefault(name, []).append(value)
+
+        for name, values in per_token.items():
+            if len(values) != len(sequences):
+                raise ValueError(
+                    f"Field {name!r} is per-token or numeric in some features and not in others; make it one or "
+                    "the other in every feature."
+                )
+        forests = pack_forest(sequences, max_tokens_per_mb=self.max_tokens_per_mb, pad_multiple=self.pad_multiple)
+        micro_batches = []
+        for forest in forests:
+            fields = {name: torch.cat([values[i] for i in forest.seq_ids]) for name, values in per_token.items()}
+            seq_fields = {name: [values[i] for i in forest.seq_ids] for name, values in per_sequence.items()}
+            micro_batches.append(TreeMicroBatch.from_forest(forest, self.device, fields, seq_fields))
+        return micro_batches
+
+    @staticmethod
+    def unpack(micro_batches: Sequence[TreeMicroBatch], values: Sequence[torch.Tensor] | str) -> list[torch.Tensor]:
+        """Expanded-layout values of every micro-batch (or a field name) → one tensor per original feature row.
+
+        Args:
+            micro_batches: what `__call__` returned, in its order.
+            values: one `(N_mb, ...)` tensor per micro-batch (e.g. `mb.gather(table)`), or the name of a field.
+
+        Returns:
+            `out[i]` holds the values of feature `i`'s tokens (padding dropped), in token order.
+        """
+        if isinstance(values, str):
+            values = [mb.fields[values] for mb in micro_batches]
+        if len(values) != len(micro_batches):
+            raise ValueError(f"Got {len(values)} value tensors for {len(micro_batches)} micro-batches.")
+        out: dict[int, torch.Tensor] = {}
+        for mb, mb_values in zip(micro_batches, values):
+            out.update(zip(mb.seq_ids, mb.unpack(mb_values)))
+        return [out[i] for i in range(len(out))]
