@@ -116,3 +116,25 @@ def test_score_shared_prefix():
     # The check is live: an impossible tolerance must fail the run.
     failing = run_example("examples/score_shared_prefix.py", *args, "--atol", "-1")
     assert failing.returncode == 1 and "FAIL" in failing.stdout
+
+
+@pytest.mark.slow
+def test_multi_turn_agent():
+    args = ("--conversations", "2", "--turns", "3", "--steps", "3", "--max_tokens_per_mb", "1024")
+    result = run_example("examples/multi_turn_agent.py", *args)
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert "12 samples (2 conversations x 3 turns x 2 responses)" in out
+    flat_tokens, flat_rows = map(int, re.search(r"flat: (\d+) tokens in (\d+) rows", out).groups())
+    tree_tokens, num_mbs, tree_padded = map(
+        int, re.search(r"tree: (\d+) unique tokens in (\d+) micro-batches \((\d+) padded", out).groups()
+    )
+    assert flat_rows == 12 and tree_tokens < flat_tokens / 2  # the system prompt and histories are shared
+    assert tree_padded % 128 == 0 and tree_padded <= num_mbs * 1024 and tree_padded - tree_tokens < num_mbs * 128
+    ratio_all, ratio_packed = map(
+        float, re.search(r"ratio = ([\d.]+) over all samples, ([\d.]+) as packed", out).groups()
+    )
+    assert ratio_all <= ratio_packed == pytest.approx(tree_tokens / flat_tokens, abs=1e-3)
+    losses = [float(v) for v in re.findall(r"^step \d+: loss ([\d.]+)$", out, flags=re.M)]
+    assert len(losses) == 3 and losses[-1] < losses[0]
+    assert re.search(r"step 0 vs plain per-sample forwards: .*: OK", out)
