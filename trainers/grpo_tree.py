@@ -191,6 +191,7 @@ class TreeGRPOTrainer(GRPOTrainer):
         self._tree_cache.clear()
         return self._generate_and_score_completions(generation_batch)
 
+    @profiling_decorator
     def _get_per_token_logps_and_entropies(
         self,
         model,

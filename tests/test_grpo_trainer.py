@@ -1,0 +1,316 @@
+"""TreeGRPOTrainer against trl.GRPOTrainer's flat computation, on a fixed batch, in fp32.
+
+The oracle is TRL itself: the same tiny model is loaded twice from disk (`tree_flex` for the tree trainer, `sdpa`
+for the flat one), both trainers get the same hand-built `inputs` (shared prompts, groups, duplicate and
+branching completions, a fully masked completion), and loss and every parameter gradient must agree.
+"""
+
+import hashlib
+import inspect
+import re
+
+import pytest
+import torch
+from trl import GRPOConfig, GRPOTrainer
+
+from trainers import toy_task
+from trainers.grpo_tree import TreeGRPOConfig, TreeGRPOTrainer
+
+# Tolerances by dtype: the tree and flat forwards are the same math in a different order.
+TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5)}
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo")
+NUM_GENERATIONS, COMPLETION_LEN = 4, 6
+PREFIX = "rules: answer with the last letter of the request.\n"
+PROMPTS = [PREFIX + "id 1. letter: a", PREFIX + "id 22. letter: b"]
+# Per prompt, NUM_GENERATIONS completions: (text, ends with eos, completion masked out). Duplicates, shared
+# completion prefixes, a truncated one and one fully masked (mask_truncated_completions) on purpose.
+COMPLETIONS = [
+    ("aaa", True, False),
+    ("aabab", False, False),
+    ("aaa", True, False),
+    ("b", True, False),
+    ("bbbbbb", False, False),
+    ("ba", True, False),
+    ("cccccc", False, True),
+    ("bbbbb", True, False),
+]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A saved tiny Qwen3 + char tokenizer: TRL builds the (non-PEFT) reference model from the path."""
+    tokenizer = toy_task.build_tokenizer()
+    model = toy_task.build_model(tokenizer, seed=0)
+    path = tmp_path_factory.mktemp("tiny_qwen3")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path), tokenizer
+
+
+def _config(cls, tmp_path, **overrides):
+    kwargs = dict(
+        output_dir=str(tmp_path / cls.__name__),
+        use_cpu=True,
+        bf16=False,
+        per_device_train_batch_size=len(COMPLETIONS),
+        num_generations=NUM_GENERATIONS,
+        max_completion_length=COMPLETION_LEN,
+        report_to="none",
+        save_strategy="no",
+        model_init_kwargs={"dtype": torch.float32},
+    )
+    kwargs.update(overrides)
+    return cls(**kwargs)
+
+
+def _pair(tiny, tmp_path, **overrides):
+    """(tree trainer, flat trainer) on two loads of the same weights, gradient checkpointing on, train mode."""
+    path, tokenizer = tiny
+    dataset = toy_task.build_dataset(8)
+    trainers = []
+    for trainer_cls, config_cls in ((TreeGRPOTrainer, TreeGRPOConfig), (GRPOTrainer, GRPOConfig)):
+        fields = config_cls.__dataclass_fields__
+        args = _config(config_cls, tmp_path, **{k: v for k, v in overrides.items() if k in fields})
+        trainer = trainer_cls(
+            path, toy_task.copy_letter_reward, args, train_dataset=dataset, processing_class=tokenizer
+        )  # fmt: skip
+        model = trainer.model
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.19
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        trainer.current_gradient_accumulation_steps = 1
+        trainers.append(trainer)
+    assert trainers[0].model.config._attn_implementation == "tree_flex"
+    assert trainers[1].model.config._attn_implementation == "sdpa"
+    return trainers
+
+
+def _batch(tokenizer):
+    """TRL's padded layout: left-padded prompts `(B, P)`, right-padded completions `(B, C)`."""
+    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS for _ in range(NUM_GENERATIONS)]
+    width = max(map(len, prompts))
+    prompt_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    prompt_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    completion_ids = torch.full((len(COMPLETIONS), COMPLETION_LEN), pad)
+    completion_mask = torch.zeros_like(completion_ids)
+    for b, (text, ends, masked) in enumerate(COMPLETIONS):
+        ids = tokenizer(text)["input_ids"] + ([eos] if ends else [])
+        completion_ids[b, : len(ids)] = torch.tensor(ids)
+        completion_mask[b, : len(ids)] = 0 if masked else 1
+    return prompt_ids, prompt_mask, completion_ids, completion_mask
+
+
+def _inputs(tree, flat, tokenizer, beta, num_iterations):
+    prompt_ids, prompt_mask, completion_ids, completion_mask = _batch(tokenizer)
+    inputs = {
+        "prompt_ids": prompt_ids,
+        "prompt_mask": prompt_mask,
+        "completion_ids": completion_ids,
+        "completion_mask": completion_mask,
+        "advantages": torch.tensor([1.0, -0.5, 0.3, -0.8, 0.9, -1.2, 0.0, 0.4]),
+        "num_items_in_batch": completion_mask.sum(),
+    }
+    ids, mask = torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, completion_mask], 1)
+    with torch.no_grad():
+        current, _, _ = flat._get_per_token_logps_and_entropies(flat.model, ids, mask, COMPLETION_LEN)
+    gen = torch.Generator().manual_seed(0)
+    noise = lambda scale: scale * torch.randn(current.shape, generator=gen) * completion_mask  # noqa: E731
+    if num_iterations > 1:  # the policy moved since sampling: ratios away from 1, some clipped (epsilon=0.2)
+        inputs["old_per_token_logps"] = current + noise(0.3)
+    if beta:
+        inputs["ref_per_token_logps"] = current + noise(0.1)
+    return inputs
+
+
+def _loss_and_grads(trainer, inputs):
+    trainer.model.zero_grad(set_to_none=True)
+    loss = trainer.compute_loss(trainer.model, inputs)
+    loss.backward()
+    grads = {name: p.grad.clone() for name, p in trainer.model.named_parameters() if p.grad is not None}
+    return loss.detach(), grads
+
+
+def _assert_same(tree_result, flat_result):
+    (tree_loss, tree_grads), (flat_loss, flat_grads) = tree_result, flat_result
+    torch.testing.assert_close(tree_loss, flat_loss, **TOLERANCE[torch.float32])
+    assert tree_grads.keys() == flat_grads.keys() and len(flat_grads) > 0
+    for name, grad in flat_grads.items():
+        torch.testing.assert_close(tree_grads[name], grad, **TOLERANCE[torch.float32], msg=name)
+    assert any(g.abs().max() > 0 for g in flat_grads.values())
+
+
+def test_loss_types_are_all_of_trls():
+    """A TRL upgrade that adds a loss type must add it to the equality test."""
+    help_text = GRPOConfig.__dataclass_fields__["loss_type"].metadata["help"]
+    supported = re.search(r"Supported values are (.*?)\. ", help_text).group(1)
+    assert set(re.findall(r"'(\w+)'", supported)) == set(LOSS_TYPES)
+
+
+@pytest.mark.parametrize("num_iterations", [1, 2])
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_loss_and_grads_match_flat_trainer(tiny, tmp_path, loss_type, beta, num_iterations):
+    overrides = dict(loss_type=loss_type, beta=beta, num_iterations=num_iterations)
+    if loss_type == "luspo":
+        overrides["importance_sampling_level"] = "sequence"  # LUSPO's intended setup (a GSPO variant)
+    tree, flat = _pair(tiny, tmp_path, **overrides)
+    inputs = _inputs(tree, flat, tiny[1], beta, num_iterations)
+    _assert_same(_loss_and_grads(tree, inputs), _loss_and_grads(flat, inputs))
+    assert tree._metrics["train"]["tree_fallback"] == [0.0]
+    assert tree._metrics["train"]["tree_token_ratio"][0] < 0.6
+
+    if num_iterations > 1:  # second pass over the same micro-batch after an update: the cached forest again
+        with torch.no_grad():
+            for (_, p_tree), (_, p_flat) in zip(tree.model.named_parameters(), flat.model.named_parameters()):
+                step = 1e-2 * torch.sign(p_flat.grad) if p_flat.grad is not None else 0.0
+                p_tree.add_(step)
+                p_flat.add_(step)
+        _assert_same(_loss_and_grads(tree, inputs), _loss_and_grads(flat, inputs))
+        assert len(tree._metrics["train"]["tree_token_ratio"]) == 1  # the forest was built once
+
+
+def test_entropy_bonus_gradient_matches(tiny, tmp_path):
+    """The entropy bonus back-propagates through the tree entropies."""
+    tree, flat = _pair(tiny, tmp_path, entropy_coef=0.05)
+    inputs = _inputs(tree, flat, tiny[1], beta=0.0, num_iterations=1)
+    _assert_same(_loss_and_grads(tree, inputs), _loss_and_grads(flat, inputs))
+
+
+class _CountingCollator:
+    def __init__(self, collator):
+        self.collator, self.calls = collator, 0
+
+    def __call__(self, features):
+        self.calls += 1
+        return self.collator(features)
+
+
+def test_old_and_ref_logps_match_flat_and_reuse_the_forests(tiny, tmp_path):
+    """TRL's no-grad calls (old policy, reference model) in chunks of `batch_size` rows, as in generation."""
+    tree, flat = _pair(tiny, tmp_path, beta=0.04)
+    tree._tree_collator = counter = _CountingCollator(tree._tree_collator)
+    prompt_ids, prompt_mask, completion_ids, completion_mask = _batch(tiny[1])
+    ids, mask = torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, completion_mask], 1)
+    with torch.no_grad():
+        for which in ("model", "ref_model", "model"):
+            kwargs = dict(batch_size=NUM_GENERATIONS, compute_entropy=which == "model")  # TRL's ref head: logps only
+            tree_out = tree._get_per_token_logps_and_entropies(
+                getattr(tree, which), ids, mask, COMPLETION_LEN, **kwargs
+            )
+            flat_out = flat._get_per_token_logps_and_entropies(
+                getattr(flat, which), ids, mask, COMPLETION_LEN, **kwargs
+            )
+            for t, f in zip(tree_out[:2], flat_out[:2]):
+                if f is None:
+                    assert t is None
+                else:
+                    torch.testing.assert_close(t, f, **TOLERANCE[torch.float32])
+            assert tree_out[2] is None
+            assert (tree_out[0][completion_mask == 0] == 0).all()
+    assert counter.calls == 2  # two chunks, packed once, reused by the reference and policy forwards
+    assert set(tree._metrics["train"]["tree_fallback"]) == {0.0}
+
+
+def test_little_sharing_falls_back_to_the_flat_path(tiny, tmp_path):
+    tree, flat = _pair(tiny, tmp_path, tree_max_token_ratio=0.05)
+    inputs = _inputs(tree, flat, tiny[1], beta=0.0, num_iterations=1)
+    _assert_same(_loss_and_grads(tree, inputs), _loss_and_grads(flat, inputs))
+    assert tree._metrics["train"]["tree_fallback"] == [1.0]
+
+
+def test_training_keeps_groups_together_and_builds_each_forest_once(tiny, tmp_path):
+    """Through TRL's real loop: old + ref + 2 policy passes per micro-batch hit one forest; groups stay whole."""
+    path, tokenizer = tiny
+    args = _config(
+        TreeGRPOConfig, tmp_path, beta=0.04, num_iterations=2, gradient_accumulation_steps=2,
+        max_completion_length=4, max_steps=2, logging_steps=1, learning_rate=1e-3,
+    )  # fmt: skip
+    trainer = TreeGRPOTrainer(
+        path, toy_task.copy_letter_reward, args, train_dataset=toy_task.build_dataset(64), processing_class=tokenizer
+    )
+    trainer._tree_collator = counter = _CountingCollator(trainer._tree_collator)
+    trainer.train()
+    # 2 optimizer steps x 2 accumulation = 4 micro-steps = one generation (steps_per_generation=2, 2 iterations).
+    assert counter.calls == args.steps_per_generation == 2
+    for micro_batch in trainer._buffered_inputs:
+        groups = micro_batch["prompt_ids"].view(-1, NUM_GENERATIONS, micro_batch["prompt_ids"].shape[1])
+        assert (groups == groups[:, :1]).all()
+    logs = [entry for entry in trainer.state.log_history if "tree_token_ratio" in entry]
+    assert logs and all(entry["tree_token_ratio"] < 0.6 and entry["tree_fallback"] == 0 for entry in logs)
+    assert all("tree_flops_saved" in entry and "reward" in entry for entry in logs)
+
+
+def test_overridden_hooks_are_pinned_to_trl():
+    """Fail loudly on a TRL upgrade: same parameters, and `_prepare_inputs` (whose body we mirror) unchanged."""
+
+    def params(fn):
+        return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
+
+    for name in ("_get_per_token_logps_and_entropies", "_prepare_inputs"):
+        assert params(getattr(TreeGRPOTrainer, name)) == params(getattr(GRPOTrainer, name)), name
+    source = inspect.getsource(GRPOTrainer._prepare_inputs)
+    assert hashlib.sha256(source.encode()).hexdigest()[:16] == "f824e7fb07147956", (
+        "trl.GRPOTrainer._prepare_inputs changed: re-sync TreeGRPOTrainer._prepare_inputs with it, then update "
+        "this hash."
+    )
+
+
+@pytest.mark.parametrize(
+    "overrides, error, match",
+    [
+        (dict(max_tokens_per_mb=100), ValueError, "multiple of 128"),
+        (dict(max_tokens_per_mb=256, max_completion_length=256), ValueError, "cannot hold one sequence"),
+        (dict(tree_max_token_ratio=1.5), ValueError, "tree_max_token_ratio=1.5"),
+    ],
+)
+def test_bad_config_fails_with_the_value(tmp_path, overrides, error, match):
+    with pytest.raises(error, match=match):
+        _config(TreeGRPOConfig, tmp_path, **overrides)
+
+
+def test_fsdp_activation_checkpointing_conflict_is_flagged(tmp_path, monkeypatch):
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_ACTIVATION_CHECKPOINTING", "true")
+    with pytest.raises(ValueError, match="--gradient_checkpointing false"):
+        _config(TreeGRPOConfig, tmp_path, gradient_checkpointing=True)
+
+
+def _tree_trainer(model, tmp_path, tokenizer, **overrides):
+    args = _config(TreeGRPOConfig, tmp_path, **overrides)
+    dataset = toy_task.build_dataset(8)
+    return TreeGRPOTrainer(model, toy_task.copy_letter_reward, args, train_dataset=dataset, processing_class=tokenizer)
+
+
+def test_budget_too_small_for_the_prompts_fails_at_start(tiny, tmp_path):
+    with pytest.raises(ValueError, match=r"max_tokens_per_mb=256 cannot hold one sequence.*max_tokens_per_mb=384"):
+        _tree_trainer(tiny[0], tmp_path, tiny[1], max_tokens_per_mb=256)
+
+
+def test_attention_implementation_is_selected_or_refused(tiny, tmp_path):
+    path, tokenizer = tiny
+    with pytest.raises(ValueError, match="attn_implementation.*'sdpa'.*tree_packing needs 'tree_flex'"):
+        _tree_trainer(path, tmp_path, tokenizer, model_init_kwargs={"attn_implementation": "sdpa"})
+    model = toy_task.build_model(tokenizer)
+    model.set_attn_implementation("eager")
+    assert _tree_trainer(model, tmp_path, tokenizer).model.config._attn_implementation == "tree_flex"
+    model.set_attn_implementation("flex_attention")
+    with pytest.raises(ValueError, match="'flex_attention'"):
+        _tree_trainer(model, tmp_path, tokenizer)
+    with pytest.raises(TypeError, match="TreeGRPOConfig"):
+        TreeGRPOTrainer(path, toy_task.copy_letter_reward, _config(GRPOConfig, tmp_path))
+
+
+def test_unsupported_model_fails_at_start(tmp_path):
+    from transformers import AutoModelForCausalLM, Qwen3NextConfig
+
+    tokenizer = toy_task.build_tokenizer()
+    config = Qwen3NextConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8,
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="tree_flex")
+    with pytest.raises(NotImplementedError, match="linear_attention"):
+        _tree_trainer(model, tmp_path, tokenizer)
