@@ -7,6 +7,7 @@ takes a few seconds on 2 CPU cores. The docs figure's arrays are checked against
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -138,3 +139,50 @@ def test_multi_turn_agent():
     losses = [float(v) for v in re.findall(r"^step \d+: loss ([\d.]+)$", out, flags=re.M)]
     assert len(losses) == 3 and losses[-1] < losses[0]
     assert re.search(r"step 0 vs plain per-sample forwards: .*: OK", out)
+
+
+@pytest.mark.slow
+def test_lora_grpo(tmp_path):
+    pytest.importorskip("trl")
+    from safetensors.torch import load_file
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "MAX_STEPS": "4", "OUTPUT_DIR": str(tmp_path)}
+    result = subprocess.run(
+        ["bash", "examples/lora_grpo.sh", "--logging_steps", "1"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+    config = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and config["r"] == 16 and "lm_head" not in config["target_modules"]
+    assert not (tmp_path / "model.safetensors").exists()  # only the adapter is saved: the base stays frozen
+    adapter = load_file(tmp_path / "adapter_model.safetensors")
+    assert adapter and all("lora_" in name for name in adapter)
+    # lora_B starts at zero: a non-zero one means the adapter was trained through the tree forward.
+    assert any(t.abs().max() > 0 for name, t in adapter.items() if "lora_B" in name)
+
+    logs = [
+        entry for entry in json.loads((tmp_path / "trainer_state.json").read_text())["log_history"] if "loss" in entry
+    ]
+    assert len(logs) == 4
+    assert all(entry["tree_fallback"] == 0 and 0 < entry["tree_token_ratio"] < 0.5 for entry in logs)
+
+
+def test_docs_config_fields_match_tree_grpo_config():
+    pytest.importorskip("trl")
+    import dataclasses
+
+    from trl import GRPOConfig
+
+    from trainers.grpo_tree import TreeGRPOConfig
+
+    text = (ROOT / "docs" / "how_it_works.md").read_text()
+    section = text.split("## Config fields", 1)[1].split("\n## ", 1)[0]
+    documented = dict(re.findall(r"^\| `(\w+)` \| `([^`]*)` \|", section, flags=re.M))
+    inherited = {f.name for f in dataclasses.fields(GRPOConfig)}
+    new = {f.name: repr(f.default) for f in dataclasses.fields(TreeGRPOConfig) if f.name not in inherited}
+    assert documented == new
