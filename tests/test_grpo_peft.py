@@ -1,0 +1,88 @@
+"""TreeGRPOTrainer with a PEFT LoRA adapter: only adapters move; the reference is the base model, on the tree path."""
+
+import pytest
+import torch
+from peft import LoraConfig
+from peft.tuners.lora import LoraLayer
+from trl import GRPOConfig, GRPOTrainer
+from trl.trainer.utils import use_adapter
+
+from trainers import toy_task
+from trainers.grpo_tree import TreeGRPOConfig, TreeGRPOTrainer
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    tokenizer = toy_task.build_tokenizer()
+    path = tmp_path_factory.mktemp("tiny_qwen3")
+    toy_task.build_model(tokenizer, seed=0).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path), tokenizer
+
+
+def _args(cls, tmp_path, **overrides):
+    kwargs = dict(
+        output_dir=str(tmp_path / cls.__name__),
+        use_cpu=True,
+        bf16=False,
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=4,
+        report_to="none",
+        save_strategy="no",
+        model_init_kwargs={"dtype": torch.float32},
+    )
+    kwargs.update(overrides)
+    return cls(**kwargs)
+
+
+def test_lora_moves_only_adapters_and_the_reference_is_the_base_model(tiny, tmp_path):
+    path, tokenizer = tiny
+    args = _args(TreeGRPOConfig, tmp_path, beta=0.04, max_steps=3, learning_rate=5e-2, logging_steps=1)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    dataset = toy_task.build_dataset(32)
+    trainer = TreeGRPOTrainer(
+        path, toy_task.copy_letter_reward, args, train_dataset=dataset, processing_class=tokenizer, peft_config=lora
+    )
+    assert trainer.ref_model is None  # TRL disables the adapters for the reference forward
+    before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+
+    adapters_disabled = []  # per tree forward: were the adapters off (the reference forward)?
+    tree_logps = trainer._tree_logps
+
+    def spy(model, *a, **kw):
+        lora_layers = [m for m in trainer.model.modules() if isinstance(m, LoraLayer)]
+        adapters_disabled.append(all(layer.disable_adapters for layer in lora_layers))
+        return tree_logps(model, *a, **kw)
+
+    trainer._tree_logps = spy
+    trainer.train()
+
+    after = dict(trainer.model.named_parameters())
+    base = [name for name in before if "lora_" not in name]
+    adapters = [name for name in before if "lora_" in name]
+    assert base and adapters
+    for name in base:
+        assert torch.equal(before[name], after[name]), f"base weight {name} changed"
+    assert all(not after[name].requires_grad for name in base)
+    assert any(not torch.equal(before[name], after[name]) for name in adapters)
+    # Each step: one reference forward (adapters off) and one policy forward (on), both on the packed tree.
+    assert adapters_disabled.count(True) == 3 and adapters_disabled.count(False) == 3
+    logs = [entry for entry in trainer.state.log_history if "tree_fallback" in entry]
+    assert len(logs) == 3 and all(entry["tree_fallback"] == 0 and "kl" in entry for entry in logs)
+
+    # Adapters off through the tree == the untouched base model through TRL's flat forward.
+    flat = GRPOTrainer(
+        path, toy_task.copy_letter_reward, _args(GRPOConfig, tmp_path), train_dataset=dataset,
+        processing_class=tokenizer,
+    )  # fmt: skip
+    prompt = tokenizer([dataset[0]["prompt"]] * 2)["input_ids"]
+    ids = torch.tensor([prompt[0] + tokenizer("aab")["input_ids"], prompt[1] + tokenizer("ab")["input_ids"] + [0]])
+    mask = (torch.arange(ids.shape[1]) < torch.tensor([[ids.shape[1]], [ids.shape[1] - 1]])).long()
+    with torch.no_grad(), use_adapter(trainer.model, adapter_name=None):
+        ref_tree, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, 3)
+    with torch.no_grad():
+        ref_flat, _, _ = flat._get_per_token_logps_and_entropies(flat.model, ids, mask, 3)
+        policy_tree, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, 3)
+    torch.testing.assert_close(ref_tree, ref_flat, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(policy_tree, ref_flat, atol=1e-4)  # the adapter did change the policy
