@@ -67,10 +67,14 @@ def check_tree_model(model: torch.nn.Module) -> None:
             "does not implement. Train this model without tree packing."
         )
     head = model.get_output_embeddings()
-    if not isinstance(head, torch.nn.Linear) or type(head) is not torch.nn.Linear:
+    # PEFT `modules_to_save=["lm_head"]` wraps a plain copy per adapter and resolves `.weight` to the active one
+    # (the original with adapters disabled), so it is exact; a LoRA layer's `.weight` would miss its delta.
+    base = getattr(head, "original_module", head)
+    if type(base) is not torch.nn.Linear or hasattr(head, "lora_A"):
         raise NotImplementedError(
             f"The output embedding is a {type(head).__name__}, not a plain nn.Linear (a LoRA on `lm_head`?). The tree "
-            "LM head reads `lm_head.weight` directly: leave `lm_head` out of the adapter's target_modules."
+            "LM head reads `lm_head.weight` directly: leave `lm_head` out of the adapter's target_modules (to train "
+            "it, use `modules_to_save=['lm_head']` instead)."
         )
 
 

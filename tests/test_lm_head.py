@@ -52,3 +52,37 @@ def test_fused_and_torch_heads_agree(name, temperature):
         logits = 3.0 * torch.tanh(logits / 3.0)
     ref = (logits / temperature).log_softmax(-1)
     torch.testing.assert_close(results[0][0], ref[sources, targets], atol=1e-5, rtol=1e-5)
+
+
+def test_peft_modules_to_save_lm_head_is_exact_and_lora_on_lm_head_raises():
+    from peft import LoraConfig, get_peft_model
+
+    import hf_tree_attn
+
+    torch.manual_seed(0)
+    config = CONFIGS["qwen3"]
+    model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="tree_flex").float()
+    peft_model = get_peft_model(model, LoraConfig(target_modules=["q_proj"], modules_to_save=["lm_head"]))
+    with torch.no_grad():  # make the trained copy differ from the original head
+        peft_model.get_output_embeddings().modules_to_save["default"].weight.mul_(1.5)
+    seqs = [[1, 2, 3, 4], [1, 2, 5], [6, 7]]
+
+    def flat(m):
+        out = []
+        for s in seqs:
+            lp = m(input_ids=torch.tensor([s])).logits[0].float().log_softmax(-1)
+            out.append(lp[:-1].gather(1, torch.tensor(s[1:])[:, None])[:, 0])
+        return out
+
+    for tree, ref in zip(hf_tree_attn.sequence_logprobs(peft_model, seqs), flat(peft_model)):
+        torch.testing.assert_close(tree, ref, atol=1e-5, rtol=0)
+    with peft_model.disable_adapter():  # TRL's reference forward: the original head
+        for tree, ref in zip(hf_tree_attn.sequence_logprobs(peft_model, seqs), flat(peft_model)):
+            torch.testing.assert_close(tree, ref, atol=1e-5, rtol=0)
+
+    lora_head = get_peft_model(
+        AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="tree_flex"),
+        LoraConfig(target_modules=["q_proj", "lm_head"]),
+    )
+    with pytest.raises(NotImplementedError, match="modules_to_save"):
+        hf_tree_attn.check_tree_model(lora_head)
