@@ -127,6 +127,11 @@ def tree_flex_attention(
             f"tree_flex does not support attention dropout (got dropout={dropout}); set the model config's "
             "`attention_dropout=0.0`."
         )
+    if kwargs.get("s_aux") is not None:  # SDPA would silently drop the sinks: wrong outputs, even without a tree
+        raise NotImplementedError(
+            f"{type(module).__name__} uses attention sinks (`s_aux`, e.g. GPT-OSS), which tree_flex does not "
+            "implement. Load this model with its stock attn_implementation and train it without tree packing."
+        )
     softcap = kwargs.get("softcap")
     tree_max_depth = kwargs.get("tree_max_depth")
     if scaling is None:

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .tree import TokenSequence, _as_array, _sorted_with_lcp
+from .tree import TokenSequence, _as_array, _check_not_tensor, _sorted_with_lcp
 
 __all__ = ["estimate_flops"]
 
@@ -36,7 +36,12 @@ def estimate_flops(config, sequences: Sequence[TokenSequence], prompt_lengths: S
     attn_pair = 4 * layers * heads * head_dim  # QK^T and PV for one (query, key) pair
     head = 2 * d * vocab
 
+    _check_not_tensor(sequences)
     arrays = [_as_array(s, i) for i, s in enumerate(sequences)]
+    if prompt_lengths is not None and len(prompt_lengths) != len(arrays):
+        raise ValueError(
+            f"prompt_lengths has {len(prompt_lengths)} entries for {len(arrays)} sequences; pass one per sequence."
+        )
     order, lcp = _sorted_with_lcp(arrays)
     lengths = np.array([len(arrays[i]) for i in order], dtype=np.int64)
     first_scored = (
@@ -46,13 +51,18 @@ def estimate_flops(config, sequences: Sequence[TokenSequence], prompt_lengths: S
     flat_tokens = int(lengths.sum())
     flat_pairs = int((lengths * (lengths + 1) // 2).sum())
     flat_scored = int(np.maximum(lengths - first_scored, 0).sum())
-    # Tree: each sequence adds depths lcp..L-1; a row at depth t attends to t + 1 ancestors-or-self. A scored
-    # token needs its parent's logits; distinct (parent) rows are counted once, i.e. one per new scored token
-    # plus, where a branch starts inside the scored region, its shared parent is already counted.
+    # Tree: each sequence adds depths lcp..L-1; a row at depth t attends to t + 1 ancestors-or-self. The LM head
+    # runs once per scored tree token (TRL's fused kernel, the default head, takes one row per target), scored if
+    # any sequence through it scores it. Flags on the current DFS path mark tokens already counted; a sorted
+    # sequence shares its first lcp rows with the previous one and inherits their flags (prompt lengths may differ
+    # between sequences that share rows).
     tree_tokens = int((lengths - lcp).sum())
     tree_pairs = int(((lengths * (lengths + 1) - lcp * (lcp + 1)) // 2).sum())
-    new_parent_rows = np.maximum(lengths - np.maximum(lcp, first_scored), 0)
-    tree_scored = int(new_parent_rows.sum())
+    tree_scored, scored_path = 0, np.zeros(0, dtype=bool)
+    for keep, length, first in zip(lcp.tolist(), lengths.tolist(), first_scored.tolist()):
+        scored_path = np.concatenate([scored_path[:keep], np.zeros(length - keep, dtype=bool)])
+        tree_scored += int((~scored_path[first:length]).sum())
+        scored_path[first:length] = True
 
     flat = flat_tokens * linear + flat_pairs * attn_pair + flat_scored * head
     tree = tree_tokens * linear + tree_pairs * attn_pair + tree_scored * head

@@ -115,6 +115,15 @@ class PackedForest:
         )
 
 
+def _check_not_tensor(sequences) -> None:
+    """A 2-D tensor would be read row by row, padding included: make the caller strip it."""
+    if isinstance(sequences, torch.Tensor):
+        raise TypeError(
+            "sequences is a tensor; pass a list of 1-D sequences (a padded batch must be stripped of padding "
+            "first, e.g. [row[mask.bool()] for row, mask in zip(input_ids, attention_mask)])."
+        )
+
+
 def _as_array(seq: TokenSequence, index: int) -> np.ndarray:
     """One sequence as a 1-D int64 array, with the errors a user can act on."""
     if isinstance(seq, torch.Tensor):
@@ -258,11 +267,7 @@ def pack_forest(
         (several per row) and are ordered by decreasing size. A trie larger than the budget is cut into runs of
         consecutive DFS-ordered sequences, each repeating only the prefix it needs.
     """
-    if isinstance(sequences, torch.Tensor):
-        raise TypeError(
-            "sequences is a tensor; pass a list of 1-D sequences (a padded batch must be stripped of padding "
-            "first, e.g. [row[mask.bool()] for row, mask in zip(input_ids, attention_mask)])."
-        )
+    _check_not_tensor(sequences)
     if len(sequences) == 0:
         raise ValueError("sequences is empty; pass at least one token sequence.")
     if pad_multiple < 1:
@@ -304,6 +309,7 @@ def pack_forest(
 
 def tree_token_ratio(sequences: Sequence[TokenSequence]) -> float:
     """Unique trie tokens over total tokens of `sequences` (1.0 = no sharing; 1/G for G copies of one sequence)."""
+    _check_not_tensor(sequences)
     arrays = [_as_array(s, i) for i, s in enumerate(sequences)]
     if not arrays:
         raise ValueError("sequences is empty; pass at least one token sequence.")
