@@ -1,0 +1,280 @@
+"""Slow, obvious oracles and tiny seeded fixtures shared by the CPU tests.
+
+- `tiny_config` / `twin_models`: offline 2-layer models of each supported family, built from configs.
+- `forest_case`: seeded random token sequences that exercise every packing edge case.
+- `DictTrie`: a per-token Python dict trie — the independent oracle for packing and masks.
+- `flat_logprobs`: per-sequence unpacked forwards — the oracle for tree log-probs.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma2Config,
+    GemmaConfig,
+    LlamaConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+import hf_tree_attn  # noqa: F401  (registers "tree_flex")
+
+VOCAB = 128
+
+# Tolerances (fp32 everywhere on CPU). Masks and packing are compared exactly; see each test.
+TOLERANCES = {
+    "logps_atol": 1e-5,  # tree vs flat per-token log-probs and entropies
+    "grad_cosine": 0.99999,  # tree vs flat parameter gradient, as one flat vector
+    "grad_max_rel": 1e-5,  # tree vs flat parameter gradient: max |diff| <= this * max |flat grad|, per tensor
+    "chunk_atol": 1e-6,  # chunked vs unchunked LM head (same forward, different matmul shapes)
+    "chunk_max_rel": 1e-6,  # chunked vs unchunked LM head gradient, relative to the largest entry
+    "sdpa_atol": 1e-6,  # tree_flex without a tree vs sdpa / eager
+}
+
+FAMILIES = ("llama", "qwen2", "qwen3", "gemma", "gemma2")
+
+_COMMON = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=VOCAB,
+    attention_dropout=0.0,
+    initializer_range=0.1,  # sharper than the default 0.02, so a wrong mask moves log-probs far beyond tolerance
+    max_position_embeddings=512,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+def tiny_config(family: str, **overrides):
+    """A 2-layer, hidden-64, vocab-128 config of `family` (one of `FAMILIES`)."""
+    if family == "llama":
+        cfg = LlamaConfig(**_COMMON)
+    elif family == "qwen2":
+        cfg = Qwen2Config(**_COMMON)
+    elif family == "qwen3":
+        cfg = Qwen3Config(**_COMMON, head_dim=16)  # Qwen3's default head_dim is 128
+    elif family == "gemma":
+        cfg = GemmaConfig(**{**_COMMON, "num_key_value_heads": 1}, head_dim=16)  # MQA
+    elif family == "gemma2":
+        # Softcapping on both attention and final logits; the sliding window is wider than any test sequence.
+        cfg = Gemma2Config(**_COMMON, head_dim=16, query_pre_attn_scalar=16, sliding_window=256)
+    else:
+        raise ValueError(f"unknown family {family!r}; use one of {FAMILIES}")
+    for key, value in overrides.items():
+        setattr(cfg, key, value)
+    return cfg
+
+
+def reference_attn(family: str) -> str:
+    """The stock implementation a tree_flex model is compared with (Gemma2 has no SDPA: softcap)."""
+    return "eager" if family == "gemma2" else "sdpa"
+
+
+def tiny_model(family: str, attn_implementation: str = "tree_flex", seed: int = 0, **overrides):
+    """Seeded fp32 model in eval mode; the config is deep-copied because `from_config` mutates it."""
+    torch.manual_seed(seed)
+    cfg = tiny_config(family, **overrides)
+    return AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation=attn_implementation).eval()
+
+
+def twin_models(family: str, reference: str | None = None, seed: int = 0, **overrides):
+    """`(tree_model, reference_model)` with identical weights: tree_flex vs `reference_attn(family)`."""
+    tree = tiny_model(family, "tree_flex", seed, **overrides)
+    ref = tiny_model(family, reference or reference_attn(family), seed + 1, **overrides)
+    ref.load_state_dict(tree.state_dict())
+    return tree, ref
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Random forests. Every generator is seeded and returns list[list[int]] with tokens in [1, VOCAB).
+
+
+def _tokens(rng: random.Random, n: int, vocab: int = VOCAB) -> list[int]:
+    return [rng.randrange(1, vocab) for _ in range(n)]
+
+
+def grpo_groups(
+    rng: random.Random, groups: int = 2, max_prompt: int = 12, max_completion: int = 10
+) -> list[list[int]]:
+    """Groups of completions of one prompt; completions also branch off each other at random depths."""
+    out = []
+    for _ in range(groups):
+        prompt = _tokens(rng, rng.randint(1, max_prompt))
+        completions: list[list[int]] = []
+        for _ in range(rng.randint(2, 5)):
+            if completions and rng.random() < 0.5:
+                base = rng.choice(completions)
+                comp = base[: rng.randint(0, len(base))] + _tokens(rng, rng.randint(1, max_completion))
+            else:
+                comp = _tokens(rng, rng.randint(1, max_completion))
+            completions.append(comp)
+        out += [prompt + c for c in completions]
+    return out
+
+
+def identical_copies(rng: random.Random, copies: int = 4) -> list[list[int]]:
+    seq = _tokens(rng, rng.randint(2, 15))
+    return [list(seq) for _ in range(copies)] + [_tokens(rng, rng.randint(2, 10))]
+
+
+def prefix_of_another(rng: random.Random) -> list[list[int]]:
+    """A sequence, several of its prefixes (incl. length 1 and the full sequence twice), and an extension."""
+    seq = _tokens(rng, rng.randint(6, 20))
+    cut = rng.randint(2, len(seq) - 2)
+    return [seq, seq[:1], seq[:cut], seq + _tokens(rng, 3), list(seq), seq[:cut] + _tokens(rng, 2)]
+
+
+def single_tokens(rng: random.Random) -> list[list[int]]:
+    """1-token sequences: duplicates, and one equal to the first token of a longer sequence."""
+    long = _tokens(rng, rng.randint(3, 9))
+    t = rng.randrange(1, VOCAB)
+    return [[t], [t], [long[0]], long, [rng.randrange(1, VOCAB)]]
+
+
+def multiturn(rng: random.Random, turns: int = 5, system: int = 10) -> list[list[int]]:
+    """Agent samples: each is the whole history up to a turn plus one of several branching responses.
+
+    The history keeps a *shortened* response (like a dropped `<think>` block), so each turn also branches away
+    from the previous turn's sample.
+    """
+    history = _tokens(rng, rng.randint(1, system))
+    samples = []
+    for _ in range(turns):
+        history = history + _tokens(rng, rng.randint(1, 4))  # user / tool message
+        responses = [_tokens(rng, rng.randint(1, 6)) for _ in range(rng.randint(1, 3))]
+        samples += [history + r for r in responses]
+        kept = rng.choice(responses)
+        history = history + kept[rng.randint(0, len(kept) - 1) :]
+    return samples
+
+
+def no_sharing(rng: random.Random, n: int = 5) -> list[list[int]]:
+    firsts = rng.sample(range(1, VOCAB), n)
+    return [[f] + _tokens(rng, rng.randint(0, 12)) for f in firsts]
+
+
+FOREST_CASES = ("grpo", "identical", "prefix", "single_token", "multiturn", "no_sharing", "mixed")
+
+
+def forest_case(name: str, seed: int) -> list[list[int]]:
+    """Seeded sequences for one named edge case; `"mixed"` is all of them shuffled together (several tries)."""
+    rng = random.Random(f"{name}-{seed}")
+    makers = {
+        "grpo": lambda: grpo_groups(rng),
+        "identical": lambda: identical_copies(rng),
+        "prefix": lambda: prefix_of_another(rng),
+        "single_token": lambda: single_tokens(rng),
+        "multiturn": lambda: multiturn(rng),
+        "no_sharing": lambda: no_sharing(rng),
+    }
+    if name == "mixed":
+        seqs = [s for make in makers.values() for s in make()]
+        rng.shuffle(seqs)
+        return seqs
+    return makers[name]()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The per-token dict trie oracle.
+
+
+class DictTrie:
+    """A prefix trie with one node per token, built by plain Python dict lookups (node 0 is the empty root)."""
+
+    def __init__(self):
+        self.children: list[dict[int, int]] = [{}]
+        self.parent: list[int] = [-1]
+        self.token: list[int] = [-1]
+        self.depth: list[int] = [-1]
+
+    def insert(self, seq) -> list[int]:
+        """Node ids of the tokens of `seq`, root to leaf; new nodes are created as needed."""
+        node, path = 0, []
+        for tok in seq:
+            tok = int(tok)
+            child = self.children[node].get(tok)
+            if child is None:
+                child = len(self.token)
+                self.children[node][tok] = child
+                self.children.append({})
+                self.parent.append(node)
+                self.token.append(tok)
+                self.depth.append(self.depth[node] + 1)
+            node = child
+            path.append(node)
+        return path
+
+    @property
+    def num_nodes(self) -> int:
+        """Token nodes (the empty root excluded) = unique trie tokens."""
+        return len(self.token) - 1
+
+    def ancestors_or_self(self, node: int) -> list[int]:
+        out = []
+        while node > 0:
+            out.append(node)
+            node = self.parent[node]
+        return out
+
+
+def trie_node_count(sequences) -> int:
+    trie = DictTrie()
+    for seq in sequences:
+        trie.insert(seq)
+    return trie.num_nodes
+
+
+def oracle_row_nodes(forest, sequences) -> tuple[DictTrie, dict[int, int]]:
+    """Map each real row of `forest` to its dict-trie node, asserting the map is a bijection onto the trie.
+
+    Uses only `forest.positions(k)` and the raw sequences: a row must hold the same trie node for every sequence
+    that passes through it, and no trie node may occupy two rows.
+    """
+    trie = DictTrie()
+    row_node: dict[int, int] = {}
+    node_row: dict[int, int] = {}
+    for k, sid in enumerate(forest.seq_ids):
+        nodes = trie.insert(sequences[sid])
+        rows = forest.positions(k).tolist()
+        assert len(rows) == len(nodes), f"sequence {sid}: {len(rows)} positions for {len(nodes)} tokens"
+        for row, node in zip(rows, nodes):
+            assert row_node.setdefault(row, node) == node, f"row {row} holds two different trie nodes"
+            assert node_row.setdefault(node, row) == row, f"trie node {node} laid out in two rows"
+    return trie, row_node
+
+
+def oracle_mask(forest, sequences) -> torch.Tensor:
+    """`(S, S)` bool ancestor-or-self mask built by Python loops over the dict trie; padding rows see themselves."""
+    trie, row_node = oracle_row_nodes(forest, sequences)
+    node_row = {n: r for r, n in row_node.items()}
+    size = forest.seq_len
+    mask = torch.zeros(size, size, dtype=torch.bool)
+    for q in range(size):
+        if q in row_node:
+            for node in trie.ancestors_or_self(row_node[q]):
+                mask[q, node_row[node]] = True
+        else:
+            mask[q, q] = True
+    return mask
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The flat per-sequence log-prob oracle.
+
+
+def flat_logprobs(model, seq, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(logps, entropies)`, each `(L - 1,)` fp32, from one plain unpacked forward of `seq`."""
+    ids = torch.as_tensor(seq, dtype=torch.long)[None]
+    logits = model(ids).logits[0, :-1].float() / temperature
+    logp = logits.log_softmax(-1)
+    logps = logp.gather(-1, ids[0, 1:, None])[:, 0]
+    entropy = -(logp.exp() * logp).sum(-1)
+    return logps, entropy

@@ -1,0 +1,284 @@
+"""`pack_forest` / `PackedForest` / `tree_token_ratio` against the drawn example and a per-token dict trie."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import numpy as np
+import pytest
+import torch
+from helpers import FOREST_CASES, DictTrie, forest_case, grpo_groups, oracle_mask, oracle_row_nodes, trie_node_count
+
+from hf_tree_attn import PackedForest, pack_forest, tree_token_ratio
+
+SEEDS = (0, 1, 2)
+
+# ----------------------------------------------------------------------------------------------------------------
+# The tiny example drawn in the `hf_tree_attn.tree` module docstring, written out literally.
+
+DOC_SEQUENCES = [[5, 6, 7, 8], [5, 6, 9]]
+DOC_INPUT_IDS = [5, 6, 7, 8, 9]
+DOC_POSITION_IDS = [0, 1, 2, 3, 2]
+DOC_PARENT = [-1, 0, 1, 2, 1]
+DOC_SUBTREE_END = [5, 5, 4, 4, 5]
+DOC_POSITIONS = [[0, 1, 2, 3], [0, 1, 4]]
+# fmt: off
+DOC_MASK = [  # ■ = 1, ⬚ = 0; q rows, kv columns
+    [1, 0, 0, 0, 0],
+    [1, 1, 0, 0, 0],
+    [1, 1, 1, 0, 0],
+    [1, 1, 1, 1, 0],
+    [1, 1, 0, 0, 1],
+]
+# fmt: on
+
+
+def test_docstring_example_unpadded():
+    (forest,) = pack_forest(DOC_SEQUENCES, pad_multiple=1)
+    assert forest.seq_len == 5 and forest.num_tree_tokens == 5 and forest.num_original_tokens == 7
+    assert forest.seq_ids == [0, 1]
+    assert forest.input_ids.tolist() == [DOC_INPUT_IDS]
+    assert forest.position_ids.tolist() == [DOC_POSITION_IDS]
+    assert forest.parent.tolist() == DOC_PARENT
+    assert forest.subtree_end.tolist() == DOC_SUBTREE_END
+    assert [forest.positions(k).tolist() for k in range(2)] == DOC_POSITIONS
+    assert forest.dense_mask().tolist() == [[[[bool(x) for x in row] for row in DOC_MASK]]]
+    assert forest.max_depth == 3
+
+
+def test_docstring_example_padded_to_block():
+    (forest,) = pack_forest(DOC_SEQUENCES)  # pad_multiple=128
+    size = 128
+    assert forest.seq_len == size and forest.num_tree_tokens == 5
+    assert forest.input_ids.tolist() == [DOC_INPUT_IDS + [0] * (size - 5)]
+    assert forest.position_ids.tolist() == [DOC_POSITION_IDS + [0] * (size - 5)]
+    assert forest.parent.tolist() == DOC_PARENT + [-1] * (size - 5)
+    assert forest.subtree_end.tolist() == DOC_SUBTREE_END + list(range(6, size + 1))
+    expected = torch.eye(size, dtype=torch.bool)
+    expected[:5, :5] = torch.tensor(DOC_MASK, dtype=torch.bool)
+    assert torch.equal(forest.dense_mask()[0, 0], expected)
+    assert forest.dense_mask().shape == (1, 1, size, size)
+    assert forest.input_ids.dtype == forest.position_ids.dtype == forest.parent.dtype == torch.long
+
+
+def test_accepts_tensors_and_arrays_like_lists():
+    as_lists = pack_forest(DOC_SEQUENCES, pad_multiple=8)[0]
+    mixed = pack_forest([torch.tensor(DOC_SEQUENCES[0]), np.array(DOC_SEQUENCES[1], dtype=np.int32)], pad_multiple=8)
+    for name in ("input_ids", "position_ids", "subtree_end", "parent", "seq_positions", "seq_offsets"):
+        assert torch.equal(getattr(mixed[0], name), getattr(as_lists, name)), name
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Random forests against the dict-trie oracle.
+
+
+def _budget(sequences, pad_multiple: int, slack: int) -> int:
+    """Smallest multiple of `pad_multiple` that fits the longest sequence, plus `slack` blocks."""
+    longest = max(len(s) for s in sequences)
+    return (-(-longest // pad_multiple) + slack) * pad_multiple
+
+
+def _check_forests(sequences, forests: list[PackedForest], pad_multiple: int, budget: int | None) -> None:
+    """Every invariant of a packing, checked against the raw sequences and the dict-trie oracle."""
+    packed = sorted(sid for f in forests for sid in f.seq_ids)
+    assert packed == list(range(len(sequences))), "each sequence must be packed exactly once"
+    for forest in forests:
+        size = forest.seq_len
+        assert size % pad_multiple == 0 and size >= forest.num_tree_tokens > 0
+        assert size - forest.num_tree_tokens < pad_multiple, "padding is less than one pad_multiple"
+        if budget is not None:
+            assert size <= budget
+        assert forest.input_ids.shape == forest.position_ids.shape == (1, size)
+        assert forest.subtree_end.shape == forest.parent.shape == (size,)
+        assert forest.seq_ids == sorted(forest.seq_ids)
+        members = [sequences[sid] for sid in forest.seq_ids]
+        assert forest.num_original_tokens == sum(len(s) for s in members)
+        assert forest.num_tree_tokens == trie_node_count(members), "a shared prefix was laid out twice"
+
+        for k, sid in enumerate(forest.seq_ids):
+            pos = forest.positions(k)
+            assert forest.input_ids[0, pos].tolist() == list(sequences[sid])
+            assert forest.position_ids[0, pos].tolist() == list(range(len(sequences[sid])))
+            assert forest.parent[pos].tolist() == [-1] + pos[:-1].tolist()
+
+        _, row_node = oracle_row_nodes(forest, sequences)
+        assert sorted(row_node) == list(range(forest.num_tree_tokens)), "real rows must be exactly the trie nodes"
+        pad = torch.arange(forest.num_tree_tokens, size)
+        assert (forest.input_ids[0, pad] == 0).all() and (forest.position_ids[0, pad] == 0).all()
+        assert (forest.parent[pad] == -1).all()
+        assert torch.equal(forest.dense_mask()[0, 0], oracle_mask(forest, sequences))
+
+
+def _tries(sequences) -> list[list[int]]:
+    """Sequence indices grouped by trie (by first token), from the dict trie."""
+    groups: dict[int, list[int]] = {}
+    for i, seq in enumerate(sequences):
+        groups.setdefault(int(seq[0]), []).append(i)
+    return list(groups.values())
+
+
+@pytest.mark.parametrize("seed", SEEDS, ids=lambda s: f"seed{s}")
+@pytest.mark.parametrize("case", FOREST_CASES)
+def test_one_microbatch_matches_dict_trie(case, seed):
+    sequences = forest_case(case, seed)
+    forests = pack_forest(sequences, pad_multiple=16)
+    assert len(forests) == 1
+    _check_forests(sequences, forests, 16, None)
+    assert forests[0].num_tree_tokens == trie_node_count(sequences)
+    assert forests[0].max_depth == max(len(s) for s in sequences) - 1
+
+
+@pytest.mark.parametrize("pad_multiple, slack", [(8, 0), (8, 2), (16, 1)], ids=["tight8", "slack8", "slack16"])
+@pytest.mark.parametrize("seed", SEEDS, ids=lambda s: f"seed{s}")
+@pytest.mark.parametrize("case", FOREST_CASES)
+def test_budgeted_packing_matches_dict_trie(case, seed, pad_multiple, slack):
+    sequences = forest_case(case, seed)
+    budget = _budget(sequences, pad_multiple, slack)
+    forests = pack_forest(sequences, max_tokens_per_mb=budget, pad_multiple=pad_multiple)
+    _check_forests(sequences, forests, pad_multiple, budget)
+    # A trie that fits the budget is never split: all of its sequences share one micro-batch.
+    where = {sid: f for f, forest in enumerate(forests) for sid in forest.seq_ids}
+    for trie in _tries(sequences):
+        if trie_node_count([sequences[i] for i in trie]) <= budget:
+            assert len({where[i] for i in trie}) == 1, f"trie {trie} fits {budget} tokens but was split"
+
+
+def test_several_tries_share_a_microbatch():
+    rng = random.Random(0)
+    sequences = grpo_groups(rng, groups=6, max_prompt=8, max_completion=6)
+    forests = pack_forest(sequences, max_tokens_per_mb=256, pad_multiple=16)
+    _check_forests(sequences, forests, 16, 256)
+    assert len(forests) < len(_tries(sequences)), "small tries must be bin-packed together"
+
+
+def test_trie_larger_than_budget_is_split_and_each_piece_exact():
+    rng = random.Random(3)
+    prompt = [rng.randrange(1, 128) for _ in range(40)]
+    sequences = [prompt + [rng.randrange(1, 128) for _ in range(30)] for _ in range(10)]  # 340 unique tokens
+    forests = pack_forest(sequences, max_tokens_per_mb=128, pad_multiple=16)
+    assert len(forests) >= 3
+    _check_forests(sequences, forests, 16, 128)
+    for forest in forests:  # every piece carries its own copy of the prompt, and shares it inside the piece
+        assert forest.num_tree_tokens == 40 + 30 * len(forest.seq_ids)
+
+
+def test_identical_sequences_share_every_row():
+    seq = [3, 1, 4, 1, 5]
+    (forest,) = pack_forest([seq] * 6, pad_multiple=8)
+    assert forest.num_tree_tokens == 5 and forest.num_original_tokens == 30
+    assert all(forest.positions(k).tolist() == [0, 1, 2, 3, 4] for k in range(6))
+
+
+def test_dict_trie_oracle_detects_a_wrong_layout():
+    """The oracle must reject a layout whose mask lets a branch see its sibling (the test can fail)."""
+    sequences = [[5, 6, 7, 8], [5, 6, 9]]
+    (forest,) = pack_forest(sequences, pad_multiple=1)
+    broken = dataclasses.replace(forest, subtree_end=torch.tensor([5, 5, 5, 4, 5], dtype=torch.int32), _mask_cache={})
+    assert not torch.equal(broken.dense_mask()[0, 0], oracle_mask(broken, sequences))
+    assert torch.equal(forest.dense_mask()[0, 0], oracle_mask(forest, sequences))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# tree_token_ratio
+
+
+@pytest.mark.parametrize("copies", [1, 2, 3, 7, 16])
+def test_token_ratio_of_copies(copies):
+    seq = list(range(1, 12))
+    assert tree_token_ratio([seq] * copies) == pytest.approx(1 / copies, rel=1e-12)
+
+
+def test_token_ratio_without_sharing():
+    assert tree_token_ratio([[1, 2, 3], [2, 3], [3, 1, 2, 5]]) == 1.0
+
+
+@pytest.mark.parametrize("case", FOREST_CASES)
+def test_token_ratio_matches_dict_trie(case):
+    sequences = forest_case(case, 0)
+    expected = trie_node_count(sequences) / sum(len(s) for s in sequences)
+    assert tree_token_ratio(sequences) == pytest.approx(expected, rel=1e-12)
+
+
+def test_dict_trie_counts_nodes():
+    trie = DictTrie()
+    assert trie.insert([5, 6, 7]) == [1, 2, 3]
+    assert trie.insert([5, 6, 9]) == [1, 2, 4]
+    assert trie.insert([5]) == [1]
+    assert trie.num_nodes == 4 and trie.ancestors_or_self(4) == [4, 2, 1]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Bad inputs: the error names the problem, the value and the fix.
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (
+            dict(max_tokens_per_mb=100),
+            ValueError,
+            r"max_tokens_per_mb=100 must be a positive multiple of pad_multiple=",
+        ),
+        (dict(max_tokens_per_mb=200, pad_multiple=64), ValueError, r"use e\.g\. max_tokens_per_mb=256"),
+        (dict(max_tokens_per_mb=0), ValueError, r"max_tokens_per_mb=0 must be a positive multiple"),
+        (dict(pad_multiple=0), ValueError, r"pad_multiple=0 must be a positive integer"),
+    ],
+    ids=["not-multiple", "suggests-fix", "zero-budget", "zero-pad"],
+)
+def test_bad_budget(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        pack_forest([[1, 2, 3]], **kwargs)
+
+
+def test_sequence_longer_than_budget_names_index_and_length():
+    match = r"sequences\[1\] has 300 tokens, more than max_tokens_per_mb=256.*at least 384"
+    with pytest.raises(ValueError, match=match):
+        pack_forest([[1] * 10, [2] * 300, [3] * 5], max_tokens_per_mb=256)
+
+
+@pytest.mark.parametrize(
+    "sequences, error, match",
+    [
+        ([], ValueError, r"sequences is empty"),
+        ([[1, 2], []], ValueError, r"sequences\[1\] is empty"),
+        ([[1, 2], torch.tensor([], dtype=torch.long)], ValueError, r"sequences\[1\] is empty"),
+        ([[1.0, 2.0]], TypeError, r"sequences\[0\] holds float64 values.*must be integers"),
+        ([[1, 2], [3, 4.5]], TypeError, r"sequences\[1\] holds float64"),
+        ([torch.tensor([1.0, 2.0])], TypeError, r"sequences\[0\] has dtype torch\.float32.*must be integers"),
+        ([torch.tensor([True, False])], TypeError, r"sequences\[0\] has dtype torch\.bool"),
+        ([[1, -100, 3]], ValueError, r"sequences\[0\] holds a negative token id \(-100\)"),
+        ([[[1, 2], [3, 4]]], ValueError, r"sequences\[0\] has shape \(2, 2\).*1-D"),
+        (torch.tensor([[1, 2, 0], [3, 4, 5]]), TypeError, r"sequences is a tensor.*padded batch"),
+    ],
+    ids=[
+        "empty-list",
+        "zero-length",
+        "zero-length-tensor",
+        "floats",
+        "one-float",
+        "float-tensor",
+        "bool-tensor",
+        "negative",
+        "2d-element",
+        "padded-2d-tensor",
+    ],
+)
+def test_bad_sequences(sequences, error, match):
+    with pytest.raises(error, match=match):
+        pack_forest(sequences)
+
+
+@pytest.mark.parametrize(
+    "sequences, error, match",
+    [
+        ([], ValueError, r"sequences is empty"),
+        ([[1, 2], []], ValueError, r"sequences\[1\] is empty"),
+        ([[0.5]], TypeError, r"must be integers"),
+        (torch.tensor([[1, 2, 0], [3, 4, 5]]), TypeError, r"sequences is a tensor.*padded batch"),
+    ],
+    ids=["empty-list", "zero-length", "floats", "padded-2d-tensor"],
+)
+def test_bad_sequences_token_ratio(sequences, error, match):
+    with pytest.raises(error, match=match):
+        tree_token_ratio(sequences)
