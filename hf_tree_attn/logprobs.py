@@ -61,11 +61,12 @@ def check_tree_model(model: torch.nn.Module) -> None:
             f"{type(config).__name__} has layer types {bad}; their recurrent state would leak across tree "
             "branches. Train this model without tree packing."
         )
-    if getattr(config, "logit_scale", None) not in (None, 1.0):
-        raise NotImplementedError(
-            f"{type(config).__name__} scales its logits (logit_scale={config.logit_scale}), which the tree LM head "
-            "does not implement. Train this model without tree packing."
-        )
+    for name in ("logit_scale", "logits_scaling"):  # Cohere; Granite, MiniCPM3, HyperCLOVA X
+        if getattr(config, name, None) not in (None, 1.0):
+            raise NotImplementedError(
+                f"{type(config).__name__} scales its logits ({name}={getattr(config, name)}), which the tree LM "
+                "head does not implement. Train this model without tree packing."
+            )
     head = model.get_output_embeddings()
     # PEFT `modules_to_save=["lm_head"]` wraps a plain copy per adapter and resolves `.weight` to the active one
     # (the original with adapters disabled), so it is exact; a LoRA layer's `.weight` would miss its delta.
