@@ -16,6 +16,7 @@ from transformers import (
     AutoModelForCausalLM,
     Gemma2Config,
     GemmaConfig,
+    GraniteConfig,
     LlamaConfig,
     Qwen2Config,
     Qwen3Config,
@@ -66,8 +67,10 @@ def tiny_config(family: str, **overrides):
     elif family == "gemma2":
         # Softcapping on both attention and final logits; the sliding window is wider than any test sequence.
         cfg = Gemma2Config(**_COMMON, head_dim=16, query_pre_attn_scalar=16, sliding_window=256)
+    elif family == "granite":  # multipliers inside the decoder (`logits_scaling` must stay 1 for trees)
+        cfg = GraniteConfig(**_COMMON, embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.2)
     else:
-        raise ValueError(f"unknown family {family!r}; use one of {FAMILIES}")
+        raise ValueError(f"unknown family {family!r}; use one of {FAMILIES} or 'granite'")
     for key, value in overrides.items():
         setattr(cfg, key, value)
     return cfg

@@ -241,6 +241,24 @@ def test_unsupported_layer_types_raise(name):
         check_tree_model(model)
 
 
+@pytest.mark.parametrize(
+    "config_name, field, value",
+    [("GraniteConfig", "logits_scaling", 8.0), ("CohereConfig", "logit_scale", 0.0625)],
+    ids=["granite-logits_scaling", "cohere-logit_scale"],
+)
+def test_scaled_logits_raise(config_name, field, value):
+    """The tree LM head reads `lm_head.weight` directly: a model-level logit scale would be silently skipped."""
+    import transformers
+
+    common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=128)
+    cfg = getattr(transformers, config_name)(**common, num_key_value_heads=2, **{field: value})
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="tree_flex")
+    with pytest.raises(NotImplementedError, match=rf"scales its logits \({field}={value}\)"):
+        check_tree_model(model)
+    setattr(model.config, field, 1.0)
+    check_tree_model(model)
+
+
 def test_lora_on_lm_head_raises():
     peft = pytest.importorskip("peft")
     model = tiny_model("llama")

@@ -56,6 +56,15 @@ def test_temperature_matches_flat(family, temperature):
     assert not torch.allclose(torch.cat(logps), torch.cat(plain), atol=1e-3), "temperature must change the logps"
 
 
+def test_granite_multipliers_match_flat():
+    """Granite's embedding / residual / attention multipliers live inside the decoder: the tree stays exact."""
+    tree, ref = twin_models("granite")
+    sequences = forest_case("mixed", seed=4)
+    with torch.no_grad():
+        logps, entropies = sequence_logprobs(tree, sequences, return_entropy=True)
+        _assert_matches_flat(ref, sequences, logps, entropies)
+
+
 def test_flat_oracle_detects_a_leaking_mask(monkeypatch):
     """Scoring the packed row with a plain causal mask (siblings see each other) must fail the comparison."""
     tree, ref = twin_models("llama")
