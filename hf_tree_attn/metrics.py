@@ -38,6 +38,8 @@ def estimate_flops(config, sequences: Sequence[TokenSequence], prompt_lengths: S
 
     _check_not_tensor(sequences)
     arrays = [_as_array(s, i) for i, s in enumerate(sequences)]
+    if not arrays:
+        raise ValueError("sequences is empty; pass at least one token sequence.")
     if prompt_lengths is not None and len(prompt_lengths) != len(arrays):
         raise ValueError(
             f"prompt_lengths has {len(prompt_lengths)} entries for {len(arrays)} sequences; pass one per sequence."

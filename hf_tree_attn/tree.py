@@ -91,6 +91,8 @@ class PackedForest:
         from .masks import tree_block_mask
 
         device = torch.device(device or self.subtree_end.device)
+        if device.type == "cuda" and device.index is None:  # "cuda" and "cuda:0" must share one cached mask
+            device = torch.device("cuda", torch.cuda.current_device())
         if device not in self._mask_cache:
             self._mask_cache[device] = tree_block_mask(self.subtree_end.to(device))
         return self._mask_cache[device]

@@ -122,3 +122,10 @@ def test_prompt_lengths_of_wrong_length_raise(model):
 def test_padded_tensor_raises(model):
     with pytest.raises(TypeError, match=r"sequences is a tensor.*padded batch"):
         estimate_flops(model.config, torch.tensor([[1, 2, 0], [1, 2, 4]]))
+
+
+def test_estimate_flops_rejects_empty_sequences():
+    from transformers import Qwen3Config
+
+    with pytest.raises(ValueError, match="sequences is empty"):
+        estimate_flops(Qwen3Config(), [])
