@@ -28,7 +28,14 @@ from trl import GRPOConfig, GRPOTrainer
 from trl.extras.profiling import profiling_decorator
 from trl.trainer.utils import split_pixel_values_by_grid, split_tensor_dict, unsplit_pixel_values_by_grid
 
-from hf_tree_attn import ATTN_IMPLEMENTATION, TreeDataCollator, check_tree_model, estimate_flops, forest_logprobs
+from hf_tree_attn import (
+    ATTN_IMPLEMENTATION,
+    TreeDataCollator,
+    check_tree_model,
+    estimate_flops,
+    forest_logprobs,
+    pack_forest,
+)
 
 __all__ = ["TreeGRPOConfig", "TreeGRPOTrainer", "main"]
 
@@ -246,12 +253,15 @@ class TreeGRPOTrainer(GRPOTrainer):
             ids, mask = input_ids[start : start + batch_size], attention_mask[start : start + batch_size]
             packed = self._packed_chunk(ids, mask, logits_to_keep, mode)
             self._metrics[mode]["tree_fallback"].append(float(packed is None))
+            missing = self._missing_forwards(1 if packed is None else len(packed))  # agree before any forward
             if packed is None:
                 logps, entropies, _ = super()._get_per_token_logps_and_entropies(
                     model, ids, mask, logits_to_keep, compute_entropy=compute_entropy
                 )
             else:
                 logps, entropies = self._tree_logps(model, packed, ids.size(0), logits_to_keep, compute_entropy)
+            if missing:
+                logps = logps + self._idle_forwards(model, missing)
             all_logps.append(logps)
             all_entropies.append(entropies)
         logps = torch.cat(all_logps, dim=0)
@@ -320,6 +330,30 @@ class TreeGRPOTrainer(GRPOTrainer):
             packed.append((mb, torch.unique(source_rows), row_of, col_of, source_rows))
         self._tree_cache[key] = packed
         return packed
+
+    def _missing_forwards(self, num_forwards: int) -> int:
+        """How many forwards this rank is short of the busiest rank for the current chunk.
+
+        FSDP (all-gathers per forward) and DDP (buffer broadcasts) need every rank to run the same number of
+        forwards. Without a token budget a chunk is always one forward (one forest, or TRL's flat call); with one,
+        ranks can pack their chunk into different numbers of forests.
+        """
+        if self.accelerator.num_processes == 1 or self.args.max_tokens_per_mb is None:
+            return 0
+        counts = self.accelerator.gather(torch.tensor([num_forwards], device=self.accelerator.device))
+        return int(counts.max()) - num_forwards
+
+    def _idle_forwards(self, model, count: int) -> torch.Tensor:
+        """`count` forwards of a 2-token forest whose result enters the graph with weight 0 (a scalar 0)."""
+        pad = self._tokenizer.pad_token_id or 0
+        (forest,) = pack_forest([[pad, pad]])
+        forest = forest.to(self.accelerator.device)
+        total = torch.zeros((), device=self.accelerator.device)
+        for _ in range(count):
+            with self.accelerator.autocast():
+                table, _ = forest_logprobs(model, forest, temperature=self.temperature)
+            total = total + table.sum()
+        return 0.0 * total
 
     def _tree_logps(self, model, packed: list, num_rows: int, logits_to_keep: int, compute_entropy: bool):
         """Score the forests of one chunk and scatter into `(num_rows, logits_to_keep)` (0 at padding)."""
@@ -447,20 +481,23 @@ def main(script_args, training_args: TreeGRPOConfig, model_args, dataset_args) -
     from trainers import toy_task
 
     reward_funcs = _reward_funcs(script_args)
-    processing_class = None
     if model_args.model_name_or_path is None:
-        processing_class = toy_task.build_tokenizer()
-        model = toy_task.build_model(processing_class, seed=training_args.seed)
-    else:
-        model = model_args.model_name_or_path
-        model_init_kwargs = dict(
-            revision=model_args.model_revision,
-            trust_remote_code=training_args.trust_remote_code,
-            attn_implementation=model_args.attn_implementation,
-            dtype=model_args.dtype,
-        )
-        model_init_kwargs.update(training_args.model_init_kwargs or {})
-        training_args.model_init_kwargs = model_init_kwargs
+        # The embedded model goes through the same path as a real one (TRL also rebuilds the reference model from
+        # it when beta > 0): written once per machine, then loaded by every process.
+        model_args.model_name_or_path = os.path.join(training_args.output_dir, "initial_model")
+        with training_args.main_process_first(desc="writing the embedded model"):
+            if training_args.local_process_index == 0:
+                tokenizer = toy_task.build_tokenizer()
+                toy_task.build_model(tokenizer, seed=training_args.seed).save_pretrained(model_args.model_name_or_path)
+                tokenizer.save_pretrained(model_args.model_name_or_path)
+    model_init_kwargs = dict(
+        revision=model_args.model_revision,
+        trust_remote_code=training_args.trust_remote_code,
+        attn_implementation=model_args.attn_implementation,
+        dtype=model_args.dtype,
+    )
+    model_init_kwargs.update(training_args.model_init_kwargs or {})
+    training_args.model_init_kwargs = model_init_kwargs
 
     if dataset_args.datasets:
         dataset = get_dataset(dataset_args)
@@ -479,12 +516,11 @@ def main(script_args, training_args: TreeGRPOConfig, model_args, dataset_args) -
         raise ValueError("No reward: pass --reward_funcs (e.g. accuracy_reward) or --reward_model_name_or_path.")
 
     trainer = TreeGRPOTrainer(
-        model=model,
+        model=model_args.model_name_or_path,
         reward_funcs=reward_funcs,
         args=training_args,
         train_dataset=dataset[script_args.dataset_train_split],
         eval_dataset=dataset[script_args.dataset_test_split] if training_args.eval_strategy != "no" else None,
-        processing_class=processing_class,
         quantization_config=get_quantization_config(model_args),
         peft_config=get_peft_config(model_args),
     )

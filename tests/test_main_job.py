@@ -1,0 +1,62 @@
+"""The main job, `accelerate launch trainers/grpo_tree.py`, exactly as the README runs it (embedded default)."""
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "trainers" / "grpo_tree.py"
+
+
+def _launch(*args: str, timeout: int) -> subprocess.CompletedProcess:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_DISABLE_TELEMETRY="1", TOKENIZERS_PARALLELISM="false")
+    command = [sys.executable, "-m", "accelerate.commands.launch", str(SCRIPT), *args]
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+def _log_history(output_dir: Path) -> list[dict]:
+    return json.loads((output_dir / "trainer_state.json").read_text())["log_history"]
+
+
+def test_short_run_saves_everything_and_logs_tree_metrics(tmp_path):
+    result = _launch("--max_steps", "4", "--logging_steps", "2", "--output_dir", str(tmp_path), timeout=600)
+    for name in ("model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json", "trainer_state.json"):
+        assert (tmp_path / name).is_file(), name
+    assert "4/4" in result.stderr  # the Trainer progress bar
+    logs = [entry for entry in _log_history(tmp_path) if "reward" in entry]
+    assert len(logs) == 2
+    assert all(entry["tree_token_ratio"] < 0.6 and entry["tree_fallback"] == 0 for entry in logs)
+    assert all(0 < entry["tree_flops_saved"] < 1 for entry in logs)
+
+
+def test_yaml_config_and_lora_adapter(tmp_path):
+    config = REPO / "trainers" / "configs" / "grpo_toy.yaml"
+    args = ["--config", str(config), "--use_peft", "--lora_target_modules", "q_proj", "v_proj"]
+    _launch(*args, "--max_steps", "2", "--logging_steps", "1", "--output_dir", str(tmp_path), timeout=600)
+    assert (tmp_path / "adapter_model.safetensors").is_file() and (tmp_path / "adapter_config.json").is_file()
+    assert not (tmp_path / "model.safetensors").exists()
+    assert (tmp_path / "tokenizer.json").is_file() and (tmp_path / "trainer_state.json").is_file()
+    assert json.loads((tmp_path / "trainer_state.json").read_text())["max_steps"] == 2  # the flag beat the YAML
+
+
+@pytest.mark.slow
+def test_default_job_learns_within_ten_minutes(tmp_path):
+    """The full default job: reward rises by >= 0.2 (last quarter of logs vs first) with tree_token_ratio < 0.6."""
+    start = time.monotonic()
+    _launch("--output_dir", str(tmp_path), timeout=600)
+    elapsed = time.monotonic() - start
+    logs = [entry for entry in _log_history(tmp_path) if "reward" in entry]
+    rewards = [entry["reward"] for entry in logs]
+    quarter = len(rewards) // 4
+    first, last = statistics.mean(rewards[:quarter]), statistics.mean(rewards[-quarter:])
+    assert last >= first + 0.2, f"reward did not rise: first quarter {first:.3f}, last quarter {last:.3f}"
+    assert max(entry["tree_token_ratio"] for entry in logs) < 0.6
+    assert elapsed < 600
