@@ -16,8 +16,10 @@ from trl import GRPOConfig, GRPOTrainer
 from trainers import toy_task
 from trainers.grpo_tree import TreeGRPOConfig, TreeGRPOTrainer
 
-# Tolerances by dtype: the tree and flat forwards are the same math in a different order.
+# Tolerances by device and dtype: the tree and flat forwards are the same math in a different order (on CUDA also
+# different kernels: compiled FlexAttention against SDPA, TRL's Triton LM head against its torch fallback).
 TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5)}
+TOLERANCE_CUDA = {torch.float32: dict(atol=1e-4, rtol=1e-4)}
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo")
 NUM_GENERATIONS, COMPLETION_LEN = 4, 6
 PREFIX = "rules: answer with the last letter of the request.\n"
@@ -55,6 +57,7 @@ def _config(cls, tmp_path, **overrides):
         per_device_train_batch_size=len(COMPLETIONS),
         num_generations=NUM_GENERATIONS,
         max_completion_length=COMPLETION_LEN,
+        temperature=0.7,  # logits are divided by the sampling temperature on both paths
         report_to="none",
         save_strategy="no",
         model_init_kwargs={"dtype": torch.float32},
@@ -103,21 +106,21 @@ def _batch(tokenizer):
     return prompt_ids, prompt_mask, completion_ids, completion_mask
 
 
-def _inputs(tree, flat, tokenizer, beta, num_iterations):
-    prompt_ids, prompt_mask, completion_ids, completion_mask = _batch(tokenizer)
+def _inputs(tree, flat, tokenizer, beta, num_iterations, device="cpu"):
+    prompt_ids, prompt_mask, completion_ids, completion_mask = (t.to(device) for t in _batch(tokenizer))
     inputs = {
         "prompt_ids": prompt_ids,
         "prompt_mask": prompt_mask,
         "completion_ids": completion_ids,
         "completion_mask": completion_mask,
-        "advantages": torch.tensor([1.0, -0.5, 0.3, -0.8, 0.9, -1.2, 0.0, 0.4]),
+        "advantages": torch.tensor([1.0, -0.5, 0.3, -0.8, 0.9, -1.2, 0.0, 0.4], device=device),
         "num_items_in_batch": completion_mask.sum(),
     }
     ids, mask = torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, completion_mask], 1)
     with torch.no_grad():
         current, _, _ = flat._get_per_token_logps_and_entropies(flat.model, ids, mask, COMPLETION_LEN)
     gen = torch.Generator().manual_seed(0)
-    noise = lambda scale: scale * torch.randn(current.shape, generator=gen) * completion_mask  # noqa: E731
+    noise = lambda scale: scale * torch.randn(current.shape, generator=gen).to(device) * completion_mask  # noqa: E731
     if num_iterations > 1:  # the policy moved since sampling: ratios away from 1, some clipped (epsilon=0.2)
         inputs["old_per_token_logps"] = current + noise(0.3)
     if beta:
@@ -133,12 +136,12 @@ def _loss_and_grads(trainer, inputs):
     return loss.detach(), grads
 
 
-def _assert_same(tree_result, flat_result):
+def _assert_same(tree_result, flat_result, tolerance=TOLERANCE[torch.float32]):
     (tree_loss, tree_grads), (flat_loss, flat_grads) = tree_result, flat_result
-    torch.testing.assert_close(tree_loss, flat_loss, **TOLERANCE[torch.float32])
+    torch.testing.assert_close(tree_loss, flat_loss, **tolerance)
     assert tree_grads.keys() == flat_grads.keys() and len(flat_grads) > 0
     for name, grad in flat_grads.items():
-        torch.testing.assert_close(tree_grads[name], grad, **TOLERANCE[torch.float32], msg=name)
+        torch.testing.assert_close(tree_grads[name], grad, **tolerance, msg=name)
     assert any(g.abs().max() > 0 for g in flat_grads.values())
 
 
@@ -170,6 +173,21 @@ def test_loss_and_grads_match_flat_trainer(tiny, tmp_path, loss_type, beta, num_
                 p_flat.add_(step)
         _assert_same(_loss_and_grads(tree, inputs), _loss_and_grads(flat, inputs))
         assert len(tree._metrics["train"]["tree_token_ratio"]) == 1  # the forest was built once
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "cispo"])
+def test_loss_and_grads_match_flat_trainer_on_cuda(tiny, tmp_path, loss_type):
+    """The CUDA path: BlockMask + compiled FlexAttention (+ TRL's Triton LM head) against TRL's flat forward."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    tree, flat = _pair(tiny, tmp_path, loss_type=loss_type, beta=0.04, num_iterations=2, use_cpu=False)
+    assert tree.model.device.type == "cuda"
+    inputs = _inputs(tree, flat, tiny[1], beta=0.04, num_iterations=2, device="cuda")
+    _assert_same(_loss_and_grads(tree, inputs), _loss_and_grads(flat, inputs), TOLERANCE_CUDA[torch.float32])
+    (entry,) = tree._tree_cache.values()
+    assert isinstance(entry[0][0]["attention_mask"], BlockMask)
+    assert tree._metrics["train"]["tree_fallback"] == [0.0]
 
 
 def test_entropy_bonus_gradient_matches(tiny, tmp_path):

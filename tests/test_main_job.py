@@ -60,3 +60,18 @@ def test_default_job_learns_within_ten_minutes(tmp_path):
     assert last >= first + 0.2, f"reward did not rise: first quarter {first:.3f}, last quarter {last:.3f}"
     assert max(entry["tree_token_ratio"] for entry in logs) < 0.6
     assert elapsed < 600
+
+
+@pytest.mark.multi_gpu
+def test_fsdp2_on_two_gpus(tmp_path):
+    """`accelerate launch --config_file trainers/configs/fsdp2.yaml trainers/grpo_tree.py` on 2 GPUs, shortened."""
+    config = REPO / "trainers" / "configs" / "fsdp2.yaml"
+    args = ["--max_steps", "20", "--logging_steps", "5", "--output_dir", str(tmp_path)]
+    env_args = ["--config_file", str(config), "--num_processes", "2"]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_DISABLE_TELEMETRY="1", NCCL_NVLS_ENABLE="0")
+    command = [sys.executable, "-m", "accelerate.commands.launch", *env_args, str(SCRIPT), *args]
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert (tmp_path / "model.safetensors").is_file() and (tmp_path / "trainer_state.json").is_file()
+    logs = [entry for entry in _log_history(tmp_path) if "reward" in entry]
+    assert logs and all(entry["tree_token_ratio"] < 0.6 and entry["tree_fallback"] == 0 for entry in logs)
