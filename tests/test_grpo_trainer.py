@@ -302,6 +302,11 @@ def _tree_trainer(model, tmp_path, tokenizer, **overrides):
     return TreeGRPOTrainer(model, toy_task.copy_letter_reward, args, train_dataset=dataset, processing_class=tokenizer)
 
 
+def test_split_groups_are_warned_about_with_the_fix(tiny, tmp_path):
+    with pytest.warns(UserWarning, match=r"per_device_train_batch_size=6 is not a multiple of num_generations=4"):
+        _tree_trainer(tiny[0], tmp_path, tiny[1], per_device_train_batch_size=6, gradient_accumulation_steps=2)
+
+
 def test_budget_too_small_for_the_prompts_fails_at_start(tiny, tmp_path):
     with pytest.raises(ValueError, match=r"max_tokens_per_mb=256 cannot hold one sequence.*max_tokens_per_mb=384"):
         _tree_trainer(tiny[0], tmp_path, tiny[1], max_tokens_per_mb=256)

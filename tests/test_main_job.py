@@ -47,6 +47,28 @@ def test_yaml_config_and_lora_adapter(tmp_path):
     assert json.loads((tmp_path / "trainer_state.json").read_text())["max_steps"] == 2  # the flag beat the YAML
 
 
+def test_real_run_flags_model_dataset_and_reward(tmp_path):
+    """`--model_name_or_path`, `--dataset_name` and `--reward_funcs <dotted path>` as in TRL's own grpo script."""
+    sys.path.insert(0, str(REPO))
+    from trainers import toy_task
+
+    model_dir, data_dir = tmp_path / "model", tmp_path / "data"
+    tokenizer = toy_task.build_tokenizer()
+    toy_task.build_model(tokenizer, seed=1).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    data_dir.mkdir()
+    toy_task.build_dataset(64, seed=1).to_json(data_dir / "train.jsonl")
+    args = ["--model_name_or_path", str(model_dir), "--dataset_name", str(data_dir)]
+    args += ["--reward_funcs", "trainers.toy_task.copy_letter_reward", "--per_device_train_batch_size", "8"]
+    args += ["--num_generations", "4", "--max_completion_length", "4", "--max_steps", "2", "--logging_steps", "1"]
+    args += ["--bf16", "false", "--use_cpu", "true", "--report_to", "none", "--output_dir", str(tmp_path / "out")]
+    _launch(*args, timeout=600)
+    logs = [entry for entry in _log_history(tmp_path / "out") if "reward" in entry]
+    assert len(logs) == 2 and all(entry["tree_fallback"] == 0 for entry in logs)
+    assert "rewards/copy_letter_reward/mean" in logs[0]
+    assert not (tmp_path / "out" / "initial_model").exists()  # a real model is not rebuilt
+
+
 @pytest.mark.slow
 def test_default_job_learns_within_ten_minutes(tmp_path):
     """The full default job: reward rises by >= 0.2 (last quarter of logs vs first) with tree_token_ratio < 0.6."""
