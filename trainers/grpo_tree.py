@@ -41,18 +41,6 @@ __all__ = ["TreeGRPOConfig", "TreeGRPOTrainer", "main"]
 
 logger = logging.getLogger(__name__)
 
-_MULTIMODAL_KWARGS = (
-    "pixel_values",
-    "image_grid_thw",
-    "num_images",
-    "pixel_attention_mask",
-    "spatial_shapes",
-    "num_tiles",
-    "image_sizes",
-    "token_type_ids",
-    "mm_token_type_ids",
-    "image_position_ids",
-)
 # Attention implementations whose non-tree behaviour `tree_flex` reproduces, so switching them is invisible.
 _SWITCHABLE_ATTN = (None, "sdpa", "eager")
 
@@ -405,7 +393,7 @@ def _select_tree_attention(model, args: TreeGRPOConfig):
 
 
 def embedded_defaults() -> dict:
-    """Training defaults of the embedded task (the tiny model learns it in a few minutes on 2 CPU cores).
+    """Training defaults of the embedded task (the tiny model learns it in about a minute on 2 CPU cores).
 
     Used only when no `--model_name_or_path` is given; the command line and `--config` still override them.
     """
