@@ -48,7 +48,7 @@ def test_unequal_forest_counts_across_ranks_do_not_hang(tmp_path):
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_DISABLE_TELEMETRY="1", OMP_NUM_THREADS="1")
     args = ["--max_steps", "3", "--max_tokens_per_mb", "384", "--beta", "0.04", "--num_iterations", "2"]
     args += ["--logging_steps", "1", "--disable_tqdm", "true", "--output_dir", str(tmp_path)]
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", __file__, *args]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__, *args]
     result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
