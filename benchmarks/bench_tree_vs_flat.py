@@ -179,14 +179,22 @@ def flat_packed_step(model, wl: Workload, budget: int, device) -> dict:
     return {"mask_s": mask_time}
 
 
+def flat_padded_tokens(wl: Workload, budget: int) -> int:
+    """Positions flat_padded computes: rows x padded width, summed over its micro-batches."""
+    lengths = [len(s) for s in wl.sequences]
+    return sum(len(b) * max(lengths[i] for i in b) for b in _token_budget_batches(lengths, budget, padded=True))
+
+
 def tree_step(model, wl: Workload, budget: int, device, fallback_ratio: float | None = None) -> dict:
-    """The tree path; with `fallback_ratio`, batches sharing too little (token ratio above it) go flat_padded."""
+    """The tree path. With `fallback_ratio` it decides like TreeGRPOTrainer (`tree_max_token_ratio`): when the
+    forests hold more than that fraction of the positions the flat padded forward computes, go flat_padded."""
     t0 = time.perf_counter()
-    if fallback_ratio is not None and hf_tree_attn.tree_token_ratio(wl.sequences) > fallback_ratio:
-        decided = time.perf_counter() - t0
-        return {**flat_padded_step(model, wl, budget, device), "pack_s": decided, "mask_s": 0.0, "micro_batches": 0}
     forests = hf_tree_attn.pack_forest(wl.sequences, max_tokens_per_mb=budget)
     pack_time = time.perf_counter() - t0
+    tree_tokens = sum(f.num_tree_tokens for f in forests)
+    if fallback_ratio is not None and tree_tokens > fallback_ratio * flat_padded_tokens(wl, budget):
+        decided = time.perf_counter() - t0
+        return {**flat_padded_step(model, wl, budget, device), "pack_s": decided, "mask_s": 0.0, "micro_batches": 0}
     prepared, mask_time = [], 0.0
     for forest in forests:
         rows = torch.cat([forest.positions(k)[wl.prompt_lengths[s] :] for k, s in enumerate(forest.seq_ids)])
@@ -212,7 +220,7 @@ def tree_step(model, wl: Workload, budget: int, device, fallback_ratio: float | 
 
 
 METHODS = {"flat_padded": flat_padded_step, "flat_packed": flat_packed_step, "tree": tree_step}
-FALLBACK_RATIO = 0.9  # TreeGRPOConfig's default sharing threshold
+FALLBACK_RATIO = 0.9  # TreeGRPOConfig.tree_max_token_ratio's default
 
 
 def time_method(fn, model, wl, budget, device, repeats: int) -> dict:
@@ -246,8 +254,9 @@ def grad_probe(model, fn, wl, budget, device) -> torch.Tensor:
 def build_model(name: str, device):
     torch.manual_seed(0)
     config = Qwen3Config(**MODELS[name], attention_dropout=0.0)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="tree_flex", dtype=torch.bfloat16)
-    model.to(device).train()
+    with device:  # random init on the GPU: an 8B init on the host takes minutes
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="tree_flex", dtype=torch.bfloat16)
+    model.train()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
 
@@ -336,7 +345,7 @@ def main():
                    "token_ceiling": 1 / flops["token_ratio"], "flop_ceiling": 1 / flops["flops_ratio"]}  # fmt: skip
             probes = {}
             methods = dict(METHODS)
-            if flops["token_ratio"] > FALLBACK_RATIO:  # what the trainer does: measure forced tree and the fallback
+            if flops["token_ratio"] > FALLBACK_RATIO:  # little sharing: the trainer's decision, and the forced tree
                 methods["tree_forced"] = tree_step
                 methods["tree"] = functools.partial(tree_step, fallback_ratio=FALLBACK_RATIO)
             for method, fn in methods.items():

@@ -232,6 +232,24 @@ def test_old_and_ref_logps_match_flat_and_reuse_the_forests(tiny, tmp_path):
     assert set(tree._metrics["train"]["tree_fallback"]) == {0.0}
 
 
+def test_fallback_decides_on_tree_tokens_against_flat_padded_tokens(tiny, tmp_path):
+    """No sharing and equal lengths: the tree would run as many tokens as flat, so the default falls back; uneven
+    lengths pad the flat rows, and the same sequences stay on the tree (padding-free packing)."""
+    tree, _ = _pair(tiny, tmp_path)
+    assert tree.args.tree_max_token_ratio == 0.9
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, 40, (4, 12), generator=gen)
+    full = torch.ones_like(ids)
+    with torch.no_grad():
+        tree._get_per_token_logps_and_entropies(tree.model, ids, full, 6)
+        uneven = full.clone()
+        uneven[1:, 8:] = 0  # three completions of 2 tokens instead of 6: flat still runs all 4 x 12 positions
+        tree._get_per_token_logps_and_entropies(tree.model, ids, uneven, 6)
+    metrics = tree._metrics["train"]
+    assert metrics["tree_compute_ratio"] == [1.0, 36 / 48]
+    assert metrics["tree_fallback"] == [1.0, 0.0]
+
+
 def test_little_sharing_falls_back_to_the_flat_path(tiny, tmp_path):
     tree, flat = _pair(tiny, tmp_path, tree_max_token_ratio=0.05)
     inputs = _inputs(tree, flat, tiny[1], beta=0.0, num_iterations=1)

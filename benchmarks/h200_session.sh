@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The GPU runs behind the committed results, stage by stage, as sent to the H200 machines (device tool):
+#   bash benchmarks/h200_session.sh fsdp parallel     # on nvidia-h200-x2: FSDP2 on both GPUs, then
+#       GPU 1: bench-small | GPU 0: tests, bench-large (separate GPUs; each ratio is measured within one process)
+# trl/datasets are not on that image: their wheels travel in .whl/ (see README "GPU machine").
+set -uo pipefail
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 TOKENIZERS_PARALLELISM=false NCCL_NVLS_ENABLE=0
+if [ -d .whl ] && [ ! -d /tmp/site/trl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    >/dev/null 2>&1 || exit 1
+fi
+export PYTHONPATH=/tmp/site:$PWD
+OUT=${OUT:-/tmp/h200_out}
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
+python3 -c "import torch, transformers, trl, peft, accelerate; print('torch', torch.__version__, 'transformers',
+transformers.__version__, 'trl', trl.__version__, 'peft', peft.__version__, 'accelerate', accelerate.__version__)"
+
+for stage in "$@"; do
+  echo "=== $stage"
+  case $stage in
+    tests)
+      timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ 2>&1 | tee "$OUT/gpu_tests.log" | tail -15 ;;
+    fsdp)
+      timeout 400 python3 -m accelerate.commands.launch --config_file trainers/configs/fsdp2.yaml trainers/grpo_tree.py \
+        --max_steps 60 --logging_steps 10 --output_dir /tmp/fsdp2_out 2>&1 | tee "$OUT/fsdp2_2gpu.log" \
+        | grep -vi warn | tail -25
+      ls /tmp/fsdp2_out | tee -a "$OUT/fsdp2_2gpu.log" ;;
+    bench-small)
+      timeout 500 python3 benchmarks/bench_tree_vs_flat.py --models qwen3-0.6b --scale 0.5 --e2e --recompile-check \
+        --repeats 2 --out "$OUT/tree_vs_flat_qwen3-0.6b.json" 2>&1 | grep -v -i warn ;;
+    bench-large)
+      timeout 200 python3 benchmarks/bench_tree_vs_flat.py --models qwen3-1.7b --scale 0.5 --repeats 2 \
+        --workloads grpo_G16_P4096_C512 --out "$OUT/tree_vs_flat_qwen3-1.7b.json" 2>&1 | grep -v -i warn
+      timeout 200 python3 benchmarks/bench_tree_vs_flat.py --models qwen3-8b --scale 0.25 --repeats 1 \
+        --workloads grpo_G16_P4096_C512 --out "$OUT/tree_vs_flat_qwen3-8b.json" 2>&1 | grep -v -i warn ;;
+    final)  # the re-measure after the fallback rule changed, and the larger shapes (one GPU each)
+      (CUDA_VISIBLE_DEVICES=1 timeout 150 python3 benchmarks/bench_tree_vs_flat.py --models qwen3-0.6b --scale 0.5 \
+         --repeats 2 --workloads no_sharing --out "$OUT/tree_vs_flat_qwen3-0.6b_no_sharing.json"
+       CUDA_VISIBLE_DEVICES=1 timeout 300 python3 benchmarks/bench_tree_vs_flat.py --models qwen3-1.7b --scale 0.5 \
+         --repeats 2 --workloads tau2_like_agent --out "$OUT/tree_vs_flat_qwen3-1.7b_agent.json"
+      ) > "$OUT/final_gpu1.log" 2>&1 &
+      CUDA_VISIBLE_DEVICES=0 timeout 420 python3 benchmarks/bench_tree_vs_flat.py --models qwen3-8b --scale 0.25 \
+        --repeats 1 --workloads grpo_G16_P4096_C512 --out "$OUT/tree_vs_flat_qwen3-8b.json" 2>&1 | grep -v -i warn
+      wait
+      grep -v -i warn "$OUT/final_gpu1.log" ;;
+    parallel)
+      CUDA_VISIBLE_DEVICES=1 bash "$0" bench-small > "$OUT/bench_small.log" 2>&1 &
+      CUDA_VISIBLE_DEVICES=0 bash "$0" tests bench-large
+      wait
+      tail -12 "$OUT/bench_small.log" ;;
+  esac
+done
