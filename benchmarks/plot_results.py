@@ -12,8 +12,8 @@ from pathlib import Path
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("result", type=Path)
-    parser.add_argument("--out", type=Path, default=None, help="PNG path (default: next to the JSON)")
+    parser.add_argument("results", type=Path, nargs="+")
+    parser.add_argument("--out", type=Path, default=None, help="PNG path (default: next to the first JSON)")
     args = parser.parse_args()
 
     import matplotlib
@@ -21,9 +21,14 @@ def main():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    data = json.loads(args.result.read_text())
-    runs = data["runs"]
-    labels = [f"{r['model']}\n{r['workload']}" for r in runs]
+    files = [json.loads(path.read_text()) for path in args.results]
+    data = files[0]
+    by_key = {}
+    for result in files:
+        for run in result["runs"]:
+            by_key[(run["model"], run["workload"])] = run
+    runs = list(by_key.values())
+    labels = [f"{r['model']}\n{r['workload'].removeprefix('grpo_')}" for r in runs]
     xs = range(len(runs))
     width = 0.2
     fig, ax = plt.subplots(figsize=(max(8, 1.3 * len(runs)), 5))
@@ -46,7 +51,7 @@ def main():
                  "(label: % of token ceiling)", fontsize=9)  # fmt: skip
     ax.legend(fontsize=8)
     fig.tight_layout()
-    out = args.out or args.result.with_suffix(".png")
+    out = args.out or args.results[0].with_suffix(".png")
     fig.savefig(out, dpi=130)
     print(out)
 
