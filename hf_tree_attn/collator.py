@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .logprobs import forest_forward_kwargs
 from .tree import PackedForest, pack_forest
 
 __all__ = ["TreeDataCollator", "TreeMicroBatch"]
@@ -78,13 +79,7 @@ class TreeMicroBatch(dict):
         """The micro-batch of `forest` with its tensors and mask on `device` (default: the forest's device)."""
         device = torch.device(device) if device is not None else forest.input_ids.device
         forest = forest.to(device)
-        inputs = {
-            "input_ids": forest.input_ids,
-            "position_ids": forest.position_ids,
-            "attention_mask": forest.attention_mask(device),
-            "tree_max_depth": forest.max_depth,
-            "use_cache": False,
-        }
+        inputs = forest_forward_kwargs(forest, device)
         fields = {name: value.to(device) for name, value in (fields or {}).items()}
         return cls(inputs, forest=forest, fields=fields, seq_fields=seq_fields)
 

@@ -81,21 +81,25 @@ class PackedForest:
         return self.seq_positions[start:end]
 
     def dense_mask(self, device: torch.device | str | None = None) -> torch.Tensor:
-        """Token-level ancestor-or-self mask `(1, 1, S, S)` bool (True = attend); for CPU and the SDPA path."""
+        """Token-level ancestor-or-self mask `(1, 1, S, S)` bool (True = attend) for CPU and the SDPA path; built
+        once per device and kept with the forest (S² bytes), like the `BlockMask`."""
         from .masks import dense_tree_mask
 
-        return dense_tree_mask(self.subtree_end.to(device or self.subtree_end.device))
+        return self._cached_mask("dense", device, dense_tree_mask)
 
     def block_mask(self, device: torch.device | str | None = None):
         """FlexAttention `BlockMask` of the tree mask, built once per device and reused by every layer."""
         from .masks import tree_block_mask
 
+        return self._cached_mask("block", device, tree_block_mask)
+
+    def _cached_mask(self, kind: str, device: torch.device | str | None, build):
         device = torch.device(device or self.subtree_end.device)
         if device.type == "cuda" and device.index is None:  # "cuda" and "cuda:0" must share one cached mask
             device = torch.device("cuda", torch.cuda.current_device())
-        if device not in self._mask_cache:
-            self._mask_cache[device] = tree_block_mask(self.subtree_end.to(device))
-        return self._mask_cache[device]
+        if (kind, device) not in self._mask_cache:
+            self._mask_cache[kind, device] = build(self.subtree_end.to(device))
+        return self._mask_cache[kind, device]
 
     def attention_mask(self, device: torch.device | str | None = None):
         """The mask to pass as `attention_mask=`: a `BlockMask` on CUDA, the dense bool mask elsewhere."""
