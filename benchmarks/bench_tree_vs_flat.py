@@ -248,7 +248,7 @@ def grad_probe(model, fn, wl, budget, device) -> torch.Tensor:
     names = ("embed_tokens", "layers.0.self_attn.q_proj", f"layers.{model.config.num_hidden_layers - 1}.mlp.down_proj")
     grads = [p.grad.float().flatten() for n, p in model.named_parameters() if any(k in n for k in names)]
     model.zero_grad(set_to_none=True)
-    return torch.cat(grads)
+    return torch.cat(grads).cpu()  # kept off the GPU: it must not count in the next method's peak memory
 
 
 def build_model(name: str, device):

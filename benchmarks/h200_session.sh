@@ -44,6 +44,10 @@ for stage in "$@"; do
         --repeats 1 --workloads grpo_G16_P4096_C512 --out "$OUT/tree_vs_flat_qwen3-8b.json" 2>&1 | grep -v -i warn
       wait
       grep -v -i warn "$OUT/final_gpu1.log" ;;
+    memory)  # re-measure after moving the gradient probes off the GPU (they inflated later methods' peaks)
+      timeout 170 python3 benchmarks/bench_tree_vs_flat.py --models qwen3-0.6b --scale 0.5 --repeats 1 \
+        --workloads no_sharing grpo_G16_P4096_C512 --out "$OUT/tree_vs_flat_qwen3-0.6b_memory.json" 2>&1 \
+        | grep -v -i warn ;;
     parallel)
       CUDA_VISIBLE_DEVICES=1 bash "$0" bench-small > "$OUT/bench_small.log" 2>&1 &
       CUDA_VISIBLE_DEVICES=0 bash "$0" tests bench-large
