@@ -248,7 +248,9 @@ def grad_probe(model, fn, wl, budget, device) -> torch.Tensor:
     names = ("embed_tokens", "layers.0.self_attn.q_proj", f"layers.{model.config.num_hidden_layers - 1}.mlp.down_proj")
     grads = [p.grad.float().flatten() for n, p in model.named_parameters() if any(k in n for k in names)]
     model.zero_grad(set_to_none=True)
-    return torch.cat(grads).cpu()  # kept off the GPU: it must not count in the next method's peak memory
+    # Kept off the GPU (it must not count in the next method's peak memory), in float64: a float32 cosine over
+    # ~10^8 entries on the CPU is off by ~1e-2.
+    return torch.cat(grads).cpu().double()
 
 
 def build_model(name: str, device):
