@@ -2,9 +2,11 @@
 
 The token at row `r` is predicted by the hidden state of its parent row `parent[r]`. A branching row predicts
 several children, and a row shared by many sequences is scored once: the LM head and log-softmax run only on
-the *unique parent rows* of the scored tokens, in row chunks, so the `(tokens, vocab)` logits never exist at
-once (under autograd each chunk is recomputed in backward rather than stored). Per-sequence values are then
-gathered from the per-row table; autograd sums the gradients of shared rows — exactly the flat gradient.
+the scored tree rows, in chunks, so the `(tokens, vocab)` logits never exist at once (under autograd each chunk
+is recomputed in backward rather than stored). With trl installed this is TRL's fused chunked kernel (one row
+per scored token; a branching parent repeats once per child), else a torch head over the unique parent rows.
+Per-sequence values are then gathered from the per-row table; autograd sums the gradients of shared rows —
+exactly the flat gradient.
 """
 
 from __future__ import annotations
