@@ -187,9 +187,9 @@ class TreeDataCollator:
         sequences, per_token, per_sequence = [], {}, {}
         for i, feature in enumerate(features):
             ids = torch.as_tensor(feature["input_ids"], dtype=torch.long)
-            full_len = ids.shape[0] if ids.ndim == 1 else -1
             if ids.ndim != 1:
                 raise ValueError(f"features[{i}]['input_ids'] has shape {tuple(ids.shape)}; it must be 1-D.")
+            full_len = ids.shape[0]
             keep = None
             if "attention_mask" in feature:
                 keep = torch.as_tensor(feature["attention_mask"]).bool()

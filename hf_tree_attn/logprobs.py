@@ -219,7 +219,8 @@ def lm_head_logprobs(
     Args:
         model: the causal LM whose output embedding (and `final_logit_softcapping`) to use.
         hidden: `(N, hidden)` final hidden states.
-        sources: `(E,)` long — row of `hidden` that predicts each target; repeated rows are computed once.
+        sources: `(E,)` long — row of `hidden` that predicts each target (the torch head computes a repeated row
+            once; TRL's kernel takes one row per target).
         targets: `(E,)` long — token ids to score.
         temperature, return_entropy: as in `forest_logprobs`.
         chunk_rows: rows per chunk of the plain-torch head. Default (None) uses TRL's fused chunked kernel when

@@ -205,12 +205,10 @@ def _first_fit_decreasing(sizes: list[int], budget: int | None) -> list[list[int
     return bins
 
 
-def _layout(arrays: list[np.ndarray], order: list[int], pad_multiple: int) -> PackedForest:
-    """DFS layout of the sequences `order` (already in lexicographic order) as one padded row."""
+def _layout(arrays: list[np.ndarray], order: list[int], lcp: np.ndarray, pad_multiple: int) -> PackedForest:
+    """DFS layout of the sequences `order` (in lexicographic order; `lcp[k]` = LCP of `order[k-1]` and
+    `order[k]`, 0 for the first) as one padded row."""
     seqs = [arrays[i] for i in order]
-    lcp = np.zeros(len(seqs), dtype=np.int64)
-    for k in range(1, len(seqs)):
-        lcp[k] = _common_prefix(seqs[k - 1], seqs[k])
     lengths = np.array([len(s) for s in seqs], dtype=np.int64)
     new = lengths - lcp
     offsets = np.concatenate([[0], np.cumsum(new)])
@@ -309,7 +307,18 @@ def pack_forest(
     for bin_runs in _first_fit_decreasing(sizes, max_tokens_per_mb):
         # Runs keep their lexicographic order so runs of one split trie that share a bin merge their prefix again.
         members = [k for r in sorted(bin_runs) for k in range(*runs[r])]
-        forests.append(_layout(arrays, [order[k] for k in members], pad_multiple))
+        # Neighbours in the global sorted order reuse its LCP; only a bin's run boundaries need a fresh one (0
+        # between tries, the shared prefix again where two runs of one split trie meet).
+        bin_lcp = np.array(
+            [
+                0 if j == 0
+                else lcp[k] if k == members[j - 1] + 1
+                else _common_prefix(arrays[order[members[j - 1]]], arrays[order[k]])
+                for j, k in enumerate(members)
+            ],
+            dtype=np.int64,
+        )  # fmt: skip
+        forests.append(_layout(arrays, [order[k] for k in members], bin_lcp, pad_multiple))
     return forests
 
 
