@@ -13,10 +13,24 @@ register()
 
 __version__ = "0.1.0"
 
+_TRAINER_CLASSES = ("TreeGRPOConfig", "TreeGRPOTrainer")
+
+
+def __getattr__(name: str):
+    # The trainer needs trl, which `import hf_tree_attn` must not: load it on first use.
+    if name in _TRAINER_CLASSES:
+        from . import trainer
+
+        return getattr(trainer, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
     "ATTN_IMPLEMENTATION",
     "PackedForest",
     "TreeDataCollator",
+    "TreeGRPOConfig",
+    "TreeGRPOTrainer",
     "TreeMicroBatch",
     "check_tree_model",
     "estimate_flops",

@@ -48,15 +48,16 @@ def _softcap_score_mod(softcap: float):
     return score_mod
 
 
-def _check_sliding_window(module: torch.nn.Module, sliding_window: int | None, tree_max_depth: int | None) -> None:
+def _check_sliding_window(module: torch.nn.Module, sliding_window: int | None, forest) -> None:
     """A tree is exact under a sliding window only if no token is `sliding_window` or more tokens deep."""
     if sliding_window is None:
         return
-    if tree_max_depth is None:
+    if forest is None:
         raise ValueError(
             f"Layer {getattr(module, 'layer_idx', '?')} uses sliding_window={sliding_window}, but the tree depth is "
-            "unknown. Pass `tree_max_depth=forest.max_depth` to the forward (TreeDataCollator does this)."
+            "unknown. Pass `tree_forest=forest` to the forward (`forest_forward_kwargs` and TreeDataCollator do this)."
         )
+    tree_max_depth = forest.max_depth
     if tree_max_depth >= sliding_window:
         raise ValueError(
             f"Layer {getattr(module, 'layer_idx', '?')} uses sliding_window={sliding_window}, but the packed tree "
@@ -116,7 +117,8 @@ def tree_flex_attention(
             or `None`.
         scaling: softmax scale (Gemma2/3 pass `query_pre_attn_scalar ** -0.5`).
         dropout: must be 0 — FlexAttention has no dropout, and a tree forward must be deterministic.
-        **kwargs: `softcap`, `sliding_window` (from the model), `tree_max_depth` (from the collator),
+        **kwargs: `softcap`, `sliding_window` (from the model), `tree_forest` (the `PackedForest`, from
+            `forest_forward_kwargs` / the collator),
             `kernel_options` (FlexAttention).
 
     Returns:
@@ -133,12 +135,12 @@ def tree_flex_attention(
             "implement. Load this model with its stock attn_implementation and train it without tree packing."
         )
     softcap = kwargs.get("softcap")
-    tree_max_depth = kwargs.get("tree_max_depth")
+    forest = kwargs.get("tree_forest")
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
 
     if isinstance(attention_mask, BlockMask):
-        _check_sliding_window(module, kwargs.get("sliding_window"), tree_max_depth)
+        _check_sliding_window(module, kwargs.get("sliding_window"), forest)
         if query.device.type == "cpu" and torch.is_grad_enabled() and query.requires_grad:
             raise RuntimeError(
                 "tree_flex got a BlockMask on CPU in a forward that needs gradients, but FlexAttention has no "
@@ -163,8 +165,8 @@ def tree_flex_attention(
         )
         return out.transpose(1, 2).contiguous(), None
 
-    if tree_max_depth is not None:
-        _check_sliding_window(module, kwargs.get("sliding_window"), tree_max_depth)
+    if forest is not None:
+        _check_sliding_window(module, kwargs.get("sliding_window"), forest)
     if softcap is not None:
         return _eager_attention(module, query, key, value, attention_mask, scaling, softcap), None
     return sdpa_attention_forward(

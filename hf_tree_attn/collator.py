@@ -39,9 +39,9 @@ class TreeMicroBatch(dict):
     """Model inputs of one packed forest, plus the map back to the original rows.
 
     Keys (all `model(**mb)` inputs): `input_ids` `(1, S)` long, `position_ids` `(1, S)` long (depth),
-    `attention_mask` (a `BlockMask` on CUDA, a `(1, 1, S, S)` bool tensor elsewhere), `tree_max_depth` (int, for
-    sliding-window layers) and `use_cache=False`. `labels` is never a key: the model's own shifted loss would read
-    the DFS row as one sequence. Use `mb.fields["labels"]` with `mb.forest.parent` instead.
+    `attention_mask` (a `BlockMask` on CUDA, a `(1, 1, S, S)` bool tensor elsewhere), `tree_forest` (the
+    `PackedForest`, read by the attention layers) and `use_cache=False`. `labels` is never a key: the model's own
+    shifted loss would read the DFS row as one sequence. Use `mb.fields["labels"]` with `mb.forest.parent` instead.
 
     Attributes:
         forest: the `PackedForest`.

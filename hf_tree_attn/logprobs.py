@@ -82,12 +82,14 @@ def check_tree_model(model: torch.nn.Module) -> None:
 
 
 def forest_forward_kwargs(forest: PackedForest, device: torch.device | str) -> dict:
-    """`model(**kwargs)` inputs for one forest on `device`: ids, depth position ids and the tree mask."""
+    """`model(**kwargs)` inputs for one forest on `device`: ids, depth position ids, the tree mask, and the forest
+    itself as `tree_forest` (it reaches every attention call through transformers' kwargs: per-layer masks and
+    the tree's depth come from it)."""
     return {
         "input_ids": forest.input_ids.to(device),
         "position_ids": forest.position_ids.to(device),
         "attention_mask": forest.attention_mask(device),
-        "tree_max_depth": forest.max_depth,
+        "tree_forest": forest,
         "use_cache": False,
     }
 

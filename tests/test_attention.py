@@ -122,7 +122,7 @@ def _forest_kwargs(forest, mask):
         input_ids=forest.input_ids,
         position_ids=forest.position_ids,
         attention_mask=mask,
-        tree_max_depth=forest.max_depth,
+        tree_forest=forest,
         use_cache=False,
     )
 
@@ -154,7 +154,7 @@ def test_block_mask_with_sliding_window_needs_tree_depth(tree_inputs):
     _, forest, block_mask = tree_inputs
     model = tiny_model("gemma2")
     kwargs = _forest_kwargs(forest, block_mask)
-    del kwargs["tree_max_depth"]
+    del kwargs["tree_forest"]
     with torch.no_grad(), pytest.raises(ValueError, match=r"sliding_window=256, but the tree depth is unknown"):
         model(**kwargs)
 

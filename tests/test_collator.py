@@ -19,11 +19,11 @@ TINY = [
 def test_tiny_example_layout():
     (mb,) = TreeDataCollator()(TINY)
     assert isinstance(mb, TreeMicroBatch)
-    assert set(mb) == {"input_ids", "position_ids", "attention_mask", "tree_max_depth", "use_cache"}
+    assert set(mb) == {"input_ids", "position_ids", "attention_mask", "tree_forest", "use_cache"}
     assert mb["input_ids"][0, :5].tolist() == [5, 6, 7, 8, 9]
     assert mb["position_ids"][0, :5].tolist() == [0, 1, 2, 3, 2]
     assert mb["attention_mask"].shape == (1, 1, 128, 128) and mb["attention_mask"].dtype == torch.bool
-    assert mb["tree_max_depth"] == 3 and mb["use_cache"] is False
+    assert mb["tree_forest"] is mb.forest and mb.forest.max_depth == 3 and mb["use_cache"] is False
     assert mb.seq_ids == [0, 1]
     assert mb.positions.tolist() == [0, 1, 2, 3, 0, 1, 4]
     assert mb.seq_index.tolist() == [0, 0, 0, 0, 1, 1, 1]

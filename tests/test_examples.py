@@ -178,7 +178,7 @@ def test_docs_config_fields_match_tree_grpo_config():
 
     from trl import GRPOConfig
 
-    from trainers.grpo_tree import TreeGRPOConfig
+    from hf_tree_attn.trainer import TreeGRPOConfig
 
     text = (ROOT / "docs" / "how_it_works.md").read_text()
     section = text.split("## Config fields", 1)[1].split("\n## ", 1)[0]

@@ -7,8 +7,8 @@ from peft.tuners.lora import LoraLayer
 from trl import GRPOConfig, GRPOTrainer
 from trl.trainer.utils import use_adapter
 
+from hf_tree_attn.trainer import TreeGRPOConfig, TreeGRPOTrainer
 from trainers import toy_task
-from trainers.grpo_tree import TreeGRPOConfig, TreeGRPOTrainer
 
 
 @pytest.fixture(scope="module")

@@ -13,8 +13,8 @@ import pytest
 import torch
 from trl import GRPOConfig, GRPOTrainer
 
+from hf_tree_attn.trainer import TreeGRPOConfig, TreeGRPOTrainer
 from trainers import toy_task
-from trainers.grpo_tree import TreeGRPOConfig, TreeGRPOTrainer
 
 # Tolerances by device and dtype: the tree and flat forwards are the same math in a different order (on CUDA also
 # different kernels: compiled FlexAttention against SDPA, TRL's Triton LM head against its torch fallback).

@@ -1,0 +1,322 @@
+"""`TreeGRPOTrainer`: TRL's GRPO trainer with its log-probability forwards on packed prefix trees.
+
+The trainer overrides one hook, `_get_per_token_logps_and_entropies`: the old-policy, reference and policy
+log-probabilities (and entropies) of a chunk of TRL's padded rows come from one forward over the chunk's prefix
+forest instead of one padded row per completion. Everything else — generation, rewards, advantages, every
+`loss_type`, KL, clipping, metrics — is TRL's own code on the same `(B, C)` tensors. The forest of a micro-batch is
+built once per generation batch and reused by the old-policy, reference and every policy forward
+(`num_iterations`). `_prepare_inputs` is overridden only to keep each prompt's completions in one micro-batch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import warnings
+
+import torch
+from trl import GRPOTrainer
+from trl.extras.profiling import profiling_decorator
+from trl.trainer.utils import split_pixel_values_by_grid, split_tensor_dict, unsplit_pixel_values_by_grid
+
+from ..attention import ATTN_IMPLEMENTATION
+from ..collator import TreeDataCollator
+from ..logprobs import check_tree_model, forest_logprobs
+from ..metrics import estimate_flops
+from ..tree import pack_forest
+from .grpo_config import TreeGRPOConfig
+
+__all__ = ["TreeGRPOTrainer"]
+
+logger = logging.getLogger(__name__)
+
+# Attention implementations whose non-tree behaviour `tree_flex` reproduces, so switching them is invisible.
+_SWITCHABLE_ATTN = (None, "sdpa", "eager")
+
+
+class TreeGRPOTrainer(GRPOTrainer):
+    """`trl.GRPOTrainer` whose log-probability forwards run on packed prefix trees (see the module docstring).
+
+    Takes the same arguments as `trl.GRPOTrainer`; `args` must be a `TreeGRPOConfig`. With `tree_packing=True` the
+    model must use `attn_implementation="tree_flex"`: a model path gets it automatically (unless
+    `model_init_kwargs` names another implementation, which is an error), and a model instance loaded with `sdpa`
+    / `eager` is switched to it (`tree_flex` runs plain forwards and `generate` through SDPA, so nothing else
+    changes). Other implementations (flash attention, …) raise.
+    """
+
+    def __init__(self, model, reward_funcs=None, args: TreeGRPOConfig | None = None, **kwargs):
+        if args is None:
+            name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "") or "model"
+            args = TreeGRPOConfig(f"{name.split('/')[-1]}-TreeGRPO")
+        if not isinstance(args, TreeGRPOConfig):
+            raise TypeError(
+                f"args is a {type(args).__name__}; TreeGRPOTrainer needs a TreeGRPOConfig (same fields plus "
+                "tree_packing, max_tokens_per_mb, tree_max_token_ratio): `TreeGRPOConfig(**your_kwargs)`."
+            )
+        if args.tree_packing:
+            model = _select_tree_attention(model, args)
+        super().__init__(model, reward_funcs, args, **kwargs)
+        self._tree_cache: dict[str, list | None] = {}
+        self._tree_collator = TreeDataCollator(args.max_tokens_per_mb, device=self.accelerator.device)
+        if args.tree_packing:
+            check_tree_model(self.model)
+            if self.ref_model is not None:
+                check_tree_model(self.ref_model)
+            self._check_sequence_budget()
+            if args.per_device_train_batch_size % self.num_generations:
+                warnings.warn(
+                    f"per_device_train_batch_size={args.per_device_train_batch_size} is not a multiple of "
+                    f"num_generations={self.num_generations}: some prompts' completions are split across "
+                    "micro-batches. Still exact, but those prompts are computed once per micro-batch. Use "
+                    f"per_device_train_batch_size={self.num_generations} (or a multiple) and raise "
+                    "gradient_accumulation_steps to keep the effective batch.",
+                    stacklevel=2,
+                )
+
+    def _check_sequence_budget(self) -> None:
+        """Fail at start, not mid-run, if `max_tokens_per_mb` cannot hold a prompt plus a full completion."""
+        budget = self.args.max_tokens_per_mb
+        dataset = self.train_dataset
+        if budget is None or self._is_vlm or self.environment_factories is not None:
+            return
+        if not hasattr(dataset, "select") or "prompt" not in (dataset.column_names or []):
+            return
+        sample = dataset.select(range(min(len(dataset), 256)))["prompt"]
+        prompt_ids, _, _ = self._tokenize_prompts(list(sample))
+        longest = max(len(ids) for ids in prompt_ids) + self.max_completion_length
+        if longest > budget:
+            fix = -(-longest // 128) * 128
+            raise ValueError(
+                f"max_tokens_per_mb={budget} cannot hold one sequence: the longest of the first {len(sample)} "
+                f"prompts plus max_completion_length={self.max_completion_length} is {longest} tokens. Use "
+                f"max_tokens_per_mb={fix} (or more), or None for one forest per chunk."
+            )
+
+    @profiling_decorator
+    def _prepare_inputs(self, generation_batch):
+        """TRL's `_prepare_inputs`, except that the generation batch is split in sampler order.
+
+        TRL shuffles the rows before splitting them into `steps_per_generation` micro-batches, which scatters each
+        prompt's completions (consecutive in `RepeatSampler` order) over different micro-batches; here only the
+        order of the micro-batches is shuffled, so a prompt's group stays in one forest. Prompts are already
+        shuffled by the sampler.
+        """
+        if not self.args.tree_packing:
+            return super()._prepare_inputs(generation_batch)
+        mode = "train" if self.model.training else "eval"
+        if mode == "train":
+            generate_every = self.args.steps_per_generation * self.num_iterations
+            if self._step % generate_every == 0 or self._buffered_inputs is None:
+                self._tree_cache.clear()
+                generation_batch = self._generate_and_score_completions(generation_batch)
+                generation_batch = split_pixel_values_by_grid(generation_batch)
+                batches = split_tensor_dict(generation_batch, self.args.steps_per_generation)
+                order = torch.randperm(len(batches)).tolist()
+                self._buffered_inputs = [unsplit_pixel_values_by_grid(batches[i]) for i in order]
+            return self._buffered_inputs[self._step % self.args.steps_per_generation]
+        self._tree_cache.clear()
+        return self._generate_and_score_completions(generation_batch)
+
+    @profiling_decorator
+    def _get_per_token_logps_and_entropies(
+        self,
+        model,
+        input_ids,
+        attention_mask,
+        logits_to_keep,
+        batch_size=None,
+        compute_entropy=False,
+        compute_aux_loss=False,
+        pixel_values=None,
+        image_grid_thw=None,
+        num_images=None,
+        pixel_attention_mask=None,
+        spatial_shapes=None,
+        num_tiles=None,
+        image_sizes=None,
+        token_type_ids=None,
+        mm_token_type_ids=None,
+        image_position_ids=None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """TRL's hook, on packed trees: `(logps (B, C), entropies (B, C) | None, aux_loss | None)`, 0 at padding.
+
+        `input_ids` / `attention_mask` are `(B, P + C)`: left-padded prompts then right-padded completions, `C =
+        logits_to_keep`. Rows are chunked by `batch_size` exactly as TRL does; each chunk is one cached set of
+        forests. Multimodal inputs, the MoE aux loss, an unusual padding layout, or too little sharing
+        (`tree_max_token_ratio`) take TRL's flat path.
+        """
+        multimodal = dict(
+            pixel_values=pixel_values,
+            image_grid_thw=image_grid_thw,
+            num_images=num_images,
+            pixel_attention_mask=pixel_attention_mask,
+            spatial_shapes=spatial_shapes,
+            num_tiles=num_tiles,
+            image_sizes=image_sizes,
+            token_type_ids=token_type_ids,
+            mm_token_type_ids=mm_token_type_ids,
+            image_position_ids=image_position_ids,
+        )
+        mode = "train" if self.model.training else "eval"
+        if not self.args.tree_packing or compute_aux_loss or any(v is not None for v in multimodal.values()):
+            if self.args.tree_packing:
+                self._metrics[mode]["tree_fallback"].append(1.0)
+            return super()._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
+                **multimodal,
+            )  # fmt: skip
+
+        batch_size = batch_size or input_ids.size(0)
+        all_logps, all_entropies = [], []
+        for start in range(0, input_ids.size(0), batch_size):
+            ids, mask = input_ids[start : start + batch_size], attention_mask[start : start + batch_size]
+            packed = self._packed_chunk(ids, mask, logits_to_keep, mode)
+            self._metrics[mode]["tree_fallback"].append(float(packed is None))
+            missing = self._missing_forwards(1 if packed is None else len(packed))  # agree before any forward
+            if packed is None:
+                logps, entropies, _ = super()._get_per_token_logps_and_entropies(
+                    model, ids, mask, logits_to_keep, compute_entropy=compute_entropy
+                )
+            else:
+                logps, entropies = self._tree_logps(model, packed, ids.size(0), logits_to_keep, compute_entropy)
+            if missing:
+                logps = logps + self._idle_forwards(model, missing)
+            all_logps.append(logps)
+            all_entropies.append(entropies)
+        logps = torch.cat(all_logps, dim=0)
+        entropies = torch.cat(all_entropies, dim=0) if compute_entropy else None
+        return logps, entropies, None
+
+    def _packed_chunk(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int, mode: str):
+        """Cached forests of one chunk of padded rows, or None when the chunk must take the flat path.
+
+        Returns a list of `(micro_batch, rows, row_of, col_of, source_rows)`: forest rows to score `(R,)` unique, and
+        for every scored completion token its chunk row `(E,)`, completion column `(E,)` and forest row `(E,)`.
+        """
+        ids = input_ids.detach().cpu()
+        mask = attention_mask.detach().cpu().bool()
+        key = hashlib.blake2b(
+            ids.numpy().tobytes() + mask.numpy().tobytes() + repr((tuple(ids.shape), logits_to_keep)).encode(),
+            digest_size=16,
+        ).hexdigest()
+        if key in self._tree_cache:
+            return self._tree_cache[key]
+
+        num_rows, width = ids.shape
+        prompt_width = width - logits_to_keep
+        prompt_mask, completion_mask = mask[:, :prompt_width], mask[:, prompt_width:]
+        prompt_lengths, completion_lengths = prompt_mask.sum(1), completion_mask.sum(1)
+        # The tree holds each row's tokens back to back, so they must be exactly TRL's layout: a left-padded prompt
+        # (a suffix of ones) then a right-padded completion (a prefix of ones), and a scored token needs a parent.
+        left_padded = (prompt_mask == (torch.arange(prompt_width) >= prompt_width - prompt_lengths[:, None])).all()
+        right_padded = (completion_mask == (torch.arange(logits_to_keep) < completion_lengths[:, None])).all()
+        orphan = ((prompt_lengths == 0) & (completion_lengths > 0)).any()
+        if not (left_padded and right_padded) or orphan:
+            self._tree_cache[key] = None
+            return None
+
+        if len(self._tree_cache) >= max(16, 2 * self.args.steps_per_generation):
+            self._tree_cache.pop(next(iter(self._tree_cache)))  # callers outside the training loop: stay bounded
+        features, sequences, scored_prompt_lengths = [], [], []
+        for b in range(num_rows):
+            seq = ids[b][mask[b]]
+            if len(seq) == 0:
+                continue  # a fully padded row scores nothing (TRL returns zeros for it too)
+            p, c = int(prompt_lengths[b]), int(completion_lengths[b])
+            column = torch.cat([torch.full((p,), -1), torch.arange(c)])
+            features.append({"input_ids": seq, "row": b, "column": column})
+            sequences.append(seq)
+            scored_prompt_lengths.append(p)
+        if not features:
+            self._tree_cache[key] = None
+            return None
+        total = sum(len(s) for s in sequences)
+        micro_batches = self._tree_collator(features)
+        tree_tokens = sum(mb.forest.num_tree_tokens for mb in micro_batches)
+        ratio = tree_tokens / total
+        # What the tree computes against what TRL's flat forward computes (every padded position of every row).
+        compute_ratio = tree_tokens / ids.numel()
+        config = self.accelerator.unwrap_model(self.model).config.get_text_config()
+        flops = estimate_flops(config, sequences, prompt_lengths=scored_prompt_lengths)
+        self._metrics[mode]["tree_token_ratio"].append(ratio)
+        self._metrics[mode]["tree_compute_ratio"].append(compute_ratio)
+        self._metrics[mode]["tree_flops_saved"].append(flops["flops_saved"])
+
+        if compute_ratio > self.args.tree_max_token_ratio:
+            self._tree_cache[key] = None
+            return None
+        packed = []
+        for mb in micro_batches:
+            scored = mb.fields["column"] >= 0
+            source_rows = mb.positions.to(scored.device)[scored]
+            row_of, col_of = mb.fields["row"][scored], mb.fields["column"][scored]
+            packed.append((mb, torch.unique(source_rows), row_of, col_of, source_rows))
+        self._tree_cache[key] = packed
+        return packed
+
+    def _missing_forwards(self, num_forwards: int) -> int:
+        """How many forwards this rank is short of the busiest rank for the current chunk.
+
+        FSDP (all-gathers per forward) and DDP (buffer broadcasts) need every rank to run the same number of
+        forwards. Without a token budget a chunk is always one forward (one forest, or TRL's flat call); with one,
+        ranks can pack their chunk into different numbers of forests.
+        """
+        if self.accelerator.num_processes == 1 or self.args.max_tokens_per_mb is None:
+            return 0
+        counts = self.accelerator.gather(torch.tensor([num_forwards], device=self.accelerator.device))
+        return int(counts.max()) - num_forwards
+
+    def _idle_forwards(self, model, count: int) -> torch.Tensor:
+        """`count` forwards of a 2-token forest whose result enters the graph with weight 0 (a scalar 0)."""
+        pad = self._tokenizer.pad_token_id or 0
+        (forest,) = pack_forest([[pad, pad]])
+        forest = forest.to(self.accelerator.device)
+        total = torch.zeros((), device=self.accelerator.device)
+        for _ in range(count):
+            with self.accelerator.autocast():
+                table, _ = forest_logprobs(model, forest, temperature=self.temperature)
+            total = total + table.sum()
+        return 0.0 * total
+
+    def _tree_logps(self, model, packed: list, num_rows: int, logits_to_keep: int, compute_entropy: bool):
+        """Score the forests of one chunk and scatter into `(num_rows, logits_to_keep)` (0 at padding)."""
+        device = self.accelerator.device
+        logps = torch.zeros(num_rows, logits_to_keep, dtype=torch.float32, device=device)
+        entropies = torch.zeros_like(logps) if compute_entropy else None
+        for mb, rows, row_of, col_of, source_rows in packed:
+            with self.accelerator.autocast():
+                table, entropy_table = forest_logprobs(
+                    model, mb.forest, rows=rows, temperature=self.temperature, return_entropy=compute_entropy
+                )
+            logps = logps.index_put((row_of, col_of), table[source_rows])
+            if compute_entropy:
+                entropies = entropies.index_put((row_of, col_of), entropy_table[source_rows])
+        return logps, entropies
+
+
+def _select_tree_attention(model, args: TreeGRPOConfig):
+    """Make the policy (and so TRL's reference model, built with the policy's implementation) use `tree_flex`."""
+    if isinstance(model, str):
+        model_init_kwargs = dict(args.model_init_kwargs or {})
+        impl = model_init_kwargs.get("attn_implementation")
+        if impl not in (None, ATTN_IMPLEMENTATION):
+            raise ValueError(
+                f"model_init_kwargs['attn_implementation']={impl!r}, but tree_packing needs {ATTN_IMPLEMENTATION!r} "
+                "(it runs ordinary forwards and generate through SDPA). Drop --attn_implementation / the "
+                "model_init_kwargs entry to get it automatically, or set tree_packing=False."
+            )
+        model_init_kwargs["attn_implementation"] = ATTN_IMPLEMENTATION
+        args.model_init_kwargs = model_init_kwargs
+        return model
+    impl = getattr(model.config, "_attn_implementation", None)
+    if impl == ATTN_IMPLEMENTATION:
+        return model
+    if impl not in _SWITCHABLE_ATTN:
+        raise ValueError(
+            f"The model uses attn_implementation={impl!r}, but tree_packing needs {ATTN_IMPLEMENTATION!r}. Load it "
+            f"with attn_implementation={ATTN_IMPLEMENTATION!r} (after `import hf_tree_attn`), or set "
+            "tree_packing=False."
+        )
+    logger.info("Switching the model from attn_implementation=%r to %r for tree packing.", impl, ATTN_IMPLEMENTATION)
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    return model
