@@ -5,8 +5,9 @@
 
 from .attention import ATTN_IMPLEMENTATION, register, tree_flex_attention
 from .collator import TreeDataCollator, TreeMicroBatch
-from .logprobs import check_tree_model, forest_logprobs, gather_sequences, pad_sequences, sequence_logprobs
+from .logprobs import forest_logprobs, gather_sequences, pad_sequences, sequence_logprobs
 from .metrics import estimate_flops
+from .support import check_tree_model, tree_support_error
 from .tree import PackedForest, pack_forest, tree_token_ratio
 
 register()
@@ -41,5 +42,6 @@ __all__ = [
     "register",
     "sequence_logprobs",
     "tree_flex_attention",
+    "tree_support_error",
     "tree_token_ratio",
 ]

@@ -1,15 +1,20 @@
-"""`attn_implementation="tree_flex"`: the attention function registered in transformers' `AttentionInterface`.
+"""`attn_implementation="tree_flex"`: the attention and mask functions registered with transformers.
 
-What it does depends only on the `attention_mask` the model hands it:
+Two registrations, one per interface:
 
-- a `BlockMask` (a packed forest on CUDA) → compiled FlexAttention, GQA via `enable_gqa`, Gemma2's softcap
-  as a `score_mod`;
-- a 4-D tensor (the forest's dense bool mask on CPU, or an ordinary padding mask) or `None` → exactly the
-  `sdpa` path (or HF's eager math for softcap models, which SDPA cannot express).
+- `tree_flex_mask` (`AttentionMaskInterface`) is what the model's own mask builders (`create_causal_mask`,
+  `create_sliding_window_causal_mask`, `create_chunked_causal_mask`, …) call with each layer kind's flat mask
+  function. Given a forest's `attention_mask` (see `PackedForest.attention_mask`) it returns that layer kind's
+  *tree* mask — the flat mask read at depths, intersected with ancestor-or-self (`hf_tree_attn.masks`) — so
+  sliding windows, chunks and whatever else a model puts in its masks carry over to trees with the model's own
+  conventions. Given anything else it returns exactly what `sdpa` (or `eager`, for softcap models) would.
+- `tree_flex_attention` (`AttentionInterface`) runs whatever mask it gets: a `BlockMask` → compiled
+  FlexAttention (GQA via `enable_gqa`, softcap as a `score_mod`, attention sinks folded in through the returned
+  log-sum-exp); a dense mask or `None` → exactly the `sdpa` path, or HF's eager math for softcap and sink models.
 
-So one model object serves tree training and ordinary forwards / `generate`. The mask function is registered
-too (`AttentionMaskInterface`): without it transformers hands every forward `attention_mask=None`, and padded
-batches and left-padded `generate` would silently attend to padding.
+So one model object serves tree training and ordinary forwards / `generate`: without a forest, `tree_flex` is
+`sdpa` (eager where the model has no SDPA). Models whose attention bypasses `AttentionInterface` (MPT, Bloom,
+XGLM, …) would silently misuse the mask, so their first forward raises.
 """
 
 from __future__ import annotations
@@ -22,20 +27,39 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.masking_utils import eager_mask, sdpa_mask
 
-__all__ = ["ATTN_IMPLEMENTATION", "register", "tree_flex_attention", "tree_flex_mask"]
+from .masks import mask_tag
+
+__all__ = ["ATTN_IMPLEMENTATION", "bypasses_attention_interface", "register", "tree_flex_attention", "tree_flex_mask"]
 
 ATTN_IMPLEMENTATION = "tree_flex"
+
+# Config fields that restrict which earlier positions a layer sees (a sliding window, a chunk): the forest's plain
+# ancestor-or-self mask handed to every layer would silently drop them.
+_WINDOW_FIELDS = ("sliding_window", "attention_chunk_size")
 
 _compiled_flex_attention = None
 
 
-def _flex_attention(*args, **kwargs):
+def _flex_attention(query, key, value, return_lse: bool = False, **kwargs):
+    """FlexAttention, compiled once; `(out, lse | None)` with `lse` `(batch, heads, q_len)` float32 (natural log)."""
     global _compiled_flex_attention
-    if torch.compiler.is_compiling():  # already inside a compiled region: let the outer compile fuse it
-        return flex_attention(*args, **kwargs)
-    if _compiled_flex_attention is None:
-        _compiled_flex_attention = torch.compile(flex_attention, dynamic=None)
-    return _compiled_flex_attention(*args, **kwargs)
+    if return_lse:
+        from torch.nn.attention.flex_attention import AuxRequest
+
+        kwargs["return_aux"] = AuxRequest(lse=True)
+    # Inside a compiled region the outer compile fuses it; compiled CPU flex has no LSE output (CPU flex is
+    # inference-only anyway), so that one case runs the eager reference implementation.
+    if torch.compiler.is_compiling() or (return_lse and query.device.type == "cpu"):
+        fn = flex_attention
+    else:
+        if _compiled_flex_attention is None:
+            _compiled_flex_attention = torch.compile(flex_attention, dynamic=None)
+        fn = _compiled_flex_attention
+    out = fn(query, key, value, **kwargs)
+    if return_lse:
+        out, aux = out
+        return out, aux.lse
+    return out, None
 
 
 @functools.cache
@@ -48,37 +72,19 @@ def _softcap_score_mod(softcap: float):
     return score_mod
 
 
-def _check_sliding_window(module: torch.nn.Module, sliding_window: int | None, forest) -> None:
-    """A tree is exact under a sliding window only if no token is `sliding_window` or more tokens deep."""
-    if sliding_window is None:
-        return
-    if forest is None:
-        raise ValueError(
-            f"Layer {getattr(module, 'layer_idx', '?')} uses sliding_window={sliding_window}, but the tree depth is "
-            "unknown. Pass `tree_forest=forest` to the forward (`forest_forward_kwargs` and TreeDataCollator do this)."
-        )
-    tree_max_depth = forest.max_depth
-    if tree_max_depth >= sliding_window:
-        raise ValueError(
-            f"Layer {getattr(module, 'layer_idx', '?')} uses sliding_window={sliding_window}, but the packed tree "
-            f"holds a sequence {tree_max_depth + 1} tokens long, which the window would cut. tree_flex supports "
-            f"sliding-window layers only for sequences of at most {sliding_window} tokens: truncate them, or train "
-            "this model without tree packing."
-        )
-
-
 def _eager_attention(
-    module: torch.nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
     attention_mask: torch.Tensor | None,
     scaling: float,
     softcap: float | None,
+    sinks: torch.Tensor | None,
 ) -> torch.Tensor:
     """HF's eager attention math (`(batch, heads, seq, head_dim)` in, `(batch, seq, heads, head_dim)` out).
 
     `attention_mask` is `(batch, 1, q_len, kv_len)`, bool (True = attend) or additive float; `None` = causal.
+    `sinks` `(heads,)`: one extra logit per head in the softmax normaliser whose value column is dropped (GPT-OSS).
     """
     key = repeat_kv(key, query.shape[1] // key.shape[1])
     value = repeat_kv(value, query.shape[1] // value.shape[1])
@@ -91,9 +97,62 @@ def _eager_attention(
     if attention_mask.dtype == torch.bool:
         scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
     else:
-        scores = scores + attention_mask
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+        scores = scores + attention_mask[..., : key.shape[2]]
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    else:  # as GPT-OSS's eager attention: the sink joins the softmax, then its column is dropped
+        sink = sinks.reshape(1, -1, 1, 1).expand(query.shape[0], -1, query.shape[2], -1).to(scores.dtype)
+        combined = torch.cat([scores, sink], dim=-1)
+        combined = combined - combined.max(dim=-1, keepdim=True).values
+        probs = torch.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1].to(value.dtype)
     return torch.matmul(probs, value).transpose(1, 2).contiguous()
+
+
+def _check_forest_mask(module: torch.nn.Module, attention_mask, tag, forest) -> None:
+    """A forward that carries `tree_forest` must get tree masks of that forest, not a flat mask."""
+    if tag is not None and (tag.role == "full" or (tag.role == "layer" and tag.source.cache is forest._mask_cache)):
+        return
+    got = type(attention_mask).__name__ if attention_mask is not None else "None"
+    raise RuntimeError(
+        f"Layer {getattr(module, 'layer_idx', '?')} of {type(module).__name__} got attention_mask={got} instead of "
+        "a tree mask of the `tree_forest` passed to this forward. Pass the forest's own mask: "
+        "`model(**forest_forward_kwargs(forest, device))` (a copy, or `forest.attention_mask()` moved to another "
+        "device, is an ordinary padding mask). If you did, this model builds its masks outside transformers' mask "
+        "functions and cannot run trees: train it with tree_packing=False."
+    )
+
+
+def _check_full_tree_mask(module: torch.nn.Module, query: torch.Tensor) -> None:
+    """`forest.dense_mask()` / `block_mask()` given as `attention_mask` go to every layer as is: refuse them where
+    a window or chunk of the model could cut the tree."""
+    config = getattr(module, "config", None)
+    windows = [getattr(config, name, None) for name in _WINDOW_FIELDS]
+    windows = [w for w in windows if isinstance(w, int) and w > 0]
+    if not windows or query.shape[2] <= min(windows):
+        return
+    names = ", ".join(f"{n}={getattr(config, n)}" for n in _WINDOW_FIELDS if getattr(config, n, None) is not None)
+    raise ValueError(
+        f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) got the forest's plain "
+        f"ancestor-or-self mask for {query.shape[2]} tokens, but its config has {names}: a ready-made 4-D mask goes "
+        "to every layer as is, so the window would be silently dropped. Pass `attention_mask=forest.attention_mask"
+        "(device)` with the forest's `position_ids` (or `**forest_forward_kwargs(forest, device)`): each layer kind "
+        "then gets its own tree mask."
+    )
+
+
+def _depth_temperature(module: torch.nn.Module, query: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
+    """Llama 4's attention temperature tuning (NoPE layers) by depth instead of the row index it was given.
+
+    The layer scaled `query` by `1 + attn_scale * log1p(floor((row + 1) / floor_scale))`; a tree token's position
+    is its depth, so swap the row scale for the depth scale. `query` `(batch, heads, S, head_dim)`, `depth` `(S,)`.
+    """
+
+    def scale(positions: torch.Tensor) -> torch.Tensor:
+        return torch.log1p(torch.floor((positions.float() + 1.0) / module.floor_scale)) * module.attn_scale + 1.0
+
+    rows = torch.arange(query.shape[2], device=query.device)
+    ratio = scale(depth.to(query.device)) / scale(rows)
+    return (query * ratio.view(1, 1, -1, 1)).to(query.dtype)
 
 
 def tree_flex_attention(
@@ -109,17 +168,16 @@ def tree_flex_attention(
     """Attention for packed prefix trees, registered as `attn_implementation="tree_flex"`.
 
     Args:
-        module: the calling attention layer (`.layer_idx`, `.num_key_value_groups`, `.is_causal`).
+        module: the calling attention layer (`.layer_idx`, `.config`).
         query: `(batch, q_heads, q_len, head_dim)`, after RoPE.
         key: `(batch, kv_heads, kv_len, head_dim)`, not repeated for GQA.
         value: `(batch, kv_heads, kv_len, head_dim)`.
-        attention_mask: `BlockMask` (tree, CUDA), `(batch, 1, q_len, kv_len)` tensor (tree on CPU, or padding),
-            or `None`.
+        attention_mask: this layer kind's mask: a tree `BlockMask` (CUDA) or `(1, 1, S, S)` bool tensor built by
+            `tree_flex_mask`, an ordinary `(batch, 1, q_len, kv_len)` mask, or `None` (causal).
         scaling: softmax scale (Gemma2/3 pass `query_pre_attn_scalar ** -0.5`).
         dropout: must be 0 — FlexAttention has no dropout, and a tree forward must be deterministic.
-        **kwargs: `softcap`, `sliding_window` (from the model), `tree_forest` (the `PackedForest`, from
-            `forest_forward_kwargs` / the collator),
-            `kernel_options` (FlexAttention).
+        **kwargs: `softcap`, `s_aux` (attention sinks, `(q_heads,)`), `tree_forest` (the `PackedForest`, from
+            `forest_forward_kwargs` / the collator), `kernel_options` (FlexAttention); the rest is ignored.
 
     Returns:
         `(attn_output, None)` with `attn_output` `(batch, q_len, q_heads, head_dim)` contiguous.
@@ -129,23 +187,26 @@ def tree_flex_attention(
             f"tree_flex does not support attention dropout (got dropout={dropout}); set the model config's "
             "`attention_dropout=0.0`."
         )
-    if kwargs.get("s_aux") is not None:  # SDPA would silently drop the sinks: wrong outputs, even without a tree
-        raise NotImplementedError(
-            f"{type(module).__name__} uses attention sinks (`s_aux`, e.g. GPT-OSS), which tree_flex does not "
-            "implement. Load this model with its stock attn_implementation and train it without tree packing."
-        )
-    softcap = kwargs.get("softcap")
+    tag = mask_tag(attention_mask)
     forest = kwargs.get("tree_forest")
+    if forest is not None:
+        _check_forest_mask(module, attention_mask, tag, forest)
+    if tag is not None and tag.role == "full":
+        _check_full_tree_mask(module, query)
+    source = tag.source if tag is not None else None
+    if source is not None and getattr(module, "attn_temperature_tuning", False) and not module.use_rope:
+        query = _depth_temperature(module, query, source.depth)
+    softcap = kwargs.get("softcap")
+    sinks = kwargs.get("s_aux")
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
 
     if isinstance(attention_mask, BlockMask):
-        _check_sliding_window(module, kwargs.get("sliding_window"), forest)
         if query.device.type == "cpu" and torch.is_grad_enabled() and query.requires_grad:
             raise RuntimeError(
                 "tree_flex got a BlockMask on CPU in a forward that needs gradients, but FlexAttention has no "
-                "backward on CPU. Pass the dense mask instead: `attention_mask=forest.dense_mask()` "
-                "(`forest.attention_mask(device)` and TreeDataCollator choose it automatically off CUDA)."
+                "backward on CPU. Pass the dense masks instead: `attention_mask=forest.attention_mask(device)` "
+                "chooses them off CUDA (`dense=True` forces them)."
             )
         enable_gqa = query.shape[1] != key.shape[1]
         num_q_heads = query.shape[1]
@@ -153,32 +214,82 @@ def tree_flex_attention(
             key = repeat_kv(key, num_q_heads // key.shape[1])
             value = repeat_kv(value, num_q_heads // value.shape[1])
             enable_gqa = False
-        out = _flex_attention(
+        out, lse = _flex_attention(
             query,
             key,
             value,
+            return_lse=sinks is not None,
             score_mod=None if softcap is None else _softcap_score_mod(float(softcap)),
             block_mask=attention_mask,
             scale=scaling,
             enable_gqa=enable_gqa,
             kernel_options=kwargs.get("kernel_options"),
         )
+        if sinks is not None:
+            # Softmax over [scores, sink] = softmax over scores times exp(lse) / (exp(lse) + exp(sink)).
+            keep = torch.sigmoid(lse - sinks.float().view(1, -1, 1))  # (batch, heads, q_len), float32
+            out = (out.float() * keep.unsqueeze(-1)).to(query.dtype)
         return out.transpose(1, 2).contiguous(), None
 
-    if forest is not None:
-        _check_sliding_window(module, kwargs.get("sliding_window"), forest)
-    if softcap is not None:
-        return _eager_attention(module, query, key, value, attention_mask, scaling, softcap), None
+    if softcap is not None or sinks is not None:
+        return _eager_attention(query, key, value, attention_mask, scaling, softcap, sinks), None
     return sdpa_attention_forward(
         module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
     )
 
 
-def tree_flex_mask(*args, config=None, **kwargs):
-    """Mask function for ordinary (non-tree) forwards: SDPA's bool mask, or eager's float mask for softcap models."""
-    if getattr(config, "attn_logit_softcapping", None) is not None:
-        return eager_mask(*args, config=config, **kwargs)
-    return sdpa_mask(*args, config=config, **kwargs)
+@functools.cache
+def bypasses_attention_interface(model_type: str) -> str | None:
+    """The causal LM class name of `model_type` if its attention layers do not call `AttentionInterface`, else None.
+
+    transformers' own test (`PreTrainedModel._can_set_attn_implementation`, which `set_attn_implementation` relies on):
+    the modeling module's attention classes must dispatch through `ALL_ATTENTION_FUNCTIONS.get_interface(`. Such a
+    model still asks `tree_flex_mask` for its masks but would read them its own way (a bool mask added to the scores
+    attends everywhere). Unknown model types (custom code) are not judged.
+    """
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    cls = getattr(transformers, name, None) if isinstance(name, str) else None
+    if cls is None or cls._can_set_attn_implementation():
+        return None
+    return name
+
+
+def tree_flex_mask(**kwargs):
+    """Mask function of `tree_flex` (see the module docstring), called by transformers' mask builders with keyword
+    arguments only: a forest's tree mask for this layer kind, or exactly `sdpa`'s mask (`eager`'s for softcap
+    models, which run HF's eager math)."""
+    config = kwargs.get("config")
+    name = bypasses_attention_interface(getattr(config, "model_type", ""))
+    if name is not None:
+        raise NotImplementedError(
+            f"{name} does not run its attention through transformers' AttentionInterface, so it would misread "
+            "tree_flex's masks (even ordinary forwards would attend to the wrong tokens). Load it with "
+            "attn_implementation='eager' or 'sdpa', and train it with tree_packing=False."
+        )
+    tag = mask_tag(kwargs.get("attention_mask"))
+    if tag is not None and tag.role == "carrier":
+        source = tag.source
+        shape = tuple(kwargs.get(k) for k in ("batch_size", "q_length", "kv_length"))
+        offsets = tuple(int(kwargs.get(k) or 0) for k in ("q_offset", "kv_offset"))
+        if shape != (1, source.size, source.size) or offsets != (0, 0):
+            raise ValueError(
+                f"A forest's attention_mask stands for one packed row of {source.size} tokens, but the model asked "
+                f"for a mask of (batch, queries, keys) = {shape} with offsets {offsets}. Pass the forest's own "
+                "input_ids and position_ids with use_cache=False (`forest_forward_kwargs(forest, device)`)."
+            )
+        from .support import check_lengths, config_support_error
+
+        error = config_support_error(config)
+        if error is not None:
+            raise NotImplementedError(error)
+        check_lengths(config, source.seq_lengths)
+        return source.mask(kwargs["mask_function"], use_vmap=kwargs.get("use_vmap", False))
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    build = eager_mask if getattr(text_config, "attn_logit_softcapping", None) is not None else sdpa_mask
+    return build(**kwargs)
 
 
 def register() -> None:

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from .attention import ATTN_IMPLEMENTATION
+from .support import check_forest, check_tree_model, logit_scale, rope_split_lengths, unwrap_model
 from .tree import PackedForest, TokenSequence, pack_forest
 
 __all__ = [
@@ -28,63 +28,19 @@ __all__ = [
     "lm_head_logprobs",
     "pad_sequences",
     "sequence_logprobs",
+    "tree_router_aux_loss",
     "unwrap_model",
 ]
 
 _LOGITS_CHUNK_BYTES = 1 << 30  # fp32 logits held per chunk (torch fallback)
 _FUSED_VOCAB_CHUNK = 32768  # vocab tile of TRL's kernel, as TRL's own fused LM head uses
 
-# Config fields of layer kinds whose state is not per-token attention: a tree would silently mix branches.
-_UNSUPPORTED_LAYER_TYPES = ("linear_attention", "mamba", "conv", "recurrent", "ssm", "gated_deltanet")
-
-
-def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The transformers model inside DDP-style wrappers (`.module`); PEFT and FSDP2 models are returned as is."""
-    while not hasattr(model, "get_decoder") and hasattr(model, "module"):
-        model = model.module
-    return model
-
-
-def check_tree_model(model: torch.nn.Module) -> None:
-    """Raise a clear error if `model` cannot score a packed tree exactly."""
-    model = unwrap_model(model)
-    config = model.config
-    impl = getattr(config, "_attn_implementation", None)
-    if impl != ATTN_IMPLEMENTATION:
-        raise ValueError(
-            f"The model uses attn_implementation={impl!r}; tree packing needs {ATTN_IMPLEMENTATION!r}. Load it with "
-            f"`from_pretrained(..., attn_implementation={ATTN_IMPLEMENTATION!r})` or call "
-            f"`model.set_attn_implementation({ATTN_IMPLEMENTATION!r})` (after `import hf_tree_attn`)."
-        )
-    layer_types = set(getattr(config, "layer_types", None) or ())
-    bad = sorted(t for t in layer_types if any(u in t for u in _UNSUPPORTED_LAYER_TYPES))
-    if bad:
-        raise NotImplementedError(
-            f"{type(config).__name__} has layer types {bad}; their recurrent state would leak across tree "
-            "branches. Train this model without tree packing."
-        )
-    for name in ("logit_scale", "logits_scaling"):  # Cohere; Granite, MiniCPM3, HyperCLOVA X
-        if getattr(config, name, None) not in (None, 1.0):
-            raise NotImplementedError(
-                f"{type(config).__name__} scales its logits ({name}={getattr(config, name)}), which the tree LM "
-                "head does not implement. Train this model without tree packing."
-            )
-    head = model.get_output_embeddings()
-    # PEFT `modules_to_save=["lm_head"]` wraps a plain copy per adapter and resolves `.weight` to the active one
-    # (the original with adapters disabled), so it is exact; a LoRA layer's `.weight` would miss its delta.
-    base = getattr(head, "original_module", head)
-    if type(base) is not torch.nn.Linear or hasattr(head, "lora_A"):
-        raise NotImplementedError(
-            f"The output embedding is a {type(head).__name__}, not a plain nn.Linear (a LoRA on `lm_head`?). The tree "
-            "LM head reads `lm_head.weight` directly: leave `lm_head` out of the adapter's target_modules (to train "
-            "it, use `modules_to_save=['lm_head']` instead)."
-        )
-
 
 def forest_forward_kwargs(forest: PackedForest, device: torch.device | str) -> dict:
-    """`model(**kwargs)` inputs for one forest on `device`: ids, depth position ids, the tree mask, and the forest
-    itself as `tree_forest` (it reaches every attention call through transformers' kwargs: per-layer masks and
-    the tree's depth come from it)."""
+    """`model(**kwargs)` inputs for one forest on `device`: ids, depth position ids, the forest's attention mask
+    (which the model's own mask functions turn into one tree mask per layer kind, see `PackedForest.attention_mask`)
+    and the forest itself as `tree_forest` (it reaches every attention call through transformers' kwargs, which
+    check that they got the forest's masks)."""
     return {
         "input_ids": forest.input_ids.to(device),
         "position_ids": forest.position_ids.to(device),
@@ -94,24 +50,60 @@ def forest_forward_kwargs(forest: PackedForest, device: torch.device | str) -> d
     }
 
 
-def _final_hidden_states(model: torch.nn.Module, inputs: dict) -> torch.Tensor:
-    """Last hidden states `(batch, seq, hidden)` (after the final norm) through the *root* forward.
+def _decoder(model: torch.nn.Module) -> torch.nn.Module:
+    """The backbone whose output is the final hidden state: `get_decoder()`, or the causal LM's only backbone
+    child where `get_decoder()` gives the model itself (Llama 4) or its LM head (ModernBERT decoder)."""
+    from transformers import PreTrainedModel
 
-    The root module is called — not `model.model` and `lm_head` — so FSDP2's root hooks, PEFT and TRL's forward
-    patch all run. An empty `logits_to_keep` makes the model's own LM head a no-op.
+    model = unwrap_model(model)
+    decoder = model.get_decoder()
+    if decoder is model or not isinstance(decoder, PreTrainedModel) or decoder.get_output_embeddings() is not None:
+        backbones = [m for m in model.children() if isinstance(m, PreTrainedModel)]
+        if len(backbones) != 1:
+            raise NotImplementedError(
+                f"Cannot find the backbone of {type(model).__name__} (get_decoder() gives "
+                f"{type(decoder).__name__}, and it has {len(backbones)} PreTrainedModel children). Train it with "
+                "tree_packing=False."
+            )
+        decoder = backbones[0]
+    return decoder
+
+
+def _final_hidden_states(
+    model: torch.nn.Module, inputs: dict, router_logits: bool = False
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
+    """Last hidden states `(batch, seq, hidden)` (after the final norm) through the *root* forward, and with
+    `router_logits` the MoE router logits of every MoE layer (`(seq, num_experts)` each).
+
+    The root module is called — not the backbone and `lm_head` — so FSDP2's root hooks, PEFT and TRL's forward
+    patch all run. An empty `logits_to_keep` makes the model's own LM head a no-op. The root is told not to compute
+    its own router loss (it would weigh the forest's rows as one flat sequence, padding included); the backbone
+    alone is asked for the router logits.
     """
     captured = {}
 
     def grab(module, args, output):
         captured["hidden"] = output[0] if isinstance(output, tuple) else output.last_hidden_state
+        if router_logits:
+            captured["router"] = output.router_logits
+
+    def ask_router_logits(module, args, kwargs):
+        return args, {**kwargs, "output_router_logits": True}
 
     device = inputs["input_ids"].device
-    handle = unwrap_model(model).get_decoder().register_forward_hook(grab)
+    decoder = _decoder(model)
+    handles = [decoder.register_forward_hook(grab)]
+    if router_logits:
+        handles.append(decoder.register_forward_pre_hook(ask_router_logits, with_kwargs=True))
+    extra = {}
+    if hasattr(unwrap_model(model).config.get_text_config(), "output_router_logits"):
+        extra["output_router_logits"] = False
     try:
-        model(**inputs, logits_to_keep=torch.empty(0, dtype=torch.long, device=device))
+        model(**inputs, **extra, logits_to_keep=torch.empty(0, dtype=torch.long, device=device))
     finally:
-        handle.remove()
-    return captured["hidden"]
+        for handle in handles:
+            handle.remove()
+    return captured["hidden"], captured.get("router")
 
 
 def _lm_head_params(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -143,11 +135,17 @@ def _head_chunk(
     owner: torch.Tensor,
     targets: torch.Tensor,
     temperature: float,
+    scale: float,
     softcap: float | None,
     with_entropy: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs `(E,)` of `targets` under rows `owner` of `hidden` `(U, hidden)`, and entropies `(U,)`."""
+    """Log-probs `(E,)` of `targets` under rows `owner` of `hidden` `(U, hidden)`, and entropies `(U,)`.
+
+    Logits are transformed in TRL's kernel's order: the model's logit scale, its final softcap, the temperature.
+    """
     logits = F.linear(hidden, weight, bias).float()  # (U, vocab)
+    if scale != 1.0:
+        logits = logits * scale
     if softcap is not None:
         logits = softcap * torch.tanh(logits / softcap)
     logits = logits / temperature
@@ -166,7 +164,8 @@ def forest_logprobs(
     temperature: float = 1.0,
     return_entropy: bool = False,
     chunk_rows: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return_router_logits: bool = False,
+):
     """Score the tokens of one packed forest with one forward.
 
     Args:
@@ -179,17 +178,21 @@ def forest_logprobs(
         return_entropy: also return the entropy of the distribution that predicts each scored row.
         chunk_rows: rows per chunk of the plain-torch LM head; default (None) uses TRL's fused chunked kernel
             when trl is installed (see `lm_head_logprobs`).
+        return_router_logits: also return the MoE router logits of this forward (for `tree_router_aux_loss`).
 
     Returns:
         `(logps, entropy)`, each `(S,)` float32 indexed by row (0 at unscored rows); `entropy` is None unless
-        requested. Differentiable.
+        requested. Differentiable. With `return_router_logits`, a third element: one `(S, num_experts)` tensor per
+        MoE layer.
     """
+    check_forest(model, forest)
     device = forest.input_ids.device
     if rows is None:
         rows = torch.nonzero(forest.parent >= 0).squeeze(1)
     rows = rows.to(device)
     inputs = forest_forward_kwargs(forest, device)
-    hidden = _final_hidden_states(model, inputs)[0]  # (S, hidden)
+    hidden, router_logits = _final_hidden_states(model, inputs, router_logits=return_router_logits)
+    hidden = hidden[0]  # (S, hidden)
 
     parents = forest.parent.to(device)[rows]
     if (parents < 0).any():
@@ -204,7 +207,41 @@ def forest_logprobs(
     entropy = None
     if return_entropy:
         entropy = torch.zeros(seq_len, dtype=torch.float32, device=device).index_put((rows,), entropy_values)
+    if return_router_logits:
+        return logps, entropy, router_logits
     return logps, entropy
+
+
+def tree_router_aux_loss(
+    model: torch.nn.Module, forests: Sequence[PackedForest], router_logits: Sequence
+) -> torch.Tensor:
+    """The MoE load-balancing loss of the sequences of `forests`, equal to the one of their flat padded batch.
+
+    transformers' (Mixtral's) `load_balancing_loss_func` averages router statistics over the real tokens of a flat
+    batch, each token of each row once. A tree routes a shared token once, so its statistics are weighted by the
+    number of packed sequences that contain it (padding rows weigh 0); all forests of one flat batch are pooled.
+    The expert count and top-k are read as TRL's fused LM head reads them.
+
+    Args:
+        model: the MoE causal LM.
+        forests: the forests of one flat batch.
+        router_logits: for each forest, what `forest_logprobs(..., return_router_logits=True)` returned: one
+            `(S, num_experts)` tensor per MoE layer.
+
+    Returns:
+        A scalar, differentiable w.r.t. the router logits.
+    """
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    config = unwrap_model(model).config.get_text_config()
+    weights = torch.cat(
+        [
+            torch.bincount(f.seq_positions.to(logits[0].device), minlength=f.seq_len).float()
+            for f, logits in zip(forests, router_logits)
+        ]
+    )
+    layers = tuple(torch.cat(per_layer, dim=0) for per_layer in zip(*router_logits))
+    return load_balancing_loss_func(layers, config.num_experts, config.num_experts_per_tok, weights)
 
 
 def lm_head_logprobs(
@@ -219,7 +256,7 @@ def lm_head_logprobs(
     """Chunked LM head + log-softmax on the distinct rows of `hidden` that `sources` points at.
 
     Args:
-        model: the causal LM whose output embedding (and `final_logit_softcapping`) to use.
+        model: the causal LM whose output embedding, logit scale and final softcap to use (`support.logit_scale`).
         hidden: `(N, hidden)` final hidden states.
         sources: `(E,)` long — row of `hidden` that predicts each target (the torch head computes a repeated row
             once; TRL's kernel takes one row per target).
@@ -233,13 +270,14 @@ def lm_head_logprobs(
         and the LM head.
     """
     weight, bias = _lm_head_params(model)
-    softcap = getattr(unwrap_model(model).config, "final_logit_softcapping", None)
+    config = unwrap_model(model).config.get_text_config()
+    scale, softcap = logit_scale(config), getattr(config, "final_logit_softcapping", None)
     fused = _fused_lm_head() if chunk_rows is None else None
     if fused is not None:
         # TRL's kernel scores one target per row: a branching parent row is repeated once per child (E rows, barely
         # more than the unique parents); its vocab-tiled, Triton-folded passes beat our fp32 chunks on CUDA.
         logps, entropy, *_ = fused.apply(
-            hidden[sources], weight, bias, targets, temperature, _FUSED_VOCAB_CHUNK, softcap, 1.0,
+            hidden[sources], weight, bias, targets, temperature, _FUSED_VOCAB_CHUNK, softcap, scale,
             ("entropy",) if return_entropy else (),
         )  # fmt: skip
         return logps.float(), (entropy.float() if return_entropy else None)
@@ -262,6 +300,7 @@ def lm_head_logprobs(
             owner_sorted[lo:hi] - start,
             targets_sorted[lo:hi],
             temperature,
+            scale,
             softcap,
             return_entropy,
         )
@@ -318,7 +357,8 @@ def sequence_logprobs(
     device = next(model.parameters()).device
     logps: list[torch.Tensor | None] = [None] * len(sequences)
     entropies: list[torch.Tensor | None] = [None] * len(sequences)
-    for forest in pack_forest(sequences, max_tokens_per_mb=max_tokens_per_mb):
+    splits = rope_split_lengths(unwrap_model(model).config)
+    for forest in pack_forest(sequences, max_tokens_per_mb=max_tokens_per_mb, split_lengths=splits):
         forest = forest.to(device)
         table, entropy_table = forest_logprobs(model, forest, temperature=temperature, return_entropy=return_entropy)
         for seq_id, values in zip(forest.seq_ids, gather_sequences(forest, table)):

@@ -1,25 +1,61 @@
-"""The tree attention mask: token `q` sees token `kv` iff `kv <= q < subtree_end[kv]` (ancestor or self).
+"""Tree attention masks: token `q` sees token `kv` iff `kv` is an ancestor-or-self of `q` AND the model's own mask
+lets position `depth[q]` see position `depth[kv]`.
 
-Metadata is one int per token (`subtree_end`, see `hf_tree_attn.tree`). Two materialisations:
+The tree part is one int per token (`subtree_end`, see `hf_tree_attn.tree`): `kv <= q < subtree_end[kv]`. The
+model part is whatever `mask_function(batch, head, q_idx, kv_idx)` the model builds for an ordinary sequence —
+causal, a sliding window (`kv_idx > q_idx - W`), a chunk (`q_idx // C == kv_idx // C`), … — read at the two
+tokens' *depths* (their positions inside their own sequence) instead of their rows. So a sliding-window layer's
+tree mask is "ancestor-or-self, fewer than W depths up", with exactly the model's own window convention, and
+every layer kind of a model gets its mask from the model itself. Two sequences sharing a prefix, window 2::
 
-- `tree_block_mask`: a FlexAttention `BlockMask` built by a *compiled* `create_block_mask` (the eager one
-  materialises the dense S×S mask), made once per micro-batch and shared by every layer and the recompute pass;
-- `dense_tree_mask`: a `(1, 1, S, S)` bool tensor for SDPA — the CPU path (FlexAttention has no CPU backward)
-  and the oracle the block mask is tested against.
+    sequences [5, 6, 7, 8] and [5, 6, 9]  →  DFS row 5 6 7 8 9, depth 0 1 2 3 2
+
+    full (causal)            sliding window 2
+        5 6 7 8 9                5 6 7 8 9
+    5   ■ ⬚ ⬚ ⬚ ⬚            5   ■ ⬚ ⬚ ⬚ ⬚
+    6   ■ ■ ⬚ ⬚ ⬚            6   ■ ■ ⬚ ⬚ ⬚
+    7   ■ ■ ■ ⬚ ⬚            7   ⬚ ■ ■ ⬚ ⬚
+    8   ■ ■ ■ ■ ⬚            8   ⬚ ⬚ ■ ■ ⬚
+    9   ■ ■ ⬚ ⬚ ■            9   ⬚ ■ ⬚ ⬚ ■
+
+Masks are small named `mask_mod(b, h, q_idx, kv_idx)` factories composed with `and_masks`. Two
+materialisations: a FlexAttention `BlockMask` built by a *compiled* `create_block_mask` (the eager one
+materialises the dense S×S mask) for CUDA, and a `(1, 1, S, S)` bool tensor for SDPA / eager — the CPU path
+(FlexAttention has no CPU backward) and the oracle the block mask is tested against. Each is built once per
+forest, device and layer kind (`TreeMaskSource.mask`) and shared by the layers of that kind and every later
+forward over the same forest.
 """
 
 from __future__ import annotations
 
-import torch
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask
+import types
+import weakref
+from collections.abc import Callable
+from typing import NamedTuple
 
-__all__ = ["dense_tree_mask", "tree_block_mask", "tree_mask_mod"]
+import torch
+from torch.nn.attention.flex_attention import BlockMask, and_masks, create_block_mask, create_mask
+from transformers.masking_utils import causal_mask_function
+
+__all__ = [
+    "MaskTag",
+    "TreeMaskSource",
+    "at_depth",
+    "causal_mask_mod",
+    "dense_mask",
+    "dense_tree_mask",
+    "mask_function_key",
+    "mask_tag",
+    "tag_mask",
+    "tree_block_mask",
+    "tree_mask_mod",
+]
 
 _compiled_create_block_mask = None
 
 
 def tree_mask_mod(subtree_end: torch.Tensor):
-    """FlexAttention `mask_mod(b, h, q_idx, kv_idx)` for the forest whose `subtree_end` is `(S,)` int."""
+    """`mask_mod`: `kv` is an ancestor-or-self of `q` in the forest whose `subtree_end` is `(S,)` int."""
 
     def tree_mask(b, h, q_idx, kv_idx):
         return (kv_idx <= q_idx) & (q_idx < subtree_end[kv_idx])
@@ -27,19 +63,189 @@ def tree_mask_mod(subtree_end: torch.Tensor):
     return tree_mask
 
 
+def causal_mask_mod(b, h, q_idx, kv_idx):
+    """`mask_mod` of an ordinary causal layer (the same rule as transformers' `causal_mask_function`)."""
+    return kv_idx <= q_idx
+
+
+def at_depth(mask_function: Callable, depth: torch.Tensor):
+    """`mask_function` (a model's mask for one flat sequence) read at the depths `(S,)` long of `q` and `kv`."""
+
+    def depth_mask(b, h, q_idx, kv_idx):
+        return mask_function(b, h, depth[q_idx], depth[kv_idx])
+
+    return depth_mask
+
+
+def dense_mask(mask_mod: Callable, size: int, device: torch.device | str, use_vmap: bool = False) -> torch.Tensor:
+    """`(1, 1, size, size)` bool tensor of `mask_mod` (True = attend).
+
+    Index-based mask functions (all of transformers' own) broadcast over an index grid; others (`use_vmap`, as
+    transformers flags custom `or_mask_function` / `and_mask_function`) are evaluated pair by pair with `vmap`.
+    """
+    if use_vmap:
+        return create_mask(mask_mod, 1, 1, size, size, device=device)
+    idx = torch.arange(size, device=device)
+    zero = torch.zeros((), dtype=torch.long, device=device)
+    return mask_mod(zero, zero, idx[:, None], idx[None, :]).expand(size, size)[None, None]
+
+
+class MaskTag(NamedTuple):
+    """What a mask built here stands for.
+
+    `role`: "carrier" (a forest's `(1, S)` `attention_mask`, see `TreeMaskSource`), "layer" (the tree mask of one
+    layer kind, built from the model's own mask function) or "full" (the plain ancestor-or-self mask of
+    `PackedForest.dense_mask()` / `block_mask()`, without any window).
+    """
+
+    role: str
+    source: TreeMaskSource | None
+
+
+# Tensors keep their tag through views (`mask.view(batch, -1)`, `mask[..., :kv_len]`), which models make before
+# handing a mask on, and Python attributes do not survive: tensors are looked up by device and data pointer. An
+# entry lives as long as the tensor it was made for.
+_TENSOR_TAGS: dict[tuple[torch.device, int], tuple[weakref.ref, MaskTag]] = {}
+
+
+def tag_mask(mask: torch.Tensor | BlockMask, tag: MaskTag) -> None:
+    """Remember what `mask` (a tensor, or a `BlockMask`) stands for; see `mask_tag`."""
+    if isinstance(mask, BlockMask):
+        mask.tree_mask_tag = tag
+        return
+    key = (mask.device, mask.data_ptr())
+
+    def forget(ref, key=key):
+        if _TENSOR_TAGS.get(key, (None,))[0] is ref:
+            del _TENSOR_TAGS[key]
+
+    _TENSOR_TAGS[key] = (weakref.ref(mask, forget), tag)
+
+
+def mask_tag(mask) -> MaskTag | None:
+    """The tag of a mask built here (or of a same-shaped view of it), else None (an ordinary mask)."""
+    if isinstance(mask, BlockMask):
+        return getattr(mask, "tree_mask_tag", None)
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+        return None
+    entry = _TENSOR_TAGS.get((mask.device, mask.data_ptr()))
+    if entry is None:
+        return None
+    owner = entry[0]()
+    if owner is None or owner.shape != mask.shape:
+        return None
+    return entry[1]
+
+
 def dense_tree_mask(subtree_end: torch.Tensor) -> torch.Tensor:
-    """Token-level mask `(1, 1, S, S)` bool from `subtree_end` `(S,)`; True where attention is allowed."""
-    idx = torch.arange(subtree_end.shape[0], device=subtree_end.device)
-    q, kv = idx[:, None], idx[None, :]
-    return ((kv <= q) & (q < subtree_end[None, :].long()))[None, None]
+    """Ancestor-or-self mask `(1, 1, S, S)` bool from `subtree_end` `(S,)`; True where attention is allowed."""
+    mask = dense_mask(tree_mask_mod(subtree_end), subtree_end.shape[0], subtree_end.device).contiguous()
+    tag_mask(mask, MaskTag("full", None))
+    return mask
+
+
+def _block_mask(mask_mod: Callable, size: int, device: torch.device, block_size: int = 128) -> BlockMask:
+    global _compiled_create_block_mask
+    if _compiled_create_block_mask is None:
+        _compiled_create_block_mask = torch.compile(create_block_mask, dynamic=True)
+    return _compiled_create_block_mask(mask_mod, None, None, size, size, device=device, BLOCK_SIZE=block_size)
 
 
 def tree_block_mask(subtree_end: torch.Tensor, block_size: int = 128) -> BlockMask:
     """`BlockMask` `(1, 1, S, S)` for the forest whose `subtree_end` is `(S,)` int, on `subtree_end.device`."""
-    global _compiled_create_block_mask
-    if _compiled_create_block_mask is None:
-        _compiled_create_block_mask = torch.compile(create_block_mask, dynamic=True)
-    seq_len = subtree_end.shape[0]
-    return _compiled_create_block_mask(
-        tree_mask_mod(subtree_end), None, None, seq_len, seq_len, device=subtree_end.device, BLOCK_SIZE=block_size
-    )
+    mask = _block_mask(tree_mask_mod(subtree_end), subtree_end.shape[0], subtree_end.device, block_size)
+    tag_mask(mask, MaskTag("full", None))
+    return mask
+
+
+class _NoKey(Exception):
+    """A mask function whose behaviour cannot be summarised as a hashable key (it is then never cached)."""
+
+
+def mask_function_key(mask_function: Callable) -> tuple:
+    """A hashable key equal for two mask functions that compute the same mask.
+
+    Models build fresh closures every forward (`sliding_window_overlay(W)`, `and_masks(...)`); two closures with
+    the same code and the same captured values (window sizes, small index tensors by value) mask alike, so a
+    forest's layer masks can be cached across forwards. Raises `_NoKey` for anything else.
+    """
+    return _key(mask_function, depth=0)
+
+
+def _key(value, depth: int):
+    if depth > 32:
+        raise _NoKey
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return (type(value).__name__, value)
+    if isinstance(value, (tuple, list)):
+        return (type(value).__name__, tuple(_key(v, depth + 1) for v in value))
+    if isinstance(value, torch.Tensor):
+        if value.numel() > 4096:
+            raise _NoKey
+        return ("tensor", value.dtype, tuple(value.shape), tuple(value.detach().cpu().flatten().tolist()))
+    if isinstance(value, types.FunctionType):
+        cells = tuple(_key(cell.cell_contents, depth + 1) for cell in value.__closure__ or ())
+        defaults = _key(value.__defaults__, depth + 1)
+        return ("function", value.__code__, cells, defaults)
+    if isinstance(value, types.BuiltinFunctionType):
+        return ("builtin", value)
+    raise _NoKey
+
+
+_CAUSAL_KEYS = (mask_function_key(causal_mask_mod), mask_function_key(causal_mask_function))
+
+
+class TreeMaskSource:
+    """The tree masks of one forest on one device: what a forest's `attention_mask` stands for.
+
+    `.carrier` is the forest's `attention_mask`: a `(1, S)` all-ones bool tensor tagged with this source. The
+    model hands it (or a view of it) to its mask builders (`create_causal_mask`, `create_sliding_window_causal_mask`,
+    `create_chunked_causal_mask`, …), which call `tree_flex`'s registered mask function with each layer kind's flat
+    mask function; that function asks `mask()` for the tree version.
+
+    Args:
+        subtree_end: `(S,)` int on the device.
+        depth: `(S,)` long on the device — each row's position id.
+        seq_lengths: `(N,)` long on the CPU — token count of each packed sequence (RoPE length checks).
+        cache: the forest's mask cache (shared by its `.to()` copies).
+        dense: build dense bool masks (SDPA / eager) instead of `BlockMask`s (FlexAttention).
+    """
+
+    def __init__(
+        self, subtree_end: torch.Tensor, depth: torch.Tensor, seq_lengths: torch.Tensor, cache: dict, dense: bool
+    ):
+        self.subtree_end = subtree_end
+        self.depth = depth
+        self.seq_lengths = seq_lengths
+        self.cache = cache
+        self.dense = dense
+        self.carrier = torch.ones(1, self.size, dtype=torch.bool, device=subtree_end.device)
+        tag_mask(self.carrier, MaskTag("carrier", self))
+
+    @property
+    def size(self) -> int:
+        return self.subtree_end.shape[0]
+
+    def mask(self, mask_function: Callable, use_vmap: bool = False) -> torch.Tensor | BlockMask:
+        """The tree mask `(1, 1, S, S)` of a layer kind whose flat mask is `mask_function` (tagged "layer")."""
+        device = self.subtree_end.device
+        try:
+            key = mask_function_key(mask_function)
+        except _NoKey:
+            key = None
+        causal = key in _CAUSAL_KEYS
+        # Not the entries of `PackedForest.dense_mask()` / `block_mask()`: those are tagged "full" (hand-fed to
+        # every layer), these are built for one layer kind.
+        cache_key = ("layer", self.dense, "causal" if causal else key, device)
+        if key is not None and cache_key in self.cache:
+            return self.cache[cache_key]
+        tree = tree_mask_mod(self.subtree_end)
+        mask_mod = tree if causal else and_masks(tree, at_depth(mask_function, self.depth))
+        if self.dense:
+            built = dense_mask(mask_mod, self.size, device, use_vmap=use_vmap).contiguous()
+        else:
+            built = _block_mask(mask_mod, self.size, device)
+        tag_mask(built, MaskTag("layer", self))
+        if key is not None:
+            self.cache[cache_key] = built
+        return built

@@ -26,6 +26,7 @@ runs of consecutive sequences — each run repeats only the prefix it still shar
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -81,30 +82,48 @@ class PackedForest:
         return self.seq_positions[start:end]
 
     def dense_mask(self, device: torch.device | str | None = None) -> torch.Tensor:
-        """Token-level ancestor-or-self mask `(1, 1, S, S)` bool (True = attend) for CPU and the SDPA path; built
-        once per device and kept with the forest (S² bytes), like the `BlockMask`."""
+        """The ancestor-or-self mask `(1, 1, S, S)` bool (True = attend), built once per device and kept with the
+        forest (S² bytes). It has no window: a model's per-layer masks come from `attention_mask()`."""
         from .masks import dense_tree_mask
 
         return self._cached_mask("dense", device, dense_tree_mask)
 
     def block_mask(self, device: torch.device | str | None = None):
-        """FlexAttention `BlockMask` of the tree mask, built once per device and reused by every layer."""
+        """FlexAttention `BlockMask` of the ancestor-or-self mask (no window), built once per device."""
         from .masks import tree_block_mask
 
         return self._cached_mask("block", device, tree_block_mask)
 
     def _cached_mask(self, kind: str, device: torch.device | str | None, build):
-        device = torch.device(device or self.subtree_end.device)
-        if device.type == "cuda" and device.index is None:  # "cuda" and "cuda:0" must share one cached mask
-            device = torch.device("cuda", torch.cuda.current_device())
+        device = _mask_device(device or self.subtree_end.device)
         if (kind, device) not in self._mask_cache:
             self._mask_cache[kind, device] = build(self.subtree_end.to(device))
         return self._mask_cache[kind, device]
 
-    def attention_mask(self, device: torch.device | str | None = None):
-        """The mask to pass as `attention_mask=`: a `BlockMask` on CUDA, the dense bool mask elsewhere."""
-        device = torch.device(device or self.subtree_end.device)
-        return self.block_mask(device) if device.type == "cuda" else self.dense_mask(device)
+    def attention_mask(self, device: torch.device | str | None = None, dense: bool | None = None) -> torch.Tensor:
+        """What to pass as `attention_mask=` (with `position_ids` and `tree_forest=self`, see
+        `hf_tree_attn.logprobs.forest_forward_kwargs`): a `(1, S)` all-ones bool tensor that stands for this forest.
+
+        A `tree_flex` model hands it to its own mask functions, and `tree_flex`'s registered mask function turns
+        each layer kind's mask (causal, sliding window, chunked, …) into the tree version of it: `BlockMask`s on
+        CUDA, dense bool masks elsewhere (`dense=True` forces those). Built once per device and kept with the
+        forest. Views of it keep its meaning; a copy, or the tensor moved to another device, is an ordinary padding
+        mask: call this again with the other device.
+        """
+        from .masks import TreeMaskSource
+
+        device = _mask_device(device or self.subtree_end.device)
+        dense = device.type != "cuda" if dense is None else dense
+        key = ("carrier", dense, device)
+        if key not in self._mask_cache:
+            self._mask_cache[key] = TreeMaskSource(
+                self.subtree_end.to(device),
+                self.position_ids[0].to(device),
+                self.seq_offsets.diff().cpu(),
+                self._mask_cache,
+                dense=dense,
+            )
+        return self._mask_cache[key].carrier
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> PackedForest:
         """Copy of the forest with its tensors on `device` (mask caches are kept per device)."""
@@ -119,6 +138,14 @@ class PackedForest:
             num_original_tokens=self.num_original_tokens,
             _mask_cache=self._mask_cache,
         )
+
+
+def _mask_device(device: torch.device | str) -> torch.device:
+    """`device` as the key of a forest's mask cache: "cuda" and "cuda:0" must share one cached mask."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def _check_not_tensor(sequences) -> None:
@@ -257,14 +284,19 @@ def pack_forest(
     sequences: Sequence[TokenSequence],
     max_tokens_per_mb: int | None = None,
     pad_multiple: int = 128,
+    split_lengths: Sequence[int] = (),
 ) -> list[PackedForest]:
     """Pack `sequences` into prefix-trie forests, one `PackedForest` per micro-batch.
 
     Args:
         sequences: token-id sequences (lists of ints or 1-D integer tensors/arrays), each non-empty.
         max_tokens_per_mb: most padded tokens in one micro-batch (a multiple of `pad_multiple`); `None` packs
-            everything into one micro-batch.
+            everything into one micro-batch (per length class).
         pad_multiple: each row is padded to a multiple of this (FlexAttention's block size, 128).
+        split_lengths: length classes: a sequence of at most `t` tokens never shares a forest with one of more than
+            `t` tokens, for every `t` here. For models whose RoPE frequencies depend on the longest position of a
+            forward (`longrope`): each forest then gets the frequencies its sequences' own forwards use (see
+            `hf_tree_attn.support.rope_split_lengths`).
 
     Returns:
         Micro-batches; every sequence index appears in exactly one `seq_ids`. Micro-batches hold whole tries
@@ -290,7 +322,21 @@ def pack_forest(
             f"sequences[{i}] has {lengths[i]} tokens, more than max_tokens_per_mb={max_tokens_per_mb}; raise "
             f"max_tokens_per_mb to at least {-(-int(lengths[i]) // pad_multiple) * pad_multiple} or truncate it."
         )
+    length_class = sum((lengths > int(t)).astype(np.int64) for t in split_lengths) if len(split_lengths) else None
+    if length_class is None or (length_class == length_class[0]).all():
+        return _pack(arrays, lengths, max_tokens_per_mb, pad_multiple)
+    forests = []
+    for c in np.unique(length_class):
+        members = np.flatnonzero(length_class == c)
+        for forest in _pack([arrays[i] for i in members], lengths[members], max_tokens_per_mb, pad_multiple):
+            forests.append(dataclasses.replace(forest, seq_ids=[int(members[k]) for k in forest.seq_ids]))
+    return sorted(forests, key=lambda f: -f.seq_len)
 
+
+def _pack(
+    arrays: list[np.ndarray], lengths: np.ndarray, max_tokens_per_mb: int | None, pad_multiple: int
+) -> list[PackedForest]:
+    """`pack_forest` on validated sequences."""
     order, lcp = _sorted_with_lcp(arrays)
     sorted_lengths = lengths[order]
     trie_starts = np.flatnonzero(lcp == 0).tolist() + [len(order)]

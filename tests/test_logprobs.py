@@ -6,6 +6,7 @@ import pytest
 import torch
 from helpers import FAMILIES, FOREST_CASES, TOLERANCES, flat_logprobs, forest_case, twin_models
 
+import hf_tree_attn.masks
 from hf_tree_attn import PackedForest, forest_logprobs, gather_sequences, pack_forest, pad_sequences, sequence_logprobs
 
 ATOL = TOLERANCES["logps_atol"]
@@ -70,10 +71,10 @@ def test_flat_oracle_detects_a_leaking_mask(monkeypatch):
     tree, ref = twin_models("llama")
     sequences = forest_case("grpo", seed=0)
 
-    def causal(self, device=None):
-        return torch.ones(self.seq_len, self.seq_len, dtype=torch.bool).tril()[None, None]
+    def causal_rows(subtree_end):
+        return lambda b, h, q_idx, kv_idx: kv_idx <= q_idx
 
-    monkeypatch.setattr(PackedForest, "attention_mask", causal)
+    monkeypatch.setattr(hf_tree_attn.masks, "tree_mask_mod", causal_rows)
     with torch.no_grad():
         leaked = sequence_logprobs(tree, sequences)
         worst = max((leaked[i] - flat_logprobs(ref, s)[0]).abs().max().item() for i, s in enumerate(sequences))

@@ -1,0 +1,516 @@
+"""Which models may run a packed tree: a positive gate.
+
+A model runs a tree only when exactness is established: its family (`config.model_type`) is listed in
+`EXACT_FAMILIES` — each one checked by the coverage matrix (`tests/test_coverage.py`, tree log-probs and
+entropies equal to per-sequence `eager` forwards, docs/coverage.md) — and its config stays inside what that check
+covers:
+
+- decoder-only causal LM (the family's `*ForCausalLM` class of transformers' auto mapping, or a subclass);
+- every layer kind in `IMPLEMENTED_LAYER_KINDS` (one entry per kind: the kinds whose attention is a mask over
+  earlier tokens today; state-carrying kinds join when their tree scan exists);
+- RoPE whose frequencies do not depend on the forward's longest position, or depend on it in a way the packing
+  reproduces (`rope_split_lengths`, `rope_length_limit`);
+- a plain `nn.Linear` LM head whose logits the tree head reproduces (`logit_scale`, `final_logit_softcapping`).
+
+Everything else is refused with the reason and the way out (`tree_packing=False`, or the stock
+`attn_implementation`). `REFUSED_FAMILIES` names the reason for each family of the installed transformers that
+is not exact, so the coverage matrix knows every family; a family in neither table (a newer transformers) is
+refused as unverified.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "EXACT_FAMILIES",
+    "IMPLEMENTED_LAYER_KINDS",
+    "REFUSED_FAMILIES",
+    "check_forest",
+    "check_lengths",
+    "check_tree_model",
+    "config_support_error",
+    "coverage_markdown",
+    "logit_scale",
+    "rope_length_limit",
+    "rope_split_lengths",
+    "tree_support_error",
+    "unwrap_model",
+    "write_coverage_table",
+]
+
+ATTN_IMPLEMENTATION = "tree_flex"  # the name registered by hf_tree_attn.attention
+
+# Layer kinds (`config.layer_types` values) a tree runs exactly, and how. A kind whose attention is a mask over
+# earlier tokens needs nothing here beyond the model's own mask function, which `tree_flex_mask` reads at depths.
+# Kinds that carry state from token to token (linear attention, Mamba, short convolutions) are refused until a
+# tree scan implements them: add one entry per kind when it does.
+IMPLEMENTED_LAYER_KINDS: dict[str, str] = {
+    "full_attention": "causal attention over the ancestors",
+    "sliding_attention": "ancestors fewer than `sliding_window` depths up (the model's window mask read at depths)",
+    "chunked_attention": "ancestors in the same chunk of `attention_chunk_size` depths (Llama 4)",
+    "mlp": "no attention: a per-token MLP",
+    "moe": "no attention: a per-token mixture of experts",
+}
+
+# RoPE types whose frequencies never depend on the sequence: a token's rotation is a function of its depth.
+_STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn", "proportional"})
+
+# Config fields a model multiplies its logits by (before `final_logit_softcapping`), in one place: the tree LM
+# head applies `logit_scale(config)` exactly as the model's own forward and TRL's fused head do.
+LOGIT_SCALE_FIELDS = {
+    "logit_scale": "Cohere, Cohere2: logits * logit_scale",
+    "logits_scaling": "Granite, GraniteMoE: logits / logits_scaling (HyperCLOVA X: logits * logits_scaling)",
+    "lm_head_multiplier": "Falcon-H1: logits * lm_head_multiplier",
+    "output_multiplier": "logits * output_multiplier",
+}
+
+# Families verified exact by the coverage matrix (tests/test_coverage.py), with what their tiny model exercised.
+EXACT_FAMILIES: dict[str, str] = {
+    "afmoe": "sliding window, MoE",
+    "apertus": "",
+    "apertus1p5_text": "",
+    "arcee": "",
+    "aria_text": "MoE",
+    "axk1": "MoE, MLA",
+    "beam": "sliding window, MoE, final softcap",
+    "biogpt": "",
+    "bitnet": "",
+    "codegen": "",
+    "cohere": "logit scale",
+    "cohere2": "sliding window, logit scale",
+    "cohere2_moe": "sliding window, MoE, logit scale",
+    "cohere_compass_text": "sliding window",
+    "ctrl": "",
+    "cwm": "sliding window",
+    "dbrx": "MoE",
+    "deepseek_v2": "MoE, MLA",
+    "deepseek_v3": "MoE, MLA",
+    "diffllama": "",
+    "dots1": "MoE",
+    "emu3": "",
+    "ernie4_5": "",
+    "ernie4_5_moe": "MoE",
+    "exaone": "",
+    "exaone4": "sliding window",
+    "exaone_moe": "sliding window, MoE",
+    "flex_olmo": "MoE",
+    "flint": "sliding window, MoE, attention sinks",
+    "fuyu": "",
+    "gemma": "",
+    "gemma2": "sliding window, attention softcap, final softcap",
+    "gemma3": "sliding window",
+    "gemma3_text": "sliding window",
+    "gemma3n_text": "sliding window, final softcap",
+    "gemma4": "sliding window",
+    "gemma4_text": "sliding window",
+    "gemma4_unified": "sliding window",
+    "gemma4_unified_text": "sliding window",
+    "glm": "",
+    "glm4": "",
+    "glm4_moe": "MoE",
+    "glm4_moe_lite": "MoE, MLA",
+    "got_ocr2": "sliding window",
+    "gpt-sw3": "",
+    "gpt2": "",
+    "gpt_bigcode": "",
+    "gpt_neox": "",
+    "gpt_oss": "sliding window, MoE, attention sinks",
+    "gptj": "",
+    "granite": "logit scale",
+    "granite_swa": "sliding window, attention sinks, logit scale",
+    "granitemoe": "MoE, logit scale",
+    "granitemoe_swa": "sliding window, MoE, attention sinks, logit scale",
+    "granitemoeshared": "MoE, logit scale",
+    "helium": "",
+    "hrm_text": "",
+    "hunyuan_v1_dense": "",
+    "hunyuan_v1_moe": "MoE",
+    "hy_v3": "MoE",
+    "hyperclovax": "logit scale",
+    "internlm3": "",
+    "iquestcoder": "",
+    "jais2": "",
+    "jetmoe": "MoE",
+    "kolibri1": "sliding window, MoE",
+    "laguna": "MoE",
+    "llama": "",
+    "llama4": "chunked attention, MoE",
+    "llama4_text": "chunked attention, MoE",
+    "longcat_flash": "MoE, MLA",
+    "mellum": "MoE",
+    "mimo_v2_flash": "sliding window, MoE, attention sinks",
+    "minicpm3": "MLA, logit scale",
+    "minimax_m2": "MoE",
+    "minimax_m3_vl_text": "MoE",
+    "ministral": "sliding window",
+    "ministral3": "sliding window",
+    "mistral": "sliding window",
+    "mixtral": "sliding window, MoE",
+    "mllama": "",
+    "moshi": "",
+    "moss_transcribe_diarize": "sliding window",
+    "nanochat": "final softcap",
+    "nemotron": "",
+    "olmo": "",
+    "olmo2": "",
+    "olmo3": "sliding window",
+    "olmoe": "MoE",
+    "opt": "",
+    "persimmon": "",
+    "phi": "",
+    "phi3": "sliding window",
+    "phi4_multimodal": "sliding window",
+    "phimoe": "sliding window, MoE",
+    "qwen2": "sliding window",
+    "qwen2_moe": "sliding window, MoE",
+    "qwen3": "sliding window",
+    "qwen3_moe": "sliding window, MoE",
+    "sarvam_mla": "MoE, MLA",
+    "sarvam_moe": "MoE",
+    "seed_oss": "",
+    "smollm3": "sliding window",
+    "solar_open": "MoE",
+    "stablelm": "",
+    "starcoder2": "sliding window",
+    "vaultgemma": "sliding window, attention softcap, final softcap",
+    "youtu": "MLA",
+}
+
+# Every other causal-LM family of transformers 5.24, with the reason it is refused.
+_ENCODER_DECODER = "the decoder of an encoder-decoder model; trees need a decoder-only causal LM."
+_ENCODER = (
+    "a BERT-style encoder run as a decoder (transformers also lists it as a masked LM); trees are verified for "
+    "decoder-only LMs only."
+)
+_BYPASS = (
+    "its attention does not run through transformers' AttentionInterface (`_can_set_attn_implementation()` is "
+    "False), so it cannot see tree masks; with tree_flex its ordinary forwards raise instead of misreading the mask."
+)
+_LOAD_FAILS = (
+    "it picks its attention class by implementation name from its own table, so it cannot be loaded with "
+    "attn_implementation='tree_flex' at all (KeyError: 'tree_flex')."
+)
+_INDEXED = (
+    "DeepSeek sparse attention (`indexed_attention`): an indexer keeps each query's top-k keys of the whole row, "
+    "which is not a mask over earlier tokens (measured off by ~1 nat on a tree)."
+)
+_DRAFTER = "a speculative-decoding drafter that reads the target model's cache; not a standalone policy."
+
+
+def _state(kinds: str) -> str:
+    return f"layers that carry state from token to token ({kinds}) are not implemented on trees yet."
+
+
+REFUSED_FAMILIES: dict[str, str] = {
+    **dict.fromkeys(
+        ["bart", "bigbird_pegasus", "blenderbot", "blenderbot-small", "marian", "mbart", "musicgen",
+         "musicgen_melody", "mvp", "pegasus", "plbart", "prophetnet", "whisper"],
+        _ENCODER_DECODER,
+    ),
+    **dict.fromkeys(
+        ["bert", "big_bird", "camembert", "data2vec-text", "electra", "ernie", "megatron-bert", "reformer",
+         "rembert", "roberta", "roberta-prelayernorm", "roc_bert", "roformer", "xlm", "xlm-roberta",
+         "xlm-roberta-xl", "xmod"],
+        _ENCODER,
+    ),
+    "bert-generation": _ENCODER,
+    **dict.fromkeys(["bloom", "cpmant", "gpt_neox_japanese", "mpt", "openai-gpt", "trocr", "xglm", "xlnet"], _BYPASS),
+    **dict.fromkeys(["falcon", "git", "gpt_neo"], _LOAD_FAILS),
+    **dict.fromkeys(["axk2", "deepseek_v32", "dots3_note", "dots3_note_text", "glm_moe_dsa", "hy_v4"], _INDEXED),
+    **dict.fromkeys(["gemma4_assistant", "gemma4_unified_assistant"], _DRAFTER),
+    "bailing_hybrid": _state("linear attention"),
+    "bamba": _state("Mamba-2"),
+    "falcon_h1": _state("Mamba-2 in every `hybrid` layer"),
+    "falcon_mamba": _state("Mamba"),
+    "granitemoehybrid": _state("Mamba-2"),
+    "inkling2_loop_text": _state("`hybrid` recurrent layers"),
+    "inkling2_text": _state("`hybrid` recurrent layers"),
+    "inkling_text": _state("`hybrid` recurrent layers"),
+    "jamba": _state("Mamba"),
+    "kimi_linear": _state("Kimi delta attention"),
+    "lara_mini": _state("linear attention"),
+    "lfm2": _state("short convolutions"),
+    "lfm2_moe": _state("short convolutions"),
+    "lfm3": _state("short convolutions"),
+    "mamba": _state("Mamba"),
+    "mamba2": _state("Mamba-2"),
+    "minimax": _state("lightning linear attention"),
+    "nemotron_h": _state("Mamba-2"),
+    "olmo_hybrid": _state("gated delta rule"),
+    "qwen3_5": _state("gated delta rule"),
+    "qwen3_5_moe": _state("gated delta rule"),
+    "qwen3_5_moe_text": _state("gated delta rule"),
+    "qwen3_5_text": _state("gated delta rule"),
+    "qwen3_next": _state("gated delta rule"),
+    "qwen4_exp": _state("linear attention"),
+    "qwen4_exp_text": _state("linear attention"),
+    "recurrent_gemma": _state("RG-LRU recurrence"),
+    "rwkv": _state("RWKV time mixing"),
+    "xlstm": _state("mLSTM"),
+    "zamba": _state("Mamba"),
+    "zamba2": _state("Mamba-2"),
+    "zaya": _state("`hybrid` recurrent layers"),
+    "blt": "its byte-to-patch cross-attention builds masks outside transformers' mask functions.",
+    "deepseek_v4": (
+        "compressed sparse attention (KV compressed over blocks of positions) is not a mask over earlier tokens."
+    ),
+    "doge": (
+        "dynamic mask attention builds its own mask: a learned bias per key, and beyond `keep_window_size` keys "
+        "each query keeps its top-k keys of the whole row."
+    ),
+    "dory": "its LM head (`DoryLMHead`) is not a plain nn.Linear, which the tree LM head needs.",
+    "gemma3n": (
+        "Gemma3nForConditionalGeneration is not verified (its vision tower needs timm); for text, "
+        "Gemma3nForCausalLM (`gemma3n_text`) is exact."
+    ),
+    "modernbert-decoder": (
+        "its logits come from a prediction head (dense, activation, norm) before the output embedding, which the "
+        "tree LM head does not run."
+    ),
+}  # fmt: skip
+
+
+def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model inside DDP-style wrappers (`.module`); PEFT and FSDP2 models are returned as is."""
+    while not hasattr(model, "get_decoder") and hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def logit_scale(config) -> float:
+    """What the model multiplies its LM head's output by, before any final softcap (1.0 for most models)."""
+    config = config.get_text_config()
+    scale = 1.0
+    if getattr(config, "logit_scale", None) is not None:
+        scale *= config.logit_scale
+    if getattr(config, "logits_scaling", None) is not None:
+        multiplies = config.model_type == "hyperclovax"
+        scale *= config.logits_scaling if multiplies else 1.0 / config.logits_scaling
+    for name in ("lm_head_multiplier", "output_multiplier"):
+        if getattr(config, name, None) is not None:
+            scale *= getattr(config, name)
+    return float(scale)
+
+
+def _rope_parameters(config) -> list[dict]:
+    """Every RoPE parameter dict of `config` (one, or one per layer type)."""
+    params = getattr(config, "rope_parameters", None)
+    if not isinstance(params, dict):
+        return []
+    if "rope_type" in params or "rope_theta" in params:
+        return [params]
+    return [p for p in params.values() if isinstance(p, dict)]
+
+
+def _rope_types(config) -> set[str]:
+    return {p.get("rope_type", "default") for p in _rope_parameters(config)}
+
+
+def rope_split_lengths(config) -> tuple[int, ...]:
+    """Length classes a forest must not mix for `longrope` RoPE (Phi-3/3.5 128k, Phi-4-mini).
+
+    `longrope` rotates every token of a forward with its long factors when the forward's longest position is
+    beyond `original_max_position_embeddings`, with its short factors otherwise. A sequence's own forward decides
+    by its own length, so a forest holds only sequences on one side of each threshold (see
+    `pack_forest(split_lengths=...)`); the forest's longest position then picks the same factors.
+    """
+    config = config.get_text_config()
+    splits = set()
+    for params in _rope_parameters(config):
+        if params.get("rope_type") == "longrope":
+            original = params.get("original_max_position_embeddings") or getattr(
+                config, "original_max_position_embeddings", None
+            )
+            splits.add(int(original))
+    return tuple(sorted(splits))
+
+
+def rope_length_limit(config) -> int | None:
+    """Most tokens a packed sequence may have for a `dynamic` (NTK) RoPE model to stay exact, else None.
+
+    Dynamic NTK rescales the frequencies for a forward whose longest position reaches `max_position_embeddings`,
+    and keeps a grown scale until a shorter forward resets it: above the limit a sequence's numbers depend on what
+    it is packed with and on earlier forwards. Below it every forward uses the unscaled frequencies.
+    """
+    config = config.get_text_config()
+    if not any("dynamic" in t for t in _rope_types(config)):
+        return None
+    return int(config.max_position_embeddings) - 1
+
+
+def check_forest(model: torch.nn.Module, forest) -> None:
+    """Raise if `forest` holds sequences whose positions the model's RoPE would not treat as their own forwards."""
+    check_lengths(unwrap_model(model).config, forest.seq_offsets.diff())
+
+
+def check_lengths(config, lengths: torch.Tensor) -> None:
+    """`check_forest` on the lengths `(N,)` of the sequences packed in one forest."""
+    limit, splits = rope_length_limit(config), rope_split_lengths(config)
+    if limit is None and not splits:
+        return
+    lengths = lengths.cpu()
+    if limit is not None and int(lengths.max()) > limit:
+        raise ValueError(
+            f"A packed sequence has {int(lengths.max())} tokens, but this model's dynamic RoPE rescales its "
+            f"frequencies from {limit + 1} tokens on, so packed and unpacked numbers would differ. Trees are exact "
+            f"for sequences of at most {limit} tokens: truncate them, or train with tree_packing=False "
+            "(tree_packing='auto' does so for the batches that need it)."
+        )
+    for split in splits:
+        if bool((lengths > split).any()) and bool((lengths <= split).any()):
+            raise ValueError(
+                f"This forest mixes sequences of at most and of more than {split} tokens, but the model's longrope "
+                f"RoPE rotates them with different factors (original_max_position_embeddings={split}). Pack with "
+                "`pack_forest(..., split_lengths=rope_split_lengths(model.config))` (sequence_logprobs and the "
+                "trainer do)."
+            )
+
+
+def _fix(model_type: str) -> str:
+    return (
+        f"Train this {model_type!r} model with tree_packing=False (TreeGRPOTrainer's default tree_packing='auto' "
+        "does so by itself), or load it with its stock attn_implementation ('sdpa' / 'eager')."
+    )
+
+
+def _family_of(model: torch.nn.Module) -> str | None:
+    """The family (a key of transformers' causal-LM auto mapping) of `model`: its config's `model_type` when that
+    maps to the model's class, else the first key whose class the model is (wrappers whose `config` is a text
+    sub-config, e.g. Emu3ForCausalLM, and classes shared by several families, e.g. LlamaForCausalLM)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_type = getattr(model.config, "model_type", None)
+    mro = {cls.__name__ for cls in type(model).__mro__}
+    if MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type) in mro:
+        return model_type
+    for family, name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items():
+        if name in mro and (family in EXACT_FAMILIES or family in REFUSED_FAMILIES):
+            return family
+    return None
+
+
+def config_support_error(config, family: str | None = None) -> str | None:
+    """Why a model of this config cannot run a packed tree exactly, or None.
+
+    Args:
+        config: the model config (its text config is checked for layer kinds and RoPE).
+        family: the model's family; default `config.model_type`. A model type that is not a family of the auto
+            mapping (a wrapper's text sub-config, custom code) is judged by its layer kinds and RoPE only: that is
+            what `tree_flex_mask` asks on every tree forward; `tree_support_error` resolves the family first.
+    """
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    family = family or getattr(config, "model_type", None)
+    if family in REFUSED_FAMILIES:
+        return f"model_type {family!r}: {REFUSED_FAMILIES[family]} " + _fix(family)
+    if getattr(config, "is_encoder_decoder", False):
+        return f"{type(config).__name__} is an encoder-decoder config; trees need a decoder-only causal LM. " + _fix(
+            family
+        )
+    if family not in EXACT_FAMILIES and family in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return (
+            f"model_type {family!r} is not among the families hf_tree_attn has verified exact "
+            "(hf_tree_attn.support.EXACT_FAMILIES, docs/coverage.md). " + _fix(family)
+        )
+    text_config = config.get_text_config()
+    unknown = sorted(set(getattr(text_config, "layer_types", None) or ()) - set(IMPLEMENTED_LAYER_KINDS))
+    if unknown:
+        return (
+            f"{type(config).__name__} has layer types {unknown}, which trees do not implement (implemented: "
+            f"{sorted(IMPLEMENTED_LAYER_KINDS)}); layers that carry state from token to token would leak it across "
+            "tree branches. " + _fix(family)
+        )
+    rope = sorted(
+        t for t in _rope_types(text_config) if t not in _STATIC_ROPE_TYPES | {"longrope"} and "dynamic" not in t
+    )
+    if rope:
+        return f"{type(config).__name__} uses rope_type {rope}, whose behaviour on trees is not verified. " + _fix(
+            family
+        )
+    return None
+
+
+def tree_support_error(model: torch.nn.Module) -> str | None:
+    """Why `model` cannot run a packed tree exactly (a message naming the reason and the way out), or None.
+
+    Does not look at the attention implementation (`check_tree_model` does): the trainer asks before switching a
+    model to `tree_flex`.
+    """
+    model = unwrap_model(model)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    family = _family_of(base)
+    if family is None:
+        model_type = getattr(model.config, "model_type", None)
+        return (
+            f"{type(base).__name__} (model_type {model_type!r}) is not a causal LM class of a family hf_tree_attn has "
+            "verified exact (hf_tree_attn.support.EXACT_FAMILIES, docs/coverage.md). " + _fix(model_type)
+        )
+    return config_support_error(model.config, family)
+
+
+def check_tree_model(model: torch.nn.Module) -> None:
+    """Raise a clear error if `model` cannot score a packed tree exactly (see the module docstring)."""
+    inner = unwrap_model(model)
+    impl = getattr(inner.config, "_attn_implementation", None)
+    if impl != ATTN_IMPLEMENTATION:
+        raise ValueError(
+            f"The model uses attn_implementation={impl!r}; tree packing needs {ATTN_IMPLEMENTATION!r}. Load it with "
+            f"`from_pretrained(..., attn_implementation={ATTN_IMPLEMENTATION!r})` or call "
+            f"`model.set_attn_implementation({ATTN_IMPLEMENTATION!r})` (after `import hf_tree_attn`)."
+        )
+    error = tree_support_error(inner)
+    if error is not None:
+        raise NotImplementedError(error)
+    head = inner.get_output_embeddings()
+    # PEFT `modules_to_save=["lm_head"]` wraps a plain copy per adapter and resolves `.weight` to the active one
+    # (the original with adapters disabled), so it is exact; a LoRA layer's `.weight` would miss its delta.
+    base = getattr(head, "original_module", head)
+    if hasattr(head, "lora_A"):
+        raise NotImplementedError(
+            f"The output embedding is a {type(head).__name__} (a LoRA on `lm_head`), not a plain nn.Linear. The tree "
+            "LM head reads `lm_head.weight` directly: leave `lm_head` out of the adapter's target_modules (to train "
+            "it, use `modules_to_save=['lm_head']` instead)."
+        )
+    if type(base) is not torch.nn.Linear:
+        raise NotImplementedError(
+            f"The output embedding is a {type(head).__name__}, not a plain nn.Linear: the tree LM head reads "
+            "`lm_head.weight` directly and cannot reproduce its logits. Train this model with tree_packing=False."
+        )
+
+
+_TABLE_START = "<!-- coverage table: generated by hf_tree_attn.support.write_coverage_table -->"
+_TABLE_END = "<!-- end of coverage table -->"
+
+
+def coverage_markdown() -> str:
+    """The family table of docs/coverage.md (between its markers), from `EXACT_FAMILIES` and `REFUSED_FAMILIES`."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    exact = sum(f in EXACT_FAMILIES for f in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    total = len(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    rows = [
+        _TABLE_START,
+        f"transformers {transformers.__version__}: {total} causal-LM families, {exact} exact, "
+        f"{total - exact} refused.",
+        "",
+        "| family (`model_type`) | class | trees | exercised by the tiny model / why refused |",
+        "|---|---|---|---|",
+    ]
+    for family in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
+        name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[family]
+        if family in EXACT_FAMILIES:
+            rows.append(f"| `{family}` | {name} | exact | {EXACT_FAMILIES[family] or 'dense'} |")
+        else:
+            rows.append(f"| `{family}` | {name} | refused | {REFUSED_FAMILIES.get(family, 'not listed')} |")
+    return "\n".join([*rows, _TABLE_END])
+
+
+def write_coverage_table(path: str) -> None:
+    """Replace the table between the markers of `path` (docs/coverage.md) with `coverage_markdown()`."""
+    with open(path) as f:
+        text = f.read()
+    start, end = text.index(_TABLE_START), text.index(_TABLE_END) + len(_TABLE_END)
+    with open(path, "w") as f:
+        f.write(text[:start] + coverage_markdown() + text[end:])
