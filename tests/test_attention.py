@@ -8,11 +8,13 @@ import importlib
 import pytest
 import torch
 from helpers import TOLERANCES, flat_logprobs, forest_case, tiny_config, tiny_model, twin_models
+from test_coverage import tiny_config as tiny_config_of
 from transformers import AttentionInterface, AttentionMaskInterface, AutoModelForCausalLM
 
 import hf_tree_attn
 import hf_tree_attn.attention
-from hf_tree_attn import check_tree_model, pack_forest, sequence_logprobs
+from hf_tree_attn import check_tree_model, pack_forest
+from hf_tree_attn.logprobs import forest_forward_kwargs
 
 ATOL = TOLERANCES["sdpa_atol"]
 
@@ -128,10 +130,12 @@ def _forest_kwargs(forest, mask):
 
 
 def test_block_mask_on_cpu_with_grad_raises(tree_inputs):
-    _, forest, block_mask = tree_inputs
+    _, forest, _ = tree_inputs
     model = tiny_model("llama").train()
-    with pytest.raises(RuntimeError, match=r"no backward on CPU.*attention_mask=forest\.dense_mask\(\)"):
-        model(**_forest_kwargs(forest, block_mask))
+    kwargs = forest_forward_kwargs(forest, "cpu")
+    kwargs["attention_mask"] = forest.attention_mask("cpu", dense=False)  # BlockMasks, as on CUDA
+    with pytest.raises(RuntimeError, match=r"no backward on CPU.*forest\.attention_mask\(device\)"):
+        model(**kwargs)
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2"])  # GQA via enable_gqa; softcap as a score_mod
@@ -150,120 +154,120 @@ def test_block_mask_no_grad_forward_equals_dense(tree_inputs, family, monkeypatc
     torch.testing.assert_close(got[0, :n], want[0, :n], atol=TOLERANCES["logps_atol"], rtol=0)
 
 
-def test_block_mask_with_sliding_window_needs_tree_depth(tree_inputs):
-    _, forest, block_mask = tree_inputs
-    model = tiny_model("gemma2")
-    kwargs = _forest_kwargs(forest, block_mask)
-    del kwargs["tree_forest"]
-    with torch.no_grad(), pytest.raises(ValueError, match=r"sliding_window=256, but the tree depth is unknown"):
+@pytest.mark.parametrize(
+    "family", ["gpt_oss", pytest.param("llama4_text", marks=pytest.mark.slow)]
+)  # sliding window + sinks; chunks + NoPE temperature tuning
+def test_flex_layer_masks_equal_dense_on_cpu(family, monkeypatch):
+    """The per-layer-kind BlockMasks (window, chunk) and the sink folding through the log-sum-exp, in FlexAttention
+    on CPU (inference only), against the dense masks and eager math of the same forest."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config_of(family), attn_implementation="tree_flex").eval()
+    sequences = forest_case("mixed", 3)
+    (forest,) = pack_forest(sequences)
+    calls = []
+    flex = hf_tree_attn.attention._flex_attention
+    monkeypatch.setattr(hf_tree_attn.attention, "_flex_attention", lambda *a, **k: calls.append(1) or flex(*a, **k))
+    with torch.no_grad():
+        kwargs = forest_forward_kwargs(forest, "cpu")
+        kwargs["attention_mask"] = forest.attention_mask("cpu", dense=False)
+        got = model(**kwargs).logits
+        assert calls, "the BlockMasks must take the FlexAttention path"
+        want = model(**forest_forward_kwargs(forest, "cpu")).logits
+    n = forest.num_tree_tokens
+    torch.testing.assert_close(got[0, :n], want[0, :n], atol=TOLERANCES["logps_atol"], rtol=0)
+
+
+def _window_model_and_forest():
+    """A Mistral with a window of 4 and a forest of sequences deeper than it."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config_of("mistral"), attn_implementation="tree_flex").eval()
+    sequences = forest_case("grpo", 1)
+    assert max(map(len, sequences)) > model.config.sliding_window
+    (forest,) = pack_forest(sequences, pad_multiple=8)
+    return model, sequences, forest
+
+
+def test_hand_fed_forest_attention_mask_is_exact():
+    """`model(input_ids, position_ids, attention_mask=forest.attention_mask())` gives each layer kind its tree mask."""
+    model, sequences, forest = _window_model_and_forest()
+    with torch.no_grad():
+        logits = model(forest.input_ids, position_ids=forest.position_ids, attention_mask=forest.attention_mask())
+        logps = logits.logits[0].log_softmax(-1)
+        for k, seq in enumerate(sequences):
+            rows = forest.positions(k)
+            got = logps[rows[:-1]].gather(-1, torch.tensor(seq[1:])[:, None])[:, 0]
+            torch.testing.assert_close(got, flat_logprobs(model, seq)[0], atol=TOLERANCES["logps_atol"], rtol=0)
+
+
+@pytest.mark.parametrize("with_forest", [False, True])
+def test_plain_tree_mask_in_a_window_model_raises(with_forest):
+    """`forest.dense_mask()` has no window; handed to every layer it would silently drop it."""
+    model, _, forest = _window_model_and_forest()
+    kwargs = dict(position_ids=forest.position_ids, attention_mask=forest.dense_mask(), use_cache=False)
+    if with_forest:
+        kwargs["tree_forest"] = forest
+    with torch.no_grad(), pytest.raises(ValueError, match=r"plain ancestor-or-self mask.*sliding_window=4"):
+        model(forest.input_ids, **kwargs)
+
+
+def test_copied_forest_mask_with_tree_forest_raises():
+    """A copy of the forest's attention_mask is an ordinary padding mask: a tree forward must not run on it."""
+    model, _, forest = _window_model_and_forest()
+    kwargs = forest_forward_kwargs(forest, "cpu")
+    kwargs["attention_mask"] = kwargs["attention_mask"].clone()
+    with torch.no_grad(), pytest.raises(RuntimeError, match=r"instead of a tree mask of the `tree_forest`"):
+        model(**kwargs)
+    kwargs["attention_mask"] = forest.attention_mask().view(1, -1)  # a view keeps its meaning
+    with torch.no_grad():
         model(**kwargs)
 
 
-def _deep_sequences(length: int) -> list[list[int]]:
-    """Two branches of a `length`-token sequence (max depth `length - 1`) and a short one."""
-    g = torch.Generator().manual_seed(5)
-    base = torch.randint(1, 128, (length,), generator=g).tolist()
-    return [base, base[: length // 2] + [7, 8, 9], base[:-1] + [(base[-1] % 127) + 1], [3, 4]]
-
-
-def test_sliding_window_shorter_than_tree_raises():
-    sequences = _deep_sequences(12)
-    model = tiny_model("gemma2", sliding_window=11)
-    with pytest.raises(ValueError, match=r"sliding_window=11, but the packed tree holds a sequence 12 tokens long"):
-        sequence_logprobs(model, sequences)
-
-
-def test_sliding_window_as_long_as_tree_is_exact():
-    sequences = _deep_sequences(12)  # depth 11 < window 12: the window cuts nothing
-    tree, ref = twin_models("gemma2", sliding_window=12)
-    with torch.no_grad():
-        got = sequence_logprobs(tree, sequences)
-        for seq, logps in zip(sequences, got):
-            torch.testing.assert_close(logps, flat_logprobs(ref, seq)[0], atol=TOLERANCES["logps_atol"], rtol=0)
-
-
-def test_attention_sinks_raise():
-    """GPT-OSS passes `s_aux` (attention sinks); SDPA ignores it, so tree_flex must refuse rather than drop it."""
-    from transformers import GptOssConfig
-
-    cfg = GptOssConfig(
-        hidden_size=64,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        vocab_size=128,
-        num_local_experts=2,
-        num_experts_per_tok=1,
-        layer_types=["sliding_attention", "full_attention"],
-    )
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="tree_flex").eval()
-    with torch.no_grad(), pytest.raises(NotImplementedError, match=r"attention sinks \(`s_aux`, e\.g\. GPT-OSS\)"):
-        model(torch.tensor([[5, 6, 7]]))
-
-
 # ----------------------------------------------------------------------------------------------------------------
-# check_tree_model
+# The gate (hf_tree_attn.support)
 
 
-_HYBRIDS = {
-    "qwen3next-linear-attention": (
-        "Qwen3NextConfig",
-        dict(
-            layer_types=["linear_attention", "full_attention"],
-            head_dim=16,
-            linear_num_value_heads=2,
-            linear_num_key_heads=2,
-            linear_key_head_dim=16,
-            linear_value_head_dim=16,
-            num_experts=2,
-            num_experts_per_tok=1,
-            moe_intermediate_size=32,
-            shared_expert_intermediate_size=32,
-        ),
-        "linear_attention",
-    ),
-    "lfm2-conv": ("Lfm2Config", dict(layer_types=["conv", "full_attention"]), "conv"),
-    "jamba-mamba": ("JambaConfig", dict(attn_layer_period=2, attn_layer_offset=1, num_experts=1), "linear_attention"),
-}
+def test_state_carrying_layer_kinds_are_refused_until_implemented(monkeypatch):
+    """The gate refuses layer kinds outside IMPLEMENTED_LAYER_KINDS, even for a listed family; one entry lifts it."""
+    import hf_tree_attn.support as support
 
-
-@pytest.mark.parametrize("name", list(_HYBRIDS))
-def test_unsupported_layer_types_raise(name):
-    import transformers
-
-    config_name, kwargs, bad = _HYBRIDS[name]
-    common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=128)
-    cfg = getattr(transformers, config_name)(**common, num_key_value_heads=2, **kwargs)
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="tree_flex")
-    with pytest.raises(NotImplementedError, match=rf"has layer types \['{bad}'\].*leak across tree branches"):
+    config = tiny_config_of("qwen3_next")
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="tree_flex")
+    with pytest.raises(NotImplementedError, match=r"model_type 'qwen3_next': layers that carry state.*gated delta"):
         check_tree_model(model)
-
-
-@pytest.mark.parametrize(
-    "config_name, field, value",
-    [("GraniteConfig", "logits_scaling", 8.0), ("CohereConfig", "logit_scale", 0.0625)],
-    ids=["granite-logits_scaling", "cohere-logit_scale"],
-)
-def test_scaled_logits_raise(config_name, field, value):
-    """The tree LM head reads `lm_head.weight` directly: a model-level logit scale would be silently skipped."""
-    import transformers
-
-    common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=128)
-    cfg = getattr(transformers, config_name)(**common, num_key_value_heads=2, **{field: value})
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="tree_flex")
-    with pytest.raises(NotImplementedError, match=rf"scales its logits \({field}={value}\)"):
+    monkeypatch.setitem(support.EXACT_FAMILIES, "qwen3_next", "")
+    monkeypatch.delitem(support.REFUSED_FAMILIES, "qwen3_next")
+    with pytest.raises(NotImplementedError, match=r"has layer types \['linear_attention'\].*leak it across tree"):
         check_tree_model(model)
-    setattr(model.config, field, 1.0)
+    monkeypatch.setitem(support.IMPLEMENTED_LAYER_KINDS, "linear_attention", "a tree scan")
     check_tree_model(model)
+
+
+def test_unverified_family_is_refused(monkeypatch):
+    import hf_tree_attn.support as support
+
+    model = tiny_model("llama")
+    monkeypatch.delitem(support.EXACT_FAMILIES, "llama")
+    with pytest.raises(NotImplementedError, match=r"model_type 'llama' is not among the families.*tree_packing=False"):
+        check_tree_model(model)
+    assert "verified exact" in support.tree_support_error(model)
+
+
+def test_logit_scale_of_each_field():
+    from transformers import CohereConfig, GraniteConfig, HyperCLOVAXConfig
+
+    from hf_tree_attn.support import logit_scale
+
+    assert logit_scale(tiny_config("llama")) == 1.0
+    assert logit_scale(GraniteConfig(logits_scaling=8.0)) == 1 / 8.0  # Granite divides
+    assert logit_scale(HyperCLOVAXConfig(logits_scaling=8.0)) == 8.0  # HyperCLOVA X multiplies
+    assert logit_scale(CohereConfig(logit_scale=0.0625)) == 0.0625
 
 
 def test_lora_on_lm_head_raises():
     peft = pytest.importorskip("peft")
     model = tiny_model("llama")
     lora = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj", "lm_head"]))
-    with pytest.raises(NotImplementedError, match=r"not a plain nn\.Linear \(a LoRA on `lm_head`\?\).*target_modules"):
+    with pytest.raises(NotImplementedError, match=r"a LoRA on `lm_head`.*target_modules"):
         check_tree_model(lora)
     ok = peft.get_peft_model(tiny_model("llama"), peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
     check_tree_model(ok)

@@ -8,6 +8,8 @@ from helpers import FAMILIES, FOREST_CASES, TOLERANCES, flat_logprobs, forest_ca
 
 import hf_tree_attn.masks
 from hf_tree_attn import PackedForest, forest_logprobs, gather_sequences, pack_forest, pad_sequences, sequence_logprobs
+from hf_tree_attn.logprobs import tree_router_aux_loss
+from hf_tree_attn.support import rope_split_lengths
 
 ATOL = TOLERANCES["logps_atol"]
 
@@ -291,3 +293,114 @@ def test_gather_and_pad_shapes():
     assert padded.shape == mask.shape == (3, 3) and mask.dtype == torch.bool
     assert padded.tolist() == [[20.0, 30.0, 40.0], [20.0, 50.0, -1.0], [-1.0, -1.0, -1.0]]
     assert mask.tolist() == [[True, True, True], [True, True, False], [False, False, False]]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# RoPE whose frequencies depend on the forward's longest position
+
+
+def _rope_sequences(rng_seed: int, short: int, long: int) -> list[list[int]]:
+    """A prompt shared by completions that end below and above a RoPE threshold, plus an unrelated chain."""
+    g = torch.Generator().manual_seed(rng_seed)
+    prompt = torch.randint(3, 128, (short - 3,), generator=g).tolist()
+    return [
+        prompt + torch.randint(3, 128, (2,), generator=g).tolist(),  # short
+        prompt + torch.randint(3, 128, (long - short + 3,), generator=g).tolist(),  # long
+        prompt + torch.randint(3, 128, (3,), generator=g).tolist(),  # exactly `short` tokens
+        torch.randint(3, 128, (long + 4,), generator=g).tolist(),
+    ]
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_type": "linear", "factor": 2.0},
+        {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+         "original_max_position_embeddings": 8},
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8},
+    ],
+    ids=["linear", "llama3", "yarn"],
+)  # fmt: skip
+def test_static_rope_scalings_match_flat(rope):
+    tree, ref = twin_models("llama", rope_parameters={"rope_theta": 10000.0, **rope})
+    sequences = _rope_sequences(0, short=8, long=20)
+    with torch.no_grad():
+        _assert_matches_flat(ref, sequences, sequence_logprobs(tree, sequences))
+
+
+def test_longrope_packs_each_length_class_apart_and_matches_flat():
+    """Phi-3-style longrope uses its long factors for a forward longer than original_max_position_embeddings: the
+    short and long sequences of one prompt go to different forests, each computed as its own forward would."""
+    head_half = 8  # head_dim 16: 8 frequencies
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 10, "factor": 4.0,
+            "short_factor": [1.0 + 0.1 * i for i in range(head_half)],
+            "long_factor": [2.0 + 0.5 * i for i in range(head_half)]}  # fmt: skip
+    tree, ref = twin_models("llama", rope_parameters=rope, max_position_embeddings=40)
+    sequences = _rope_sequences(1, short=10, long=25)
+    assert rope_split_lengths(tree.config) == (10,)
+    forests = pack_forest(sequences, split_lengths=(10,))
+    assert len(forests) == 2 and all(len({len(sequences[i]) > 10 for i in f.seq_ids}) == 1 for f in forests)
+    with torch.no_grad():
+        _assert_matches_flat(ref, sequences, sequence_logprobs(tree, sequences))
+        (mixed,) = pack_forest(sequences)
+        with pytest.raises(ValueError, match=r"mixes sequences of at most and of more than 10 tokens.*longrope"):
+            forest_logprobs(tree, mixed)
+
+
+def test_dynamic_rope_is_exact_below_its_limit_and_refused_above():
+    tree, ref = twin_models(
+        "llama", rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0},
+        max_position_embeddings=16,
+    )  # fmt: skip
+    short = _rope_sequences(2, short=6, long=10)  # all below max_position_embeddings=16
+    with torch.no_grad():
+        _assert_matches_flat(ref, short, sequence_logprobs(tree, short))
+        with pytest.raises(ValueError, match=r"has 16 tokens.*dynamic RoPE.*at most 15 tokens"):
+            sequence_logprobs(tree, short + [list(range(3, 19))])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# MoE router load-balancing loss
+
+
+def _moe_model(family: str):
+    from transformers import AutoModelForCausalLM, MixtralConfig, Qwen3MoeConfig
+
+    common = dict(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=128, num_experts_per_tok=2, router_aux_loss_coef=0.01,
+                  initializer_range=0.1, pad_token_id=0)  # fmt: skip
+    if family == "qwen3_moe":
+        cfg = Qwen3MoeConfig(**common, head_dim=16, num_experts=4, moe_intermediate_size=32, norm_topk_prob=True)
+    else:
+        cfg = MixtralConfig(**common, num_local_experts=4)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation="tree_flex").eval()
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_router_aux_loss_equals_flat_padded_batch(family):
+    """Each shared token is routed once but weighs as many sequences as contain it: the tree's load-balancing loss
+    (values and router gradients) equals the model's own on the flat padded batch, over several forests."""
+    model = _moe_model(family)
+    sequences = forest_case("grpo", 2) + forest_case("identical", 0)
+    forests = pack_forest(sequences, max_tokens_per_mb=48, pad_multiple=16)
+    assert len(forests) >= 2
+    router_logits = [forest_logprobs(model, f, return_router_logits=True)[2] for f in forests]
+    tree_loss = tree_router_aux_loss(model, forests, router_logits)
+    (tree_grad,) = torch.autograd.grad(tree_loss, model.model.layers[0].mlp.gate.weight)
+
+    ids, mask = pad_sequences([torch.tensor(s) for s in sequences])
+    flat_loss = model(input_ids=ids.long(), attention_mask=mask.long(), output_router_logits=True).aux_loss
+    (flat_grad,) = torch.autograd.grad(flat_loss, model.model.layers[0].mlp.gate.weight)
+    torch.testing.assert_close(tree_loss, flat_loss, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(tree_grad, flat_grad, atol=1e-6, rtol=1e-5)
+    unweighted = _unweighted_aux(model, router_logits)
+    assert not torch.allclose(unweighted, flat_loss, atol=1e-4), "the test needs shared tokens that change the loss"
+
+
+def _unweighted_aux(model, router_logits):
+    """The loss over the forests' rows as they are (shared tokens once, padding included): what must not be used."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    layers = tuple(torch.cat(per_layer) for per_layer in zip(*router_logits))
+    return load_balancing_loss_func(layers, model.config.num_experts, model.config.num_experts_per_tok)

@@ -7,9 +7,11 @@ import torch
 from helpers import FOREST_CASES, forest_case, oracle_mask
 from torch.nn.attention.flex_attention import create_mask
 
+from transformers.masking_utils import chunked_causal_mask_function, sliding_window_causal_mask_function
+
 import hf_tree_attn.masks
 from hf_tree_attn import pack_forest
-from hf_tree_attn.masks import dense_tree_mask, tree_mask_mod
+from hf_tree_attn.masks import MaskTag, dense_tree_mask, mask_function_key, mask_tag, tree_mask_mod
 
 
 @pytest.mark.parametrize("seed", [0, 1], ids=lambda s: f"seed{s}")
@@ -76,3 +78,87 @@ def test_block_mask_is_built_once_per_device(monkeypatch):
     meta = forest.block_mask("meta")
     assert meta is not cpu and forest.block_mask("meta") is meta
     assert built == [torch.device("cpu"), torch.device("meta")]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Layer-kind masks: the model's own flat mask function read at depths, on top of ancestor-or-self.
+
+
+def _depth_oracle(forest, sequences, allowed) -> torch.Tensor:
+    """The dict-trie mask, keeping a pair only if `allowed(depth_q, depth_kv)`; padding rows see themselves."""
+    mask = oracle_mask(forest, sequences)
+    depth = forest.position_ids[0].tolist()
+    for q, kv in torch.nonzero(mask).tolist():
+        if q != kv and not allowed(depth[q], depth[kv]):
+            mask[q, kv] = False
+    return mask
+
+
+@pytest.mark.parametrize("window", [1, 3, 8])
+@pytest.mark.parametrize("case", FOREST_CASES)
+def test_sliding_window_mask_equals_brute_force(case, window):
+    """q sees kv iff kv is an ancestor-or-self fewer than `window` depths up (transformers' `kv > q - window`)."""
+    sequences = forest_case(case, 0)
+    (forest,) = pack_forest(sequences, pad_multiple=16)
+    source = hf_tree_attn.masks.TreeMaskSource(
+        forest.subtree_end, forest.position_ids[0], forest.seq_offsets.diff(), {}, dense=True
+    )
+    got = source.mask(sliding_window_causal_mask_function(window))[0, 0]
+    assert torch.equal(got, _depth_oracle(forest, sequences, lambda dq, dkv: dq - dkv < window))
+    assert got.any(-1).all(), "no row of the softmax may be empty"
+
+
+@pytest.mark.parametrize("chunk", [1, 4])
+@pytest.mark.parametrize("case", ["grpo", "multiturn", "mixed"])
+def test_chunked_mask_equals_brute_force(case, chunk):
+    """Llama 4's chunked attention on a tree: ancestors-or-self in the same chunk of depths."""
+    sequences = forest_case(case, 1)
+    (forest,) = pack_forest(sequences, pad_multiple=16)
+    source = hf_tree_attn.masks.TreeMaskSource(
+        forest.subtree_end, forest.position_ids[0], forest.seq_offsets.diff(), {}, dense=True
+    )
+    got = source.mask(chunked_causal_mask_function(chunk, torch.zeros(1, dtype=torch.long)))[0, 0]
+    assert torch.equal(got, _depth_oracle(forest, sequences, lambda dq, dkv: dq // chunk == dkv // chunk))
+
+
+def test_window_block_mask_on_cpu_equals_dense():
+    long_chain = [(7 * i) % 120 + 3 for i in range(400)]  # a window of 5 skips whole 128-blocks of it
+    sequences = forest_case("mixed", 0) + [long_chain, long_chain[:300] + [5, 6]]
+    (forest,) = pack_forest(sequences)
+    window = sliding_window_causal_mask_function(5)
+    args = (forest.subtree_end, forest.position_ids[0], forest.seq_offsets.diff(), {})
+    dense = hf_tree_attn.masks.TreeMaskSource(*args, dense=True).mask(window)
+    block = hf_tree_attn.masks.TreeMaskSource(*args, dense=False).mask(window)
+    size = forest.seq_len
+    assert torch.equal(create_mask(block.mask_mod, 1, 1, size, size, device="cpu"), dense)
+    assert block.sparsity() > forest.block_mask("cpu").sparsity(), "the window skips blocks the tree mask computes"
+
+
+def test_layer_masks_are_cached_per_kind_and_tagged():
+    (forest,) = pack_forest(forest_case("grpo", 0), pad_multiple=8)
+    carrier = forest.attention_mask("cpu")
+    source = mask_tag(carrier).source
+    # Models build fresh closures every forward: the same window is one cached mask, another window another one.
+    first = source.mask(sliding_window_causal_mask_function(4))
+    assert source.mask(sliding_window_causal_mask_function(4)) is first
+    assert source.mask(sliding_window_causal_mask_function(5)) is not first
+    assert mask_function_key(sliding_window_causal_mask_function(4)) != mask_function_key(
+        sliding_window_causal_mask_function(5)
+    )
+    assert mask_tag(first) == MaskTag("layer", source)
+    # The plain tree mask of a causal layer is tagged as a layer mask, not shared with the hand-fed `dense_mask()`.
+    causal = source.mask(lambda b, h, q_idx, kv_idx: kv_idx <= q_idx)
+    assert torch.equal(causal, forest.dense_mask()) and causal is not forest.dense_mask()
+    assert mask_tag(forest.dense_mask()).role == "full"
+
+
+def test_forest_attention_mask_is_recognised_through_views_only():
+    (forest,) = pack_forest([[1, 2, 3], [1, 2, 4]], pad_multiple=8)
+    carrier = forest.attention_mask("cpu")
+    assert carrier.shape == (1, forest.seq_len) and carrier.dtype == torch.bool and bool(carrier.all())
+    assert forest.attention_mask() is carrier and forest.to("cpu").attention_mask("cpu") is carrier
+    tag = mask_tag(carrier)
+    assert tag.role == "carrier" and mask_tag(carrier.view(1, -1)) == tag
+    assert mask_tag(carrier.clone()) is None, "a copy is an ordinary padding mask"
+    assert mask_tag(torch.ones(1, forest.seq_len, dtype=torch.bool)) is None
+    assert forest.attention_mask("cpu", dense=False) is not carrier  # BlockMasks on request, another source
