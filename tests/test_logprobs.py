@@ -7,7 +7,7 @@ import torch
 from helpers import FAMILIES, FOREST_CASES, TOLERANCES, flat_logprobs, forest_case, twin_models
 
 import hf_tree_attn.masks
-from hf_tree_attn import PackedForest, forest_logprobs, gather_sequences, pack_forest, pad_sequences, sequence_logprobs
+from hf_tree_attn import forest_logprobs, gather_sequences, pack_forest, pad_sequences, sequence_logprobs
 from hf_tree_attn.logprobs import tree_router_aux_loss
 from hf_tree_attn.support import rope_split_lengths
 

@@ -6,7 +6,6 @@ import pytest
 import torch
 from helpers import FOREST_CASES, forest_case, oracle_mask
 from torch.nn.attention.flex_attention import create_mask
-
 from transformers.masking_utils import chunked_causal_mask_function, sliding_window_causal_mask_function
 
 import hf_tree_attn.masks
