@@ -39,7 +39,8 @@ class TreeMicroBatch(dict):
     """Model inputs of one packed forest, plus the map back to the original rows.
 
     Keys (all `model(**mb)` inputs): `input_ids` `(1, S)` long, `position_ids` `(1, S)` long (depth),
-    `attention_mask` (a `BlockMask` on CUDA, a `(1, 1, S, S)` bool tensor elsewhere), `tree_forest` (the
+    `attention_mask` (the forest's `(1, S)` mask; the model's mask functions turn it into per-layer tree masks, see
+    `PackedForest.attention_mask`), `tree_forest` (the
     `PackedForest`, read by the attention layers) and `use_cache=False`. `labels` is never a key: the model's own
     shifted loss would read the DFS row as one sequence. Use `mb.fields["labels"]` with `mb.forest.parent` instead.
 
@@ -147,6 +148,7 @@ class TreeDataCollator:
         pad_multiple: each packed row is padded to a multiple of this (FlexAttention's block size, 128).
         device: where the tensors and the attention mask are built (`BlockMask` on CUDA, dense bool mask
             elsewhere); default CPU.
+        split_lengths: length classes a forest must not mix (`pack_forest(split_lengths=...)`; longrope models).
 
     A feature is a mapping with `input_ids` (list / 1-D tensor) and optionally:
 
@@ -166,9 +168,11 @@ class TreeDataCollator:
         max_tokens_per_mb: int | None = None,
         pad_multiple: int = 128,
         device: torch.device | str | None = None,
+        split_lengths: Sequence[int] = (),
     ):
         self.max_tokens_per_mb = max_tokens_per_mb
         self.pad_multiple = pad_multiple
+        self.split_lengths = tuple(split_lengths)
         self.device = torch.device(device) if device is not None else torch.device("cpu")
 
     def __call__(self, features: Sequence[Mapping[str, Any]]) -> list[TreeMicroBatch]:
@@ -218,7 +222,12 @@ class TreeDataCollator:
                     f"Field {name!r} is per-token or numeric in some features and not in others; make it one or "
                     "the other in every feature."
                 )
-        forests = pack_forest(sequences, max_tokens_per_mb=self.max_tokens_per_mb, pad_multiple=self.pad_multiple)
+        forests = pack_forest(
+            sequences,
+            max_tokens_per_mb=self.max_tokens_per_mb,
+            pad_multiple=self.pad_multiple,
+            split_lengths=self.split_lengths,
+        )
         micro_batches = []
         for forest in forests:
             fields = {name: torch.cat([values[i] for i in forest.seq_ids]) for name, values in per_token.items()}

@@ -22,7 +22,7 @@ def test_tiny_example_layout():
     assert set(mb) == {"input_ids", "position_ids", "attention_mask", "tree_forest", "use_cache"}
     assert mb["input_ids"][0, :5].tolist() == [5, 6, 7, 8, 9]
     assert mb["position_ids"][0, :5].tolist() == [0, 1, 2, 3, 2]
-    assert mb["attention_mask"].shape == (1, 1, 128, 128) and mb["attention_mask"].dtype == torch.bool
+    assert mb["attention_mask"] is mb.forest.attention_mask("cpu")  # the forest's (1, S) mask: per-layer tree masks
     assert mb["tree_forest"] is mb.forest and mb.forest.max_depth == 3 and mb["use_cache"] is False
     assert mb.seq_ids == [0, 1]
     assert mb.positions.tolist() == [0, 1, 2, 3, 0, 1, 4]
@@ -108,7 +108,7 @@ def test_to_keeps_attributes_and_rebuilds_the_mask():
     (mb,) = TreeDataCollator()(TINY)
     moved = mb.to("cpu")
     assert moved.seq_ids == mb.seq_ids and moved.fields.keys() == mb.fields.keys()
-    assert torch.equal(moved["attention_mask"], mb.forest.dense_mask())
+    assert moved["attention_mask"] is moved.forest.attention_mask("cpu")
 
 
 def test_errors_name_the_problem():

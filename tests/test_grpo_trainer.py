@@ -8,6 +8,7 @@ branching completions, a fully masked completion), and loss and every parameter 
 import hashlib
 import inspect
 import re
+import warnings
 
 import pytest
 import torch
@@ -332,26 +333,116 @@ def test_budget_too_small_for_the_prompts_fails_at_start(tiny, tmp_path):
 
 def test_attention_implementation_is_selected_or_refused(tiny, tmp_path):
     path, tokenizer = tiny
-    with pytest.raises(ValueError, match="attn_implementation.*'sdpa'.*tree_packing needs 'tree_flex'"):
-        _tree_trainer(path, tmp_path, tokenizer, model_init_kwargs={"attn_implementation": "sdpa"})
+    with pytest.raises(ValueError, match="tree_packing=True.*attn_implementation.*'sdpa'.*needs 'tree_flex'"):
+        _tree_trainer(
+            path, tmp_path, tokenizer, model_init_kwargs={"attn_implementation": "sdpa"}, tree_packing=True
+        )  # fmt: skip
     model = toy_task.build_model(tokenizer)
     model.set_attn_implementation("eager")
     assert _tree_trainer(model, tmp_path, tokenizer).model.config._attn_implementation == "tree_flex"
     model.set_attn_implementation("flex_attention")
     with pytest.raises(ValueError, match="'flex_attention'"):
-        _tree_trainer(model, tmp_path, tokenizer)
+        _tree_trainer(model, tmp_path, tokenizer, tree_packing=True)
+    with pytest.warns(UserWarning, match="tree_packing='auto'.*'flex_attention'.*flat path"):
+        trainer = _tree_trainer(model, tmp_path, tokenizer)
+    assert not trainer.tree_packing and model.config._attn_implementation == "flex_attention"
     with pytest.raises(TypeError, match="TreeGRPOConfig"):
         TreeGRPOTrainer(path, toy_task.copy_letter_reward, _config(GRPOConfig, tmp_path))
 
 
-def test_unsupported_model_fails_at_start(tmp_path):
-    from transformers import AutoModelForCausalLM, Qwen3NextConfig
+def _tiny_family_model(model_type: str, tokenizer):
+    """A tiny model of `model_type` (the coverage matrix's config: windows, sinks, MoE switched on) for the toy
+    tokenizer."""
+    from test_coverage import tiny_config
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config(model_type)
+    assert config.get_text_config().vocab_size >= len(tokenizer)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def test_unsupported_model_falls_back_with_one_warning_or_fails_when_trees_are_required(tmp_path):
+    """tree_packing='auto' on a model trees cannot run (gated-delta-rule layers): TRL's flat path, one warning
+    naming the reason, tree_fallback logged; tree_packing=True: an error at init."""
+    tokenizer = toy_task.build_tokenizer()
+    model = _tiny_family_model("qwen3_next", tokenizer)
+    with pytest.raises(ValueError, match=r"tree_packing=True, but .*'qwen3_next'.*carry state"):
+        _tree_trainer(model, tmp_path, tokenizer, tree_packing=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer = _tree_trainer(model, tmp_path, tokenizer)
+    reasons = [str(w.message) for w in caught if "tree_packing='auto'" in str(w.message)]
+    assert len(reasons) == 1 and "gated delta rule" in reasons[0], reasons
+    assert not trainer.tree_packing and trainer.model.config._attn_implementation == "sdpa"
+    prompt_ids, prompt_mask, completion_ids, completion_mask = _batch(tokenizer)
+    ids, mask = torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, completion_mask], 1)
+    with torch.no_grad():
+        got = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, COMPLETION_LEN)
+        want = GRPOTrainer._get_per_token_logps_and_entropies(trainer, trainer.model, ids, mask, COMPLETION_LEN)
+    torch.testing.assert_close(got[0], want[0], atol=0, rtol=0)
+    assert trainer._metrics["train"]["tree_fallback"] == [1.0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type, on_tree", [("gpt_oss", True), ("nemotron_h", False)])
+def test_trl_matrix_models_train_a_step(tmp_path, model_type, on_tree):
+    """Two models of TRL's own test matrix that used to break: GPT-OSS (attention sinks; generation included) runs
+    on trees, Nemotron-H (Mamba-2 layers) falls back to TRL's flat path instead of crashing."""
+    tokenizer = toy_task.build_tokenizer()
+    model = _tiny_family_model(model_type, tokenizer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = _tree_trainer(
+            model, tmp_path, tokenizer, max_steps=1, per_device_train_batch_size=NUM_GENERATIONS, logging_steps=1,
+            gradient_checkpointing=False,
+        )  # fmt: skip
+        trainer.train()
+    assert trainer.tree_packing is on_tree
+    assert set(trainer.state.log_history[0].get(k) for k in ["tree_fallback"]) == {0.0 if on_tree else 1.0}
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory):
+    """A saved tiny Qwen3-MoE (router aux-loss coefficient 0.01) + the char tokenizer."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
     tokenizer = toy_task.build_tokenizer()
-    config = Qwen3NextConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8,
+    config = Qwen3MoeConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, moe_intermediate_size=32, num_experts=4,
+        num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        router_aux_loss_coef=0.01, initializer_range=0.2, pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
     )  # fmt: skip
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="tree_flex")
-    with pytest.raises(NotImplementedError, match="linear_attention"):
-        _tree_trainer(model, tmp_path, tokenizer)
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny_qwen3_moe")
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path), tokenizer
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+def test_moe_aux_loss_matches_flat_trainer_on_the_tree(tiny_moe, tmp_path, beta):
+    """TRL turns the router load-balancing loss on for MoE policies; the tree computes it (each shared token routed
+    once, weighted by its sequences) and loss, gradients and the logged aux_loss equal TRL's, with no fallback."""
+    tree, flat = _pair(tiny_moe, tmp_path, beta=beta)
+    assert tree.aux_loss_enabled and flat.aux_loss_enabled
+    inputs = _inputs(tree, flat, tiny_moe[1], beta, num_iterations=1)
+    _assert_same(_loss_and_grads(tree, inputs), _loss_and_grads(flat, inputs))
+    torch.testing.assert_close(
+        torch.tensor(tree._metrics["train"]["aux_loss"]), torch.tensor(flat._metrics["train"]["aux_loss"]),
+        atol=1e-6, rtol=1e-6,
+    )  # fmt: skip
+    assert tree._metrics["train"]["tree_fallback"] == [0.0]
+
+
+@pytest.mark.parametrize("value, parsed", [("auto", "auto"), ("true", True), ("false", False), ("False", False)])
+def test_tree_packing_from_the_command_line(tmp_path, value, parsed):
+    from trl import TrlParser
+
+    (args,) = TrlParser((TreeGRPOConfig,)).parse_args_and_config(
+        ["--output_dir", str(tmp_path), "--tree_packing", value, "--report_to", "none", "--use_cpu", "--bf16", "false"]
+    )
+    assert args.tree_packing == parsed
+    with pytest.raises(ValueError, match=r"tree_packing='maybe'.*'auto'"):
+        _config(TreeGRPOConfig, tmp_path, tree_packing="maybe")

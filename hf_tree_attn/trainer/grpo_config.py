@@ -9,16 +9,23 @@ from trl import GRPOConfig
 
 __all__ = ["TreeGRPOConfig"]
 
+_TREE_PACKING_CHOICES = {"auto": "auto", "true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+
 
 @dataclass
 class TreeGRPOConfig(GRPOConfig):
     """`trl.GRPOConfig` plus the tree-packing knobs (all other fields, defaults and checks are TRL's)."""
 
-    tree_packing: bool = field(
-        default=True,
+    # A str field (not `bool | str`, which HfArgumentParser reads as a bool), normalised in __post_init__ to
+    # "auto" / True / False, so `--tree_packing auto|true|false` works through TrlParser.
+    tree_packing: str = field(
+        default="auto",
         metadata={
             "help": "Compute the old-policy, reference and policy log-probabilities on packed prefix trees (one "
-            "forward per forest; a shared prompt is computed once). False = exactly trl.GRPOTrainer."
+            "forward per forest; a shared prompt is computed once). 'auto': trees when the model can run them "
+            "exactly (hf_tree_attn.support), else TRL's flat path with one warning naming the reason (logged as "
+            "tree_fallback). 'true': trees, and an error at init if the model cannot run them. 'false': exactly "
+            "trl.GRPOTrainer."
         },
     )
     max_tokens_per_mb: int | None = field(
@@ -40,6 +47,13 @@ class TreeGRPOConfig(GRPOConfig):
 
     def __post_init__(self):
         super().__post_init__()
+        choice = str(self.tree_packing).strip().lower()
+        if choice not in _TREE_PACKING_CHOICES:
+            raise ValueError(
+                f"tree_packing={self.tree_packing!r}; use 'auto' (trees when the model supports them, the default), "
+                "'true' (trees or an error) or 'false' (exactly trl.GRPOTrainer)."
+            )
+        self.tree_packing = _TREE_PACKING_CHOICES[choice]
         if not 0.0 < self.tree_max_token_ratio <= 1.0:
             raise ValueError(
                 f"tree_max_token_ratio={self.tree_max_token_ratio} must be in (0, 1]; use 1.0 to always pack trees."

@@ -15,14 +15,23 @@ import logging
 import warnings
 
 import torch
+from transformers import AutoConfig
 from trl import GRPOTrainer
 from trl.extras.profiling import profiling_decorator
 from trl.trainer.utils import split_pixel_values_by_grid, split_tensor_dict, unsplit_pixel_values_by_grid
 
 from ..attention import ATTN_IMPLEMENTATION
 from ..collator import TreeDataCollator
-from ..logprobs import check_tree_model, forest_logprobs
+from ..logprobs import forest_logprobs, tree_router_aux_loss
 from ..metrics import estimate_flops
+from ..support import (
+    check_tree_model,
+    config_support_error,
+    rope_length_limit,
+    rope_split_lengths,
+    tree_support_error,
+    unwrap_model,
+)
 from ..tree import pack_forest
 from .grpo_config import TreeGRPOConfig
 
@@ -53,15 +62,33 @@ class TreeGRPOTrainer(GRPOTrainer):
                 f"args is a {type(args).__name__}; TreeGRPOTrainer needs a TreeGRPOConfig (same fields plus "
                 "tree_packing, max_tokens_per_mb, tree_max_token_ratio): `TreeGRPOConfig(**your_kwargs)`."
             )
-        if args.tree_packing:
-            model = _select_tree_attention(model, args)
+        reason = None
+        if args.tree_packing is not False:
+            model, reason = _select_tree_attention(model, args)
         super().__init__(model, reward_funcs, args, **kwargs)
+        if args.tree_packing is not False and reason is None:
+            reason = _loaded_model_error(self.model, self.ref_model)  # a model given by path is known only now
+            if reason is not None and args.tree_packing == "auto":
+                for loaded in (self.model, self.ref_model):
+                    if loaded is not None:  # back to the stock implementation tree_flex was standing in for
+                        loaded.set_attn_implementation("sdpa" if unwrap_model(loaded)._supports_sdpa else "eager")
+        if reason is not None and args.tree_packing is True:
+            raise ValueError(f"tree_packing=True, but this model cannot run packed trees exactly: {reason}")
+        # The decision for this run: trees, or TRL's flat path (tree_packing=False, or 'auto' on a model trees
+        # cannot run exactly; then every log-prob forward logs tree_fallback=1).
+        self.tree_packing = args.tree_packing is not False and reason is None
+        if reason is not None:
+            warnings.warn(
+                f"tree_packing='auto': {reason} Training on TRL's flat path instead (logged as tree_fallback=1).",
+                stacklevel=2,
+            )
         self._tree_cache: dict[str, list | None] = {}
-        self._tree_collator = TreeDataCollator(args.max_tokens_per_mb, device=self.accelerator.device)
-        if args.tree_packing:
-            check_tree_model(self.model)
-            if self.ref_model is not None:
-                check_tree_model(self.ref_model)
+        self._tree_collator = TreeDataCollator(
+            args.max_tokens_per_mb,
+            device=self.accelerator.device,
+            split_lengths=rope_split_lengths(unwrap_model(self.model).config),  # longrope: one length class a forest
+        )
+        if self.tree_packing:
             self._check_sequence_budget()
             if args.per_device_train_batch_size % self.num_generations:
                 warnings.warn(
@@ -101,7 +128,7 @@ class TreeGRPOTrainer(GRPOTrainer):
         order of the micro-batches is shuffled, so a prompt's group stays in one forest. Prompts are already
         shuffled by the sampler.
         """
-        if not self.args.tree_packing:
+        if not self.tree_packing:
             return super()._prepare_inputs(generation_batch)
         mode = "train" if self.model.training else "eval"
         if mode == "train":
@@ -142,8 +169,10 @@ class TreeGRPOTrainer(GRPOTrainer):
 
         `input_ids` / `attention_mask` are `(B, P + C)`: left-padded prompts then right-padded completions, `C =
         logits_to_keep`. Rows are chunked by `batch_size` exactly as TRL does; each chunk is one cached set of
-        forests. Multimodal inputs, the MoE aux loss, an unusual padding layout, or too little sharing
-        (`tree_max_token_ratio`) take TRL's flat path.
+        forests, and its MoE load-balancing loss (`compute_aux_loss`) pools the chunk's forests as TRL's flat forward
+        pools its rows (`tree_router_aux_loss`); TRL averages the chunks' losses, so does this. Multimodal inputs,
+        an unusual padding layout, sequences beyond a dynamic-RoPE limit, or too little sharing
+        (`tree_max_token_ratio`) take TRL's flat path for that chunk, logged as tree_fallback.
         """
         multimodal = dict(
             pixel_values=pixel_values,
@@ -158,34 +187,45 @@ class TreeGRPOTrainer(GRPOTrainer):
             image_position_ids=image_position_ids,
         )
         mode = "train" if self.model.training else "eval"
-        if not self.args.tree_packing or compute_aux_loss or any(v is not None for v in multimodal.values()):
-            if self.args.tree_packing:
+        if not self.tree_packing or any(v is not None for v in multimodal.values()):
+            if self.args.tree_packing is not False:
                 self._metrics[mode]["tree_fallback"].append(1.0)
             return super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
                 **multimodal,
             )  # fmt: skip
 
+        limit = rope_length_limit(unwrap_model(self.model).config)
         batch_size = batch_size or input_ids.size(0)
-        all_logps, all_entropies = [], []
+        all_logps, all_entropies, all_aux = [], [], []
         for start in range(0, input_ids.size(0), batch_size):
             ids, mask = input_ids[start : start + batch_size], attention_mask[start : start + batch_size]
-            packed = self._packed_chunk(ids, mask, logits_to_keep, mode)
+            too_long = limit is not None and int(mask.sum(1).max()) > limit
+            packed = None if too_long else self._packed_chunk(ids, mask, logits_to_keep, mode)
             self._metrics[mode]["tree_fallback"].append(float(packed is None))
             missing = self._missing_forwards(1 if packed is None else len(packed))  # agree before any forward
             if packed is None:
-                logps, entropies, _ = super()._get_per_token_logps_and_entropies(
-                    model, ids, mask, logits_to_keep, compute_entropy=compute_entropy
+                logps, entropies, aux = super()._get_per_token_logps_and_entropies(
+                    model,
+                    ids,
+                    mask,
+                    logits_to_keep,
+                    compute_entropy=compute_entropy,
+                    compute_aux_loss=compute_aux_loss,
                 )
             else:
-                logps, entropies = self._tree_logps(model, packed, ids.size(0), logits_to_keep, compute_entropy)
+                logps, entropies, aux = self._tree_logps(
+                    model, packed, ids.size(0), logits_to_keep, compute_entropy, compute_aux_loss
+                )
             if missing:
                 logps = logps + self._idle_forwards(model, missing)
             all_logps.append(logps)
             all_entropies.append(entropies)
+            all_aux.append(aux)
         logps = torch.cat(all_logps, dim=0)
         entropies = torch.cat(all_entropies, dim=0) if compute_entropy else None
-        return logps, entropies, None
+        aux_loss = torch.stack(all_aux).mean() if compute_aux_loss else None
+        return logps, entropies, aux_loss
 
     def _packed_chunk(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int, mode: str):
         """Cached forests of one chunk of padded rows, or None when the chunk must take the flat path.
@@ -278,45 +318,80 @@ class TreeGRPOTrainer(GRPOTrainer):
             total = total + table.sum()
         return 0.0 * total
 
-    def _tree_logps(self, model, packed: list, num_rows: int, logits_to_keep: int, compute_entropy: bool):
-        """Score the forests of one chunk and scatter into `(num_rows, logits_to_keep)` (0 at padding)."""
+    def _tree_logps(
+        self, model, packed: list, num_rows: int, logits_to_keep: int, compute_entropy: bool, compute_aux_loss: bool
+    ):
+        """Score the forests of one chunk: `(logps, entropies | None, aux_loss | None)`, the per-token values
+        scattered into `(num_rows, logits_to_keep)` (0 at padding)."""
         device = self.accelerator.device
         logps = torch.zeros(num_rows, logits_to_keep, dtype=torch.float32, device=device)
         entropies = torch.zeros_like(logps) if compute_entropy else None
+        router_logits = []
         for mb, rows, row_of, col_of, source_rows in packed:
             with self.accelerator.autocast():
-                table, entropy_table = forest_logprobs(
-                    model, mb.forest, rows=rows, temperature=self.temperature, return_entropy=compute_entropy
-                )
+                table, entropy_table, *router = forest_logprobs(
+                    model, mb.forest, rows=rows, temperature=self.temperature, return_entropy=compute_entropy,
+                    return_router_logits=compute_aux_loss,
+                )  # fmt: skip
+            router_logits += router
             logps = logps.index_put((row_of, col_of), table[source_rows])
             if compute_entropy:
                 entropies = entropies.index_put((row_of, col_of), entropy_table[source_rows])
-        return logps, entropies
+        aux_loss = None
+        if compute_aux_loss:
+            aux_loss = tree_router_aux_loss(model, [mb.forest for mb, *_ in packed], router_logits)
+        return logps, entropies, aux_loss
 
 
 def _select_tree_attention(model, args: TreeGRPOConfig):
-    """Make the policy (and so TRL's reference model, built with the policy's implementation) use `tree_flex`."""
+    """`(model, None)` with the policy (and so TRL's reference model, built with the policy's implementation) set to
+    `tree_flex`, or `(model, reason)` untouched when it cannot run trees exactly (checked before loading for a model
+    path: its config; for an instance: the whole model)."""
     if isinstance(model, str):
         model_init_kwargs = dict(args.model_init_kwargs or {})
         impl = model_init_kwargs.get("attn_implementation")
         if impl not in (None, ATTN_IMPLEMENTATION):
-            raise ValueError(
-                f"model_init_kwargs['attn_implementation']={impl!r}, but tree_packing needs {ATTN_IMPLEMENTATION!r} "
-                "(it runs ordinary forwards and generate through SDPA). Drop --attn_implementation / the "
+            return model, (
+                f"model_init_kwargs['attn_implementation']={impl!r}, but tree packing needs {ATTN_IMPLEMENTATION!r} "
+                "(it runs ordinary forwards and generate like SDPA). Drop --attn_implementation / the "
                 "model_init_kwargs entry to get it automatically, or set tree_packing=False."
             )
+        config = AutoConfig.from_pretrained(
+            model,
+            revision=model_init_kwargs.get("revision"),
+            trust_remote_code=model_init_kwargs.get("trust_remote_code", False),
+        )
+        reason = config_support_error(config)
+        if reason is not None:
+            return model, reason
         model_init_kwargs["attn_implementation"] = ATTN_IMPLEMENTATION
         args.model_init_kwargs = model_init_kwargs
-        return model
+        return model, None
     impl = getattr(model.config, "_attn_implementation", None)
-    if impl == ATTN_IMPLEMENTATION:
-        return model
-    if impl not in _SWITCHABLE_ATTN:
-        raise ValueError(
-            f"The model uses attn_implementation={impl!r}, but tree_packing needs {ATTN_IMPLEMENTATION!r}. Load it "
+    if impl not in _SWITCHABLE_ATTN + (ATTN_IMPLEMENTATION,):
+        return model, (
+            f"The model uses attn_implementation={impl!r}, but tree packing needs {ATTN_IMPLEMENTATION!r}. Load it "
             f"with attn_implementation={ATTN_IMPLEMENTATION!r} (after `import hf_tree_attn`), or set "
             "tree_packing=False."
         )
-    logger.info("Switching the model from attn_implementation=%r to %r for tree packing.", impl, ATTN_IMPLEMENTATION)
-    model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    return model
+    reason = tree_support_error(model)
+    if reason is not None:
+        return model, reason
+    if impl != ATTN_IMPLEMENTATION:
+        logger.info(
+            "Switching the model from attn_implementation=%r to %r for tree packing.", impl, ATTN_IMPLEMENTATION
+        )
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    return model, None
+
+
+def _loaded_model_error(model, ref_model) -> str | None:
+    """Why the loaded policy or reference model cannot run trees (`check_tree_model`'s message), or None."""
+    for loaded in (model, ref_model):
+        if loaded is None:
+            continue
+        try:
+            check_tree_model(loaded)
+        except (ValueError, NotImplementedError) as error:
+            return str(error)
+    return None
