@@ -1,16 +1,19 @@
 """Tree vs flat on one GPU: the GRPO trainer phase, side by side on the same batch.
 
 Trainer phase = old-logprob forward (no grad) + policy forward + backward, gradient checkpointing on, logits
-only for scored (completion) tokens, bf16, random weights from configs shaped like Qwen3 (no download).
+only for scored (completion) tokens, bf16, random weights from configs shaped like Qwen3 or, with sliding-window
+layers, Gemma-3-1B (no download).
 
 Methods, all on the same model object (`attn_implementation="tree_flex"`):
   flat_padded  rows right-padded to the micro-batch's longest row, SDPA with a padding mask (what TRL does);
-  flat_packed  padding-free: sequences concatenated in one row, FlexAttention document mask;
+  flat_packed  padding-free: sequences concatenated in one row, FlexAttention document mask (each layer kind's
+               own: a sliding-window layer's document mask keeps its window);
   tree         hf_tree_attn: prefix forest, FlexAttention tree mask, LM head on unique parent rows.
 Every method processes the whole logical batch in micro-batches of at most `--max-tokens-per-mb` tokens
 (flat_padded: rows x padded length), and scores exactly the same tokens with the same chunked LM head.
 
     python benchmarks/bench_tree_vs_flat.py --models qwen3-0.6b --out benchmarks/results/tree_vs_flat.json
+    python benchmarks/bench_tree_vs_flat.py --models gemma3-1b --workloads grpo_G16_P4096_C512 ...
 """
 
 from __future__ import annotations
@@ -26,20 +29,54 @@ from dataclasses import dataclass
 
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, Qwen3Config
+from transformers import AutoModelForCausalLM, Gemma3TextConfig, Qwen3Config
 
 import hf_tree_attn
 from hf_tree_attn.logprobs import _final_hidden_states, forest_logprobs, lm_head_logprobs
-from hf_tree_attn.masks import tree_block_mask
+from hf_tree_attn.masks import TreeMaskSource
 
 MODELS = {
-    "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-                       num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
-    "qwen3-1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
-                       num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
-    "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-                     num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False),
+    "qwen3-0.6b": (Qwen3Config, dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                   num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                   tie_word_embeddings=True)),
+    "qwen3-1.7b": (Qwen3Config, dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                   num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                   tie_word_embeddings=True)),
+    "qwen3-8b": (Qwen3Config, dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                 tie_word_embeddings=False)),
+    # google/gemma-3-1b-pt's shape: 5 sliding-window layers (window 512) per full layer.
+    "gemma3-1b": (Gemma3TextConfig, dict(hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
+                  num_attention_heads=4, num_key_value_heads=1, head_dim=256, vocab_size=262144,
+                  query_pre_attn_scalar=256, sliding_window=512, max_position_embeddings=32768,
+                  layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(26)],
+                  tie_word_embeddings=True)),
 }  # fmt: skip
+VOCAB = 151936  # token ids of the workloads (below every model's vocab)
+
+
+class MaskTimer:
+    """Time spent building layer masks (inside the forwards: each layer kind's mask is built on first use)."""
+
+    total = 0.0
+    _build = TreeMaskSource.mask
+
+    @classmethod
+    def install(cls):
+        def timed(source, *args, **kwargs):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            mask = cls._build(source, *args, **kwargs)
+            torch.cuda.synchronize()
+            cls.total += time.perf_counter() - t0
+            return mask
+
+        TreeMaskSource.mask = timed
+
+    @classmethod
+    def take(cls) -> float:
+        spent, cls.total = cls.total, 0.0
+        return spent
 
 
 @dataclass
@@ -126,7 +163,7 @@ def flat_padded_step(model, wl: Workload, budget: int, device) -> dict:
             weights = torch.cat(weights).to(device)
             with torch.set_grad_enabled(train):
                 inputs = {"input_ids": ids, "attention_mask": mask, "use_cache": False}
-                hidden = _final_hidden_states(model, inputs).flatten(0, 1)
+                hidden = _final_hidden_states(model, inputs)[0].flatten(0, 1)
                 logps, _ = lm_head_logprobs(model, hidden, sources, targets)
                 if train:
                     (logps * weights).sum().backward()
@@ -135,9 +172,9 @@ def flat_padded_step(model, wl: Workload, budget: int, device) -> dict:
 
 def flat_packed_step(model, wl: Workload, budget: int, device) -> dict:
     lengths = [len(s) for s in wl.sequences]
-    mask_time = 0.0
     batches = _token_budget_batches(lengths, budget, padded=False)
     prepared = []
+    MaskTimer.take()
     for batch in batches:
         total = sum(lengths[i] for i in batch)
         seq_len = -(-total // 128) * 128
@@ -155,28 +192,26 @@ def flat_packed_step(model, wl: Workload, budget: int, device) -> dict:
             targets.append(ids[off + t])
             weights.append(wl.weights[i])
             off += n
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        bm = tree_block_mask(end.to(device))
-        torch.cuda.synchronize()
-        mask_time += time.perf_counter() - t0
+        # Documents back to back are a forest without sharing: the same per-layer-kind masks serve as document masks.
+        dense = torch.device(device).type != "cuda"
+        source = TreeMaskSource(end.to(device), pos.to(device), torch.tensor([lengths[i] for i in batch]), {}, dense)
         prepared.append(
             (
                 ids[None].to(device),
                 pos[None].to(device),
-                bm,
+                source.carrier,
                 *(torch.cat(x).to(device) for x in (sources, targets, weights)),
             )
         )
     for train in (False, True):
-        for ids, pos, bm, sources, targets, weights in prepared:
+        for ids, pos, mask, sources, targets, weights in prepared:
             with torch.set_grad_enabled(train):
-                inputs = {"input_ids": ids, "position_ids": pos, "attention_mask": bm, "use_cache": False}
-                hidden = _final_hidden_states(model, inputs)[0]
+                inputs = {"input_ids": ids, "position_ids": pos, "attention_mask": mask, "use_cache": False}
+                hidden = _final_hidden_states(model, inputs)[0][0]
                 logps, _ = lm_head_logprobs(model, hidden, sources, targets)
                 if train:
                     (logps * weights).sum().backward()
-    return {"mask_s": mask_time}
+    return {"mask_s": MaskTimer.take()}
 
 
 def flat_padded_tokens(wl: Workload, budget: int) -> int:
@@ -195,7 +230,8 @@ def tree_step(model, wl: Workload, budget: int, device, fallback_ratio: float | 
     if fallback_ratio is not None and tree_tokens > fallback_ratio * flat_padded_tokens(wl, budget):
         decided = time.perf_counter() - t0
         return {**flat_padded_step(model, wl, budget, device), "pack_s": decided, "mask_s": 0.0, "micro_batches": 0}
-    prepared, mask_time = [], 0.0
+    prepared = []
+    MaskTimer.take()
     for forest in forests:
         rows = torch.cat([forest.positions(k)[wl.prompt_lengths[s] :] for k, s in enumerate(forest.seq_ids)])
         # A row shared by several sequences carries the sum of their weights: the same loss as flat.
@@ -203,20 +239,15 @@ def tree_step(model, wl: Workload, budget: int, device, fallback_ratio: float | 
             0, rows, torch.cat([wl.weights[s] for s in forest.seq_ids])
         )
         forest = forest.to(device)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        forest.block_mask(device)  # built once, reused by both forwards, every layer and the recompute
-        torch.cuda.synchronize()
-        mask_time += time.perf_counter() - t0
         rows = torch.unique(rows)
         prepared.append((forest, rows.to(device), row_weights[rows].to(device)))
-    for train in (False, True):
+    for train in (False, True):  # each layer kind's mask: built in the first forward, reused by the rest
         for forest, rows, weights in prepared:
             with torch.set_grad_enabled(train):
                 table, _ = forest_logprobs(model, forest, rows=rows)
                 if train:
                     (table[rows] * weights).sum().backward()
-    return {"pack_s": pack_time, "mask_s": mask_time, "micro_batches": len(forests)}
+    return {"pack_s": pack_time, "mask_s": MaskTimer.take(), "micro_batches": len(forests)}
 
 
 METHODS = {"flat_padded": flat_padded_step, "flat_packed": flat_packed_step, "tree": tree_step}
@@ -255,7 +286,8 @@ def grad_probe(model, fn, wl, budget, device) -> torch.Tensor:
 
 def build_model(name: str, device):
     torch.manual_seed(0)
-    config = Qwen3Config(**MODELS[name], attention_dropout=0.0)
+    config_class, kwargs = MODELS[name]
+    config = config_class(**kwargs, attention_dropout=0.0)
     with device:  # random init on the GPU: an 8B init on the host takes minutes
         model = AutoModelForCausalLM.from_config(config, attn_implementation="tree_flex", dtype=torch.bfloat16)
     model.train()
@@ -311,7 +343,8 @@ def main():
     args = parser.parse_args()
 
     device = torch.device("cuda")
-    vocab = MODELS["qwen3-0.6b"]["vocab_size"]
+    MaskTimer.install()
+    vocab = VOCAB
     rng = random.Random(0)
     s = args.scale
     workloads = [
@@ -337,12 +370,12 @@ def main():
         "runs": [],
     }
     print(f"{'model':<11} {'workload':<22} {'tok ceil':>8} {'flop ceil':>9} {'vs padded':>9} {'vs packed':>9} "
-          f"{'%ceil':>6} {'mem/flat':>8} {'pack+mask':>9} {'grad cos':>8}")  # fmt: skip
+          f"{'%ceil':>6} {'%flop':>6} {'mem/flat':>8} {'pack+mask':>9} {'grad cos':>8}")  # fmt: skip
     for name in args.models:
         model = build_model(name, device)
         for wl in workloads:
             flops = hf_tree_attn.estimate_flops(model.config, wl.sequences, prompt_lengths=wl.prompt_lengths)
-            run = {"model": name, "model_config": MODELS[name], "workload": wl.name, "spec": wl.spec,
+            run = {"model": name, "model_config": MODELS[name][1], "workload": wl.name, "spec": wl.spec,
                    "num_sequences": len(wl.sequences), "total_tokens": sum(map(len, wl.sequences)),
                    "token_ceiling": 1 / flops["token_ratio"], "flop_ceiling": 1 / flops["flops_ratio"]}  # fmt: skip
             probes = {}
@@ -370,7 +403,8 @@ def main():
             results["runs"].append(run)
             print(f"{name:<11} {wl.name:<22} {run['token_ceiling']:>7.2f}x {run['flop_ceiling']:>8.2f}x "
                   f"{run['speedup_vs_padded']:>8.2f}x {run['speedup_vs_packed']:>8.2f}x "
-                  f"{run['pct_of_token_ceiling']:>5.0f}% {run['peak_memory_ratio']:>8.2f} "
+                  f"{run['pct_of_token_ceiling']:>5.0f}% {run['pct_of_flop_ceiling']:>5.0f}% "
+                  f"{run['peak_memory_ratio']:>8.2f} "
                   f"{100 * run['pack_and_mask_share']:>8.1f}% {tree['grad_cos_vs_flat_padded']:>8.5f}",
                   flush=True)  # fmt: skip
             with open(args.out, "w") as f:

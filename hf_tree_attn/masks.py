@@ -115,9 +115,9 @@ def tag_mask(mask: torch.Tensor | BlockMask, tag: MaskTag) -> None:
         return
     key = (mask.device, mask.data_ptr())
 
-    def forget(ref, key=key):
-        if _TENSOR_TAGS.get(key, (None,))[0] is ref:
-            del _TENSOR_TAGS[key]
+    def forget(ref, key=key, tags=_TENSOR_TAGS):  # bound now: module globals are gone at interpreter exit
+        if tags.get(key, (None,))[0] is ref:
+            del tags[key]
 
     _TENSOR_TAGS[key] = (weakref.ref(mask, forget), tag)
 

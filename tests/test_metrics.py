@@ -129,3 +129,36 @@ def test_estimate_flops_rejects_empty_sequences():
 
     with pytest.raises(ValueError, match="sequences is empty"):
         estimate_flops(Qwen3Config(), [])
+
+
+@pytest.mark.parametrize("case", ["grpo", "multiturn", "mixed"])
+def test_windowed_and_chunked_layers_count_only_the_keys_they_see(case):
+    """Per layer kind, pairs by explicit loops over the dict trie: a window of W sees the last W ancestors-or-self
+    (by depth), a chunk of C those in its own chunk of depths."""
+    from transformers import Gemma3TextConfig, Llama4TextConfig
+
+    sequences = forest_case(case, 0)
+    common = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  vocab_size=128)  # fmt: skip
+    window = Gemma3TextConfig(**common, num_hidden_layers=3, sliding_window=3,
+                              layer_types=["sliding_attention", "sliding_attention", "full_attention"])  # fmt: skip
+    chunk = Llama4TextConfig(**common, num_hidden_layers=2, attention_chunk_size=4,
+                             layer_types=["chunked_attention", "full_attention"])  # fmt: skip
+    trie = DictTrie()
+    for seq in sequences:
+        trie.insert(seq)
+    for config, sees in ((window, lambda dq, dk: dq - dk < 3), (chunk, lambda dq, dk: dq // 4 == dk // 4)):
+        full = estimate_flops(config, sequences)
+        plain = estimate_flops(type(config)(**{**config.to_dict(), "layer_types": None, "sliding_window": None,
+                                                "attention_chunk_size": None}), sequences)  # fmt: skip
+        pair = 4 * config.num_attention_heads * config.head_dim
+        layers_cut = sum(t != "full_attention" for t in config.layer_types)
+        # Pairs the window / chunk removes, in the flat rows and in the trie, by loops.
+        flat_cut = sum(not sees(q, k) for s in sequences for q in range(len(s)) for k in range(q + 1))
+        tree_cut = sum(
+            not sees(trie.depth[node], trie.depth[anc])
+            for node in range(1, trie.num_nodes + 1)
+            for anc in trie.ancestors_or_self(node)
+        )
+        assert plain["flat_flops"] - full["flat_flops"] == layers_cut * flat_cut * pair
+        assert plain["tree_flops"] - full["tree_flops"] == layers_cut * tree_cut * pair
