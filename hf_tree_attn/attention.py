@@ -124,7 +124,14 @@ def _check_forest_mask(module: torch.nn.Module, attention_mask, tag, forest) -> 
 
 def _check_full_tree_mask(module: torch.nn.Module, query: torch.Tensor) -> None:
     """`forest.dense_mask()` / `block_mask()` given as `attention_mask` go to every layer as is: refuse them where
-    a window or chunk of the model could cut the tree."""
+    a window or chunk of the model could cut the tree, or where the layer scales queries by their row (Llama 4's
+    temperature tuning), which only a forest's own mask lets this function correct."""
+    if getattr(module, "attn_temperature_tuning", False) and not getattr(module, "use_rope", True):
+        raise ValueError(
+            f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) scales its queries by position "
+            "(attention temperature tuning) and got the forest's plain ancestor-or-self mask, which does not carry "
+            "the tokens' depths. Pass `**forest_forward_kwargs(forest, device)` instead."
+        )
     config = getattr(module, "config", None)
     windows = [getattr(config, name, None) for name in _WINDOW_FIELDS]
     windows = [w for w in windows if isinstance(w, int) and w > 0]
@@ -193,6 +200,11 @@ def tree_flex_attention(
         _check_forest_mask(module, attention_mask, tag, forest)
     if tag is not None and tag.role == "full":
         _check_full_tree_mask(module, query)
+    if tag is not None and kwargs.get("position_bias") is not None:
+        raise NotImplementedError(
+            f"{type(module).__name__} adds a position bias to its attention scores, computed over rows, which a packed "
+            "tree does not keep. Train this model with tree_packing=False."
+        )
     source = tag.source if tag is not None else None
     if source is not None and getattr(module, "attn_temperature_tuning", False) and not module.use_rope:
         query = _depth_temperature(module, query, source.depth)
