@@ -202,8 +202,8 @@ def tree_flex_attention(
         _check_full_tree_mask(module, query)
     if tag is not None and kwargs.get("position_bias") is not None:
         raise NotImplementedError(
-            f"{type(module).__name__} adds a position bias to its attention scores, computed over rows, which a packed "
-            "tree does not keep. Train this model with tree_packing=False."
+            f"{type(module).__name__} adds a position bias to its attention scores, computed over rows, which a "
+            "packed tree does not keep. Train this model with tree_packing=False."
         )
     source = tag.source if tag is not None else None
     if source is not None and getattr(module, "attn_temperature_tuning", False) and not module.use_rope:
