@@ -25,6 +25,7 @@ import torch
 __all__ = [
     "EXACT_FAMILIES",
     "IMPLEMENTED_LAYER_KINDS",
+    "LOGIT_SCALE_FIELDS",
     "REFUSED_FAMILIES",
     "check_forest",
     "check_lengths",
@@ -56,14 +57,16 @@ IMPLEMENTED_LAYER_KINDS: dict[str, str] = {
 # RoPE types whose frequencies never depend on the sequence: a token's rotation is a function of its depth.
 _STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn", "proportional"})
 
-# Config fields a model multiplies its logits by (before `final_logit_softcapping`), in one place: the tree LM
-# head applies `logit_scale(config)` exactly as the model's own forward and TRL's fused head do.
-LOGIT_SCALE_FIELDS = {
-    "logit_scale": "Cohere, Cohere2: logits * logit_scale",
-    "logits_scaling": "Granite, GraniteMoE: logits / logits_scaling (HyperCLOVA X: logits * logits_scaling)",
-    "lm_head_multiplier": "Falcon-H1: logits * lm_head_multiplier",
-    "output_multiplier": "logits * output_multiplier",
+# Every config field that scales a model's logits (before `final_logit_softcapping`), in one place, and whether the
+# model multiplies or divides by it: the tree LM head applies `logit_scale(config)` as the model's own forward and
+# TRL's fused LM head do. (Granite and MiniCPM3 divide by `logits_scaling`; HyperCLOVA X multiplies.)
+LOGIT_SCALE_FIELDS: dict[str, str] = {
+    "logit_scale": "multiply",  # Cohere, Cohere2, Cohere2-MoE
+    "logits_scaling": "divide",  # Granite, GraniteMoE(-Shared, -SWA), MiniCPM3; HyperCLOVA X multiplies
+    "lm_head_multiplier": "multiply",  # Falcon-H1
+    "output_multiplier": "multiply",
 }
+_MULTIPLIES_LOGITS_SCALING = ("hyperclovax",)
 
 # Families verified exact by the coverage matrix (tests/test_coverage.py), with what their tiny model exercised.
 EXACT_FAMILIES: dict[str, str] = {
@@ -282,14 +285,13 @@ def logit_scale(config) -> float:
     """What the model multiplies its LM head's output by, before any final softcap (1.0 for most models)."""
     config = config.get_text_config()
     scale = 1.0
-    if getattr(config, "logit_scale", None) is not None:
-        scale *= config.logit_scale
-    if getattr(config, "logits_scaling", None) is not None:
-        multiplies = config.model_type == "hyperclovax"
-        scale *= config.logits_scaling if multiplies else 1.0 / config.logits_scaling
-    for name in ("lm_head_multiplier", "output_multiplier"):
-        if getattr(config, name, None) is not None:
-            scale *= getattr(config, name)
+    for name, how in LOGIT_SCALE_FIELDS.items():
+        value = getattr(config, name, None)
+        if value is None:
+            continue
+        if how == "divide" and config.model_type not in _MULTIPLIES_LOGITS_SCALING:
+            value = 1.0 / value
+        scale *= value
     return float(scale)
 
 

@@ -4,9 +4,10 @@ import copy
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Gemma2Config, Qwen3Config
+from transformers import AutoModelForCausalLM, CohereConfig, Gemma2Config, GraniteConfig, Qwen3Config
 
 from hf_tree_attn.logprobs import _fused_lm_head, lm_head_logprobs
+from hf_tree_attn.support import logit_scale
 
 pytest.importorskip("trl")
 
@@ -18,6 +19,14 @@ CONFIGS = {
     "gemma2_final_softcap": Gemma2Config(
         hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
         head_dim=16, vocab_size=97, final_logit_softcapping=3.0,
+    ),
+    "cohere_logit_scale": CohereConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+        vocab_size=97, logit_scale=0.25,
+    ),
+    "granite_logits_scaling": GraniteConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+        vocab_size=97, logits_scaling=4.0,
     ),
 }  # fmt: skip
 
@@ -47,7 +56,7 @@ def test_fused_and_torch_heads_agree(name, temperature):
         torch.testing.assert_close(fused, plain, atol=1e-5, rtol=1e-5)
 
     # Oracle: full logits, log_softmax, gather.
-    logits = model.get_output_embeddings()(hidden.detach()).float()
+    logits = model.get_output_embeddings()(hidden.detach()).float() * logit_scale(model.config)
     if name == "gemma2_final_softcap":
         logits = 3.0 * torch.tanh(logits / 3.0)
     ref = (logits / temperature).log_softmax(-1)
