@@ -180,10 +180,17 @@ def tiny_config(model_type: str):
 
 
 def _models(model_type: str, reference: str):
-    """`(tree_flex model, `reference` model)` with identical fp32 weights, in eval mode."""
+    """`(tree_flex model, `reference` model)` with identical fp32 weights, in eval mode.
+
+    Every parameter is jittered after init, as training would move it: parameters initialised to a constant (sinks
+    at 0, norms and learned logit scales at 1) must not hide a difference.
+    """
     config = tiny_config(model_type)
     torch.manual_seed(0)
     tree = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="tree_flex").float().eval()
+    with torch.no_grad():
+        for param in tree.parameters():
+            param.add_(0.05 * torch.randn_like(param))
     ref = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=reference).float().eval()
     ref.load_state_dict(tree.state_dict())
     return tree, ref
