@@ -10,11 +10,14 @@ built once per generation batch and reused by the old-policy, reference and ever
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import warnings
 
+import numpy as np
 import torch
+from accelerate.utils import gather_object
 from trl import GRPOTrainer
 from trl.extras.profiling import profiling_decorator
 from trl.trainer.utils import split_pixel_values_by_grid, split_tensor_dict, unsplit_pixel_values_by_grid
@@ -23,8 +26,10 @@ from ..attention import ATTN_IMPLEMENTATION
 from ..collator import TreeDataCollator
 from ..logprobs import check_tree_model, forest_logprobs
 from ..metrics import estimate_flops
+from ..recompute import activation_bytes, layers_to_checkpoint, recompute_only
 from ..tree import pack_forest
-from .grpo_config import TreeGRPOConfig
+from .balance import assign_blocks, block_costs, exchange_orders, step_imbalance
+from .grpo_config import TreeGRPOConfig, _balance_refusal
 
 __all__ = ["TreeGRPOTrainer"]
 
@@ -113,9 +118,99 @@ class TreeGRPOTrainer(GRPOTrainer):
                 batches = split_tensor_dict(generation_batch, self.args.steps_per_generation)
                 order = torch.randperm(len(batches)).tolist()
                 self._buffered_inputs = [unsplit_pixel_values_by_grid(batches[i]) for i in order]
+                self._buffered_inputs = self._balance_across_ranks(self._buffered_inputs)
             return self._buffered_inputs[self._step % self.args.steps_per_generation]
         self._tree_cache.clear()
         return self._generate_and_score_completions(generation_batch)
+
+    def _balance_active(self) -> bool:
+        """Whether `_balance_across_ranks` moves groups (`tree_balance`; None = wherever the loss allows it)."""
+        if self.args.tree_balance is False or not self.args.tree_packing or self.accelerator.num_processes == 1:
+            return False
+        reason = _balance_refusal(self.args)
+        if reason:
+            _log_once(logging.INFO, f"Token balancing across ranks is off: {reason}")
+        return reason is None
+
+    @profiling_decorator
+    def _balance_across_ranks(self, micro_batches: list[dict]) -> list[dict]:
+        """Move whole groups between ranks so each micro-batch costs every rank about the same (`balance.py`).
+
+        `micro_batches` are this rank's buffered micro-batches of one generation (`B` rows each, `B % G == 0`);
+        micro-batch `m` runs on every rank at the same time. Each block of `G` rows is priced by `block_costs`, the
+        table is gathered, and every rank computes the same plan (`assign_blocks`, within each optimizer step's
+        micro-batches), then one `all_to_all` per per-row tensor moves the rows — ids, masks, advantages, old / ref /
+        sampled log-probs, whatever TRL's batch holds. Widths are re-padded as TRL pads a rank's own rows. Every
+        optimizer step keeps its rows and every rank `B` rows per micro-batch, so the loss and gradients are those of
+        the unbalanced run (see `tree_balance`). Logs `balance/imbalance_before` / `_after` (`step_imbalance`).
+        """
+        if not self._balance_active():
+            return micro_batches
+        batch, rows = _concat_micro_batches(micro_batches)
+        group, per_micro = self.num_generations, len(micro_batches[0]["prompt_ids"])
+        layout = _row_layout(batch, rows)
+        # All ranks must agree to move (one collective each): a batch with entries of unknown layout stays put.
+        layouts = gather_object([layout])
+        if any(entry is None for entry in layouts) or any(entry != layouts[0] for entry in layouts):
+            _log_once(
+                logging.WARNING,
+                "Token balancing skipped: the batch holds entries whose rows cannot be moved (e.g. images) or whose "
+                "layout differs between ranks.",
+            )
+            return micro_batches
+
+        prompt_mask, completion_mask = batch["prompt_mask"].bool(), batch["completion_mask"].bool()
+        sequences = [
+            torch.cat([p[pm], c[cm]]).cpu().numpy()
+            for p, pm, c, cm in zip(batch["prompt_ids"], prompt_mask, batch["completion_ids"], completion_mask)
+        ]
+        prompt_lengths = prompt_mask.sum(1)
+        config = self.accelerator.unwrap_model(self.model).config.get_text_config()
+        costs = block_costs(config, sequences, prompt_lengths.tolist(), group)
+        widths = [batch["prompt_ids"].shape[1], batch["completion_ids"].shape[1]]
+        device = self.accelerator.device
+        table = self.accelerator.gather(torch.tensor([*costs, *widths], dtype=torch.float64, device=device)).cpu()
+        world = self.accelerator.num_processes
+        table = table.view(world, -1).numpy()
+        costs = table[:, :-2].reshape(world, len(micro_batches), per_micro // group)
+        prompt_width, completion_width = (int(w) for w in table[:, -2:].max(axis=0))
+
+        steps, accumulation = self.args.steps_per_generation, self.args.gradient_accumulation_steps
+        source = assign_blocks(costs, window=accumulation if steps % accumulation == 0 else 1)
+        before = step_imbalance(costs)
+        after = step_imbalance(costs[source[..., 0], source[..., 1], source[..., 2]])
+        self._metrics["train"]["balance/imbalance_before"].append(before)
+        if after > before * (1 - _MIN_BALANCE_GAIN):  # not worth an all_to_all of the batch
+            self._metrics["train"]["balance/imbalance_after"].append(before)
+            return micro_batches
+        self._metrics["train"]["balance/imbalance_after"].append(after)
+
+        # What each row needs of the widths after the move, as TRL pads a rank's own rows: its prompt length and
+        # its completion length (a completion that mask_truncated_completions zeroed keeps its source width).
+        completion_lengths = completion_mask.sum(1)
+        needs = torch.stack([prompt_lengths, torch.where(completion_lengths > 0, completion_lengths, widths[1])], 1)
+        rank = self.accelerator.process_index
+        orders = exchange_orders(source, rank)
+        moved = {}
+        for key, value in batch.items():
+            side = layout[key][0]
+            if side == "list":
+                moved[key] = _move_list(value, source, rank, per_micro, group)
+            elif side == "global":
+                moved[key] = value
+            else:
+                if side in ("prompt", "completion"):
+                    fill = _pad_value(key, self._tokenizer.pad_token_id)
+                    value = _pad_width(value, prompt_width if side == "prompt" else completion_width, side, fill)
+                moved[key] = _move_rows(value, orders, per_micro, group)
+        needs = _move_rows(needs, orders, per_micro, group).max(0).values.tolist()
+        prompt_keep, completion_keep = (_round_up(n, self.pad_to_multiple_of) for n in needs)
+        for key, (side, *_) in layout.items():
+            if side == "prompt":
+                moved[key] = moved[key][:, prompt_width - prompt_keep :]
+            elif side == "completion":
+                moved[key] = moved[key][:, :completion_keep]
+        return _split_micro_batches(moved, len(micro_batches))
 
     @profiling_decorator
     def _get_per_token_logps_and_entropies(
@@ -283,15 +378,144 @@ class TreeGRPOTrainer(GRPOTrainer):
         device = self.accelerator.device
         logps = torch.zeros(num_rows, logits_to_keep, dtype=torch.float32, device=device)
         entropies = torch.zeros_like(logps) if compute_entropy else None
-        for mb, rows, row_of, col_of, source_rows in packed:
-            with self.accelerator.autocast():
-                table, entropy_table = forest_logprobs(
-                    model, mb.forest, rows=rows, temperature=self.temperature, return_entropy=compute_entropy
-                )
-            logps = logps.index_put((row_of, col_of), table[source_rows])
-            if compute_entropy:
-                entropies = entropies.index_put((row_of, col_of), entropy_table[source_rows])
+        with recompute_only(model, self._layers_to_checkpoint(packed)):
+            for mb, rows, row_of, col_of, source_rows in packed:
+                with self.accelerator.autocast():
+                    table, entropy_table = forest_logprobs(
+                        model, mb.forest, rows=rows, temperature=self.temperature, return_entropy=compute_entropy
+                    )
+                logps = logps.index_put((row_of, col_of), table[source_rows])
+                if compute_entropy:
+                    entropies = entropies.index_put((row_of, col_of), entropy_table[source_rows])
         return logps, entropies
+
+    def _layers_to_checkpoint(self, packed: list) -> int | None:
+        """How many checkpointed decoder layers the policy forward of one chunk's forests recomputes.
+
+        `tree_recompute="auto"`: as few as keep the forests' activations within those of the flat forward of the same
+        sequences (unpadded, so stricter than TRL's padded rows) with every layer checkpointed (`recompute.py`).
+        None = leave the model's checkpointing as it is ("all", or a forward without gradients).
+        """
+        if self.args.tree_recompute == "all" or not self.args.gradient_checkpointing:
+            return None
+        if not (self.model.training and torch.is_grad_enabled()):
+            return None
+        config = self.accelerator.unwrap_model(self.model).config.get_text_config()
+        whole, kept = activation_bytes(config, dtype_bytes=2 if self.args.bf16 or self.args.fp16 else 4)
+        tree_tokens = sum(mb.forest.seq_len for mb, *_ in packed)
+        flat_tokens = sum(mb.forest.num_original_tokens for mb, *_ in packed)
+        count = layers_to_checkpoint(config.num_hidden_layers, tree_tokens, flat_tokens, whole, kept)
+        self._metrics["train"]["tree_checkpointed_layers"].append(count / config.num_hidden_layers)
+        return count
+
+
+@functools.cache
+def _log_once(level: int, message: str) -> None:
+    logger.log(level, message)
+
+
+_MIN_BALANCE_GAIN = 0.01  # move rows only if the estimated step cost drops by at least this fraction
+
+
+def _concat_micro_batches(micro_batches: list[dict]) -> tuple[dict, int]:
+    """One dict of `M * B` rows from `M` micro-batches (per-row tensors and lists concatenated, the rest kept)."""
+    batch = {}
+    for key, value in micro_batches[0].items():
+        if isinstance(value, torch.Tensor) and value.ndim >= 1:
+            batch[key] = torch.cat([mb[key] for mb in micro_batches])
+        elif isinstance(value, list):
+            batch[key] = [item for mb in micro_batches for item in mb[key]]
+        else:
+            batch[key] = value
+    return batch, len(batch["prompt_ids"])
+
+
+def _split_micro_batches(batch: dict, count: int) -> list[dict]:
+    """Inverse of `_concat_micro_batches`: `count` micro-batches of equal row counts."""
+    rows = len(batch["prompt_ids"]) // count
+    return [
+        {
+            key: value[m * rows : (m + 1) * rows]
+            if isinstance(value, list) or (isinstance(value, torch.Tensor) and value.ndim >= 1)
+            else value
+            for key, value in batch.items()
+        }
+        for m in range(count)
+    ]
+
+
+def _row_layout(batch: dict, rows: int) -> dict | None:
+    """How each entry of TRL's batch travels with its rows, comparable across ranks (None: an entry whose rows are
+    not its first dimension, e.g. images' pixel values — such a batch stays where it is).
+
+    `prompt`: `(rows, width, ...)` left-padded to the prompt width; `completion`: `(rows, width, ...)` right-padded to
+    the completion width (log-probs, masks, token-level advantages or importance ratios); `row`: other per-row
+    tensors; `list`: per-row Python lists; `global`: 0-d tensors and None (e.g. `num_items_in_batch`).
+    """
+    completion_width = batch["completion_ids"].shape[1]
+    layout = {}
+    for key, value in batch.items():
+        if value is None or (isinstance(value, torch.Tensor) and value.ndim == 0):
+            layout[key] = ("global",)
+        elif isinstance(value, list) and len(value) == rows:
+            layout[key] = ("list",)
+        elif isinstance(value, torch.Tensor) and value.shape[0] == rows:
+            if key in ("prompt_ids", "prompt_mask"):
+                side = "prompt"
+            elif value.ndim >= 2 and value.shape[1] == completion_width:
+                side = "completion"
+            else:
+                side = "row"
+            layout[key] = (side, str(value.dtype), tuple(value.shape[1 if side == "row" else 2 :]))
+        else:
+            return None
+    return layout
+
+
+def _pad_value(key: str, pad_token_id: int) -> float:
+    """What TRL pads each padded entry with (token ids: the pad token; `tool_mask`: 1; an importance ratio: 1)."""
+    if key.endswith("_ids"):
+        return pad_token_id
+    return 1 if key in ("tool_mask", "importance_sampling_ratio") else 0
+
+
+def _pad_width(value: torch.Tensor, width: int, side: str, fill: float) -> torch.Tensor:
+    """`(rows, w, ...)` → `(rows, width, ...)`: prompts padded on the left, completions on the right."""
+    if value.shape[1] == width:
+        return value
+    pad = value.new_full((value.shape[0], width - value.shape[1], *value.shape[2:]), fill)
+    return torch.cat([pad, value] if side == "prompt" else [value, pad], dim=1)
+
+
+def _round_up(n: int, multiple: int | None) -> int:
+    return n if not multiple else -(-n // multiple) * multiple
+
+
+def _move_rows(value: torch.Tensor, orders: dict, per_micro: int, group: int) -> torch.Tensor:
+    """One `all_to_all`: send this rank's blocks (`orders`, from `exchange_orders`) and return `(rows, ...)` of the
+    blocks it receives, in its destination slot order."""
+    send = (orders["send"][:, 0] * per_micro + orders["send"][:, 1] * group)[:, None] + np.arange(group)
+    send = value[torch.as_tensor(send.reshape(-1), device=value.device)]
+    is_bool = value.dtype == torch.bool
+    if is_bool:  # not every backend reduces bool: move bytes
+        send = send.to(torch.uint8)
+    received = send.new_empty((int(orders["recv_counts"].sum()) * group, *value.shape[1:]))
+    torch.distributed.all_to_all_single(
+        received, send.contiguous(), (orders["recv_counts"] * group).tolist(), (orders["send_counts"] * group).tolist()
+    )
+    blocks = received.view(-1, group, *value.shape[1:])
+    placed = blocks[torch.as_tensor(orders["recv_index"].reshape(-1), device=value.device)].flatten(0, 1)
+    return placed.bool() if is_bool else placed
+
+
+def _move_list(values: list, source: np.ndarray, rank: int, per_micro: int, group: int) -> list:
+    """A per-row Python list, moved like the tensors (every rank sees every list: lists are small)."""
+    everyone = gather_object([values])
+    out = []
+    for src, micro, block in source[rank].reshape(-1, 3):
+        start = micro * per_micro + block * group
+        out.extend(everyone[src][start : start + group])
+    return out
 
 
 def _select_tree_attention(model, args: TreeGRPOConfig):
