@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import platform
 import sys
 import time
 
@@ -112,6 +113,7 @@ def main():
     config = Qwen3Config(**MODELS["qwen3-1.7b"])
     results = {
         "command": "python " + " ".join(sys.argv),
+        "machine": f"CPU ({platform.machine()}), python {platform.python_version()}, numpy {np.__version__}",
         "model_shape": "qwen3-1.7b",
         "cost": "hf_tree_attn.estimate_flops tree_flops of each group (forward; backward has the same ratio)",
         "imbalance": "sum over micro-batches of the busiest rank's cost / (total cost / ranks), mean over trials",
