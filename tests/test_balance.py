@@ -152,7 +152,7 @@ def test_block_costs_are_estimate_flops_per_block():
 
 
 def test_row_layout_pad_and_trim_helpers():
-    from hf_tree_attn.trainer.grpo_trainer import _concat_micro_batches, _pad_width, _row_layout, _split_micro_batches
+    from hf_tree_attn.trainer.balance import concat_micro_batches, pad_width, row_layout, split_micro_batches
 
     def micro_batch(offset):
         return {
@@ -167,9 +167,9 @@ def test_row_layout_pad_and_trim_helpers():
             "num_items_in_batch": torch.tensor(8.0),
         }
 
-    batch, rows = _concat_micro_batches([micro_batch(0), micro_batch(10)])
+    batch, rows = concat_micro_batches([micro_batch(0), micro_batch(10)])
     assert rows == 4 and batch["prompt_ids"][2:].min() == 10 and batch["num_images"] == [0] * 4
-    layout = _row_layout(batch, rows)
+    layout = row_layout(batch, rows)
     assert {k: v[0] for k, v in layout.items()} == {
         "prompt_ids": "prompt",
         "prompt_mask": "prompt",
@@ -181,16 +181,16 @@ def test_row_layout_pad_and_trim_helpers():
         "num_images": "list",
         "num_items_in_batch": "global",
     }
-    assert _row_layout({**batch, "pixel_values": torch.zeros(7, 3)}, rows) is None  # images: not per row
-    split = _split_micro_batches(batch, 2)
+    assert row_layout({**batch, "pixel_values": torch.zeros(7, 3)}, rows) is None  # images: not per row
+    split = split_micro_batches(batch, 2)
     for m in range(2):
         expected = micro_batch(10 * m)
         assert torch.equal(split[m]["prompt_ids"], expected["prompt_ids"]) and split[m]["num_images"] == [0, 0]
         assert split[m]["num_items_in_batch"] is batch["num_items_in_batch"]
 
     ids = torch.tensor([[7, 8]])
-    assert _pad_width(ids, 4, "prompt", 0).tolist() == [[0, 0, 7, 8]]  # prompts are left-padded
-    assert _pad_width(ids, 4, "completion", 1).tolist() == [[7, 8, 1, 1]]
+    assert pad_width(ids, 4, "prompt", 0).tolist() == [[0, 0, 7, 8]]  # prompts are left-padded
+    assert pad_width(ids, 4, "completion", 1).tolist() == [[7, 8, 1, 1]]
 
 
 # --------------------------------------------------------------------------------------- config and trainer

@@ -21,8 +21,9 @@ ranks one each, heaviest block to the rank whose micro-batch is lightest so far 
 one block per rank per tier). A tier holds blocks of similar cost, so every micro-batch is balanced across ranks,
 whatever order the micro-batches later run in.
 
-Everything here is a pure function of cost tables; `exchange_orders` turns a plan into the send / receive orders of
-one `all_to_all`, so the whole scheme is testable without processes.
+The plan is a pure function of the cost table and `exchange_orders` turns it into the send / receive orders of one
+`all_to_all`, so the scheme is testable without processes. The second half handles TRL's batch: which entries are
+per row and how they are padded (`row_layout`), and the exchange itself (`move_rows`, `move_list`).
 """
 
 from __future__ import annotations
@@ -30,11 +31,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+import torch
+from accelerate.utils import gather_object
 
 from ..metrics import estimate_flops
 from ..tree import TokenSequence
 
-__all__ = ["assign_blocks", "block_costs", "exchange_orders", "step_imbalance"]
+__all__ = ["assign_blocks", "block_costs", "exchange_orders", "move_rows", "row_layout", "step_imbalance"]
 
 
 def block_costs(
@@ -152,3 +155,109 @@ def exchange_orders(source: np.ndarray, rank: int) -> dict:
         "recv_counts": recv_counts,
         "recv_index": recv_index.reshape(micro, blocks),
     }
+
+
+# ------------------------------------------------------------------ TRL's batch: layout, padding, the exchange
+
+MIN_GAIN = 0.01  # move rows only if the estimated step cost drops by at least this fraction
+
+
+def concat_micro_batches(micro_batches: list[dict]) -> tuple[dict, int]:
+    """One dict of `M * B` rows from `M` micro-batches (per-row tensors and lists concatenated, the rest kept)."""
+    batch = {}
+    for key, value in micro_batches[0].items():
+        if isinstance(value, torch.Tensor) and value.ndim >= 1:
+            batch[key] = torch.cat([mb[key] for mb in micro_batches])
+        elif isinstance(value, list):
+            batch[key] = [item for mb in micro_batches for item in mb[key]]
+        else:
+            batch[key] = value
+    return batch, len(batch["prompt_ids"])
+
+
+def split_micro_batches(batch: dict, count: int) -> list[dict]:
+    """Inverse of `concat_micro_batches`: `count` micro-batches of equal row counts."""
+    rows = len(batch["prompt_ids"]) // count
+    return [
+        {
+            key: value[m * rows : (m + 1) * rows]
+            if isinstance(value, list) or (isinstance(value, torch.Tensor) and value.ndim >= 1)
+            else value
+            for key, value in batch.items()
+        }
+        for m in range(count)
+    ]
+
+
+def row_layout(batch: dict, rows: int) -> dict | None:
+    """How each entry of TRL's batch travels with its rows, comparable across ranks (None: an entry whose rows are
+    not its first dimension, e.g. images' pixel values — such a batch stays where it is).
+
+    `prompt`: `(rows, width, ...)` left-padded to the prompt width; `completion`: `(rows, width, ...)` right-padded to
+    the completion width (log-probs, masks, token-level advantages or importance ratios); `row`: other per-row
+    tensors; `list`: per-row Python lists; `global`: 0-d tensors and None (e.g. `num_items_in_batch`).
+    """
+    completion_width = batch["completion_ids"].shape[1]
+    layout = {}
+    for key, value in batch.items():
+        if value is None or (isinstance(value, torch.Tensor) and value.ndim == 0):
+            layout[key] = ("global",)
+        elif isinstance(value, list) and len(value) == rows:
+            layout[key] = ("list",)
+        elif isinstance(value, torch.Tensor) and value.shape[0] == rows:
+            if key in ("prompt_ids", "prompt_mask"):
+                side = "prompt"
+            elif value.ndim >= 2 and value.shape[1] == completion_width:
+                side = "completion"
+            else:
+                side = "row"
+            layout[key] = (side, str(value.dtype), tuple(value.shape[1 if side == "row" else 2 :]))
+        else:
+            return None
+    return layout
+
+
+def pad_value(key: str, pad_token_id: int) -> float:
+    """What TRL pads each padded entry with (token ids: the pad token; `tool_mask`: 1; an importance ratio: 1)."""
+    if key.endswith("_ids"):
+        return pad_token_id
+    return 1 if key in ("tool_mask", "importance_sampling_ratio") else 0
+
+
+def pad_width(value: torch.Tensor, width: int, side: str, fill: float) -> torch.Tensor:
+    """`(rows, w, ...)` → `(rows, width, ...)`: prompts padded on the left, completions on the right."""
+    if value.shape[1] == width:
+        return value
+    pad = value.new_full((value.shape[0], width - value.shape[1], *value.shape[2:]), fill)
+    return torch.cat([pad, value] if side == "prompt" else [value, pad], dim=1)
+
+
+def round_up(n: int, multiple: int | None) -> int:
+    return n if not multiple else -(-n // multiple) * multiple
+
+
+def move_rows(value: torch.Tensor, orders: dict, per_micro: int, group: int) -> torch.Tensor:
+    """One `all_to_all`: send this rank's blocks (`orders`, from `exchange_orders`) and return `(rows, ...)` of the
+    blocks it receives, in its destination slot order."""
+    send = (orders["send"][:, 0] * per_micro + orders["send"][:, 1] * group)[:, None] + np.arange(group)
+    send = value[torch.as_tensor(send.reshape(-1), device=value.device)]
+    is_bool = value.dtype == torch.bool
+    if is_bool:  # not every backend reduces bool: move bytes
+        send = send.to(torch.uint8)
+    received = send.new_empty((int(orders["recv_counts"].sum()) * group, *value.shape[1:]))
+    torch.distributed.all_to_all_single(
+        received, send.contiguous(), (orders["recv_counts"] * group).tolist(), (orders["send_counts"] * group).tolist()
+    )
+    blocks = received.view(-1, group, *value.shape[1:])
+    placed = blocks[torch.as_tensor(orders["recv_index"].reshape(-1), device=value.device)].flatten(0, 1)
+    return placed.bool() if is_bool else placed
+
+
+def move_list(values: list, source: np.ndarray, rank: int, per_micro: int, group: int) -> list:
+    """A per-row Python list, moved like the tensors (every rank sees every list: lists are small)."""
+    everyone = gather_object([values])
+    out = []
+    for src, micro, block in source[rank].reshape(-1, 3):
+        start = micro * per_micro + block * group
+        out.extend(everyone[src][start : start + group])
+    return out

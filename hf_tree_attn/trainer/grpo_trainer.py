@@ -6,6 +6,10 @@ forest instead of one padded row per completion. Everything else — generation,
 `loss_type`, KL, clipping, metrics — is TRL's own code on the same `(B, C)` tensors. The forest of a micro-batch is
 built once per generation batch and reused by the old-policy, reference and every policy forward
 (`num_iterations`). `_prepare_inputs` is overridden only to keep each prompt's completions in one micro-batch.
+
+Two additions leave the math unchanged: with several processes, whole groups move between ranks after generation
+so each rank's micro-batch costs about the same (`tree_balance`, `balance.py`), and a tree policy forward recomputes
+only the layers its memory needs (`tree_recompute`, `hf_tree_attn.recompute`).
 """
 
 from __future__ import annotations
@@ -15,7 +19,6 @@ import hashlib
 import logging
 import warnings
 
-import numpy as np
 import torch
 from accelerate.utils import gather_object
 from trl import GRPOTrainer
@@ -28,7 +31,21 @@ from ..logprobs import check_tree_model, forest_logprobs
 from ..metrics import estimate_flops
 from ..recompute import activation_bytes, layers_to_checkpoint, recompute_only
 from ..tree import pack_forest
-from .balance import assign_blocks, block_costs, exchange_orders, step_imbalance
+from .balance import (
+    MIN_GAIN,
+    assign_blocks,
+    block_costs,
+    concat_micro_batches,
+    exchange_orders,
+    move_list,
+    move_rows,
+    pad_value,
+    pad_width,
+    round_up,
+    row_layout,
+    split_micro_batches,
+    step_imbalance,
+)
 from .grpo_config import TreeGRPOConfig, _balance_refusal
 
 __all__ = ["TreeGRPOTrainer"]
@@ -146,9 +163,9 @@ class TreeGRPOTrainer(GRPOTrainer):
         """
         if not self._balance_active():
             return micro_batches
-        batch, rows = _concat_micro_batches(micro_batches)
+        batch, rows = concat_micro_batches(micro_batches)
         group, per_micro = self.num_generations, len(micro_batches[0]["prompt_ids"])
-        layout = _row_layout(batch, rows)
+        layout = row_layout(batch, rows)
         # All ranks must agree to move (one collective each): a batch with entries of unknown layout stays put.
         layouts = gather_object([layout])
         if any(entry is None for entry in layouts) or any(entry != layouts[0] for entry in layouts):
@@ -180,7 +197,7 @@ class TreeGRPOTrainer(GRPOTrainer):
         before = step_imbalance(costs)
         after = step_imbalance(costs[source[..., 0], source[..., 1], source[..., 2]])
         self._metrics["train"]["balance/imbalance_before"].append(before)
-        if after > before * (1 - _MIN_BALANCE_GAIN):  # not worth an all_to_all of the batch
+        if after > before * (1 - MIN_GAIN):  # not worth an all_to_all of the batch
             self._metrics["train"]["balance/imbalance_after"].append(before)
             return micro_batches
         self._metrics["train"]["balance/imbalance_after"].append(after)
@@ -195,22 +212,22 @@ class TreeGRPOTrainer(GRPOTrainer):
         for key, value in batch.items():
             side = layout[key][0]
             if side == "list":
-                moved[key] = _move_list(value, source, rank, per_micro, group)
+                moved[key] = move_list(value, source, rank, per_micro, group)
             elif side == "global":
                 moved[key] = value
             else:
                 if side in ("prompt", "completion"):
-                    fill = _pad_value(key, self._tokenizer.pad_token_id)
-                    value = _pad_width(value, prompt_width if side == "prompt" else completion_width, side, fill)
-                moved[key] = _move_rows(value, orders, per_micro, group)
-        needs = _move_rows(needs, orders, per_micro, group).max(0).values.tolist()
-        prompt_keep, completion_keep = (_round_up(n, self.pad_to_multiple_of) for n in needs)
+                    fill = pad_value(key, self._tokenizer.pad_token_id)
+                    value = pad_width(value, prompt_width if side == "prompt" else completion_width, side, fill)
+                moved[key] = move_rows(value, orders, per_micro, group)
+        needs = move_rows(needs, orders, per_micro, group).max(0).values.tolist()
+        prompt_keep, completion_keep = (round_up(n, self.pad_to_multiple_of) for n in needs)
         for key, (side, *_) in layout.items():
             if side == "prompt":
                 moved[key] = moved[key][:, prompt_width - prompt_keep :]
             elif side == "completion":
                 moved[key] = moved[key][:, :completion_keep]
-        return _split_micro_batches(moved, len(micro_batches))
+        return split_micro_batches(moved, len(micro_batches))
 
     @profiling_decorator
     def _get_per_token_logps_and_entropies(
@@ -412,110 +429,6 @@ class TreeGRPOTrainer(GRPOTrainer):
 @functools.cache
 def _log_once(level: int, message: str) -> None:
     logger.log(level, message)
-
-
-_MIN_BALANCE_GAIN = 0.01  # move rows only if the estimated step cost drops by at least this fraction
-
-
-def _concat_micro_batches(micro_batches: list[dict]) -> tuple[dict, int]:
-    """One dict of `M * B` rows from `M` micro-batches (per-row tensors and lists concatenated, the rest kept)."""
-    batch = {}
-    for key, value in micro_batches[0].items():
-        if isinstance(value, torch.Tensor) and value.ndim >= 1:
-            batch[key] = torch.cat([mb[key] for mb in micro_batches])
-        elif isinstance(value, list):
-            batch[key] = [item for mb in micro_batches for item in mb[key]]
-        else:
-            batch[key] = value
-    return batch, len(batch["prompt_ids"])
-
-
-def _split_micro_batches(batch: dict, count: int) -> list[dict]:
-    """Inverse of `_concat_micro_batches`: `count` micro-batches of equal row counts."""
-    rows = len(batch["prompt_ids"]) // count
-    return [
-        {
-            key: value[m * rows : (m + 1) * rows]
-            if isinstance(value, list) or (isinstance(value, torch.Tensor) and value.ndim >= 1)
-            else value
-            for key, value in batch.items()
-        }
-        for m in range(count)
-    ]
-
-
-def _row_layout(batch: dict, rows: int) -> dict | None:
-    """How each entry of TRL's batch travels with its rows, comparable across ranks (None: an entry whose rows are
-    not its first dimension, e.g. images' pixel values — such a batch stays where it is).
-
-    `prompt`: `(rows, width, ...)` left-padded to the prompt width; `completion`: `(rows, width, ...)` right-padded to
-    the completion width (log-probs, masks, token-level advantages or importance ratios); `row`: other per-row
-    tensors; `list`: per-row Python lists; `global`: 0-d tensors and None (e.g. `num_items_in_batch`).
-    """
-    completion_width = batch["completion_ids"].shape[1]
-    layout = {}
-    for key, value in batch.items():
-        if value is None or (isinstance(value, torch.Tensor) and value.ndim == 0):
-            layout[key] = ("global",)
-        elif isinstance(value, list) and len(value) == rows:
-            layout[key] = ("list",)
-        elif isinstance(value, torch.Tensor) and value.shape[0] == rows:
-            if key in ("prompt_ids", "prompt_mask"):
-                side = "prompt"
-            elif value.ndim >= 2 and value.shape[1] == completion_width:
-                side = "completion"
-            else:
-                side = "row"
-            layout[key] = (side, str(value.dtype), tuple(value.shape[1 if side == "row" else 2 :]))
-        else:
-            return None
-    return layout
-
-
-def _pad_value(key: str, pad_token_id: int) -> float:
-    """What TRL pads each padded entry with (token ids: the pad token; `tool_mask`: 1; an importance ratio: 1)."""
-    if key.endswith("_ids"):
-        return pad_token_id
-    return 1 if key in ("tool_mask", "importance_sampling_ratio") else 0
-
-
-def _pad_width(value: torch.Tensor, width: int, side: str, fill: float) -> torch.Tensor:
-    """`(rows, w, ...)` → `(rows, width, ...)`: prompts padded on the left, completions on the right."""
-    if value.shape[1] == width:
-        return value
-    pad = value.new_full((value.shape[0], width - value.shape[1], *value.shape[2:]), fill)
-    return torch.cat([pad, value] if side == "prompt" else [value, pad], dim=1)
-
-
-def _round_up(n: int, multiple: int | None) -> int:
-    return n if not multiple else -(-n // multiple) * multiple
-
-
-def _move_rows(value: torch.Tensor, orders: dict, per_micro: int, group: int) -> torch.Tensor:
-    """One `all_to_all`: send this rank's blocks (`orders`, from `exchange_orders`) and return `(rows, ...)` of the
-    blocks it receives, in its destination slot order."""
-    send = (orders["send"][:, 0] * per_micro + orders["send"][:, 1] * group)[:, None] + np.arange(group)
-    send = value[torch.as_tensor(send.reshape(-1), device=value.device)]
-    is_bool = value.dtype == torch.bool
-    if is_bool:  # not every backend reduces bool: move bytes
-        send = send.to(torch.uint8)
-    received = send.new_empty((int(orders["recv_counts"].sum()) * group, *value.shape[1:]))
-    torch.distributed.all_to_all_single(
-        received, send.contiguous(), (orders["recv_counts"] * group).tolist(), (orders["send_counts"] * group).tolist()
-    )
-    blocks = received.view(-1, group, *value.shape[1:])
-    placed = blocks[torch.as_tensor(orders["recv_index"].reshape(-1), device=value.device)].flatten(0, 1)
-    return placed.bool() if is_bool else placed
-
-
-def _move_list(values: list, source: np.ndarray, rank: int, per_micro: int, group: int) -> list:
-    """A per-row Python list, moved like the tensors (every rank sees every list: lists are small)."""
-    everyone = gather_object([values])
-    out = []
-    for src, micro, block in source[rank].reshape(-1, 3):
-        start = micro * per_micro + block * group
-        out.extend(everyone[src][start : start + group])
-    return out
 
 
 def _select_tree_attention(model, args: TreeGRPOConfig):
