@@ -14,6 +14,13 @@ Every method processes the whole logical batch in micro-batches of at most `--ma
 
     python benchmarks/bench_tree_vs_flat.py --models qwen3-0.6b --out benchmarks/results/tree_vs_flat.json
     python benchmarks/bench_tree_vs_flat.py --models gemma3-1b --workloads grpo_G16_P4096_C512 ...
+
+Kernels and recompute apply to every method alike: `--liger` (Liger's RMSNorm / SwiGLU / RoPE, as TRL's
+`use_liger_kernel=True`), `--compile-layers` (regional torch.compile of the decoder layers, as accelerate's
+`dynamo_use_regional_compilation`), `--checkpointing all|none|auto` (auto: the tree recomputes only the layers
+`TreeGRPOConfig.tree_recompute="auto"` would, flat keeps every layer). Each method's `mfu` = its model FLOPs
+(`estimate_flops`: the tree's unique tokens for the tree, the unpadded sequences for flat; x4 for the old-logprob
+forward, the policy forward and the backward; recompute not counted) / time / `PEAK_FLOPS`.
 """
 
 from __future__ import annotations
@@ -34,25 +41,25 @@ from transformers import AutoModelForCausalLM, Gemma3TextConfig, Qwen3Config
 import hf_tree_attn
 from hf_tree_attn.logprobs import _final_hidden_states, forest_logprobs, lm_head_logprobs
 from hf_tree_attn.masks import TreeMaskSource
+from hf_tree_attn.recompute import activation_bytes, layers_to_checkpoint, recompute_only
+
+# H200 SXM dense bf16 tensor-core peak (NVIDIA's datasheet gives 1,979 TFLOPS with 2:4 sparsity; dense is half).
+PEAK_FLOPS = 989e12
 
 MODELS = {
-    "qwen3-0.6b": (Qwen3Config, dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                   num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
-                   tie_word_embeddings=True)),
-    "qwen3-1.7b": (Qwen3Config, dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
-                   num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
-                   tie_word_embeddings=True)),
-    "qwen3-8b": (Qwen3Config, dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
-                 tie_word_embeddings=False)),
+    "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
+    "qwen3-1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
+    "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False),
     # google/gemma-3-1b-pt's shape: 5 sliding-window layers (window 512) per full layer.
-    "gemma3-1b": (Gemma3TextConfig, dict(hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
-                  num_attention_heads=4, num_key_value_heads=1, head_dim=256, vocab_size=262144,
-                  query_pre_attn_scalar=256, sliding_window=512, max_position_embeddings=32768,
-                  layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(26)],
-                  tie_word_embeddings=True)),
+    "gemma3-1b": dict(hidden_size=1152, intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4,
+                      num_key_value_heads=1, head_dim=256, vocab_size=262144, query_pre_attn_scalar=256,
+                      sliding_window=512, max_position_embeddings=32768, tie_word_embeddings=True,
+                      layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(26)]),
 }  # fmt: skip
-VOCAB = 151936  # token ids of the workloads (below every model's vocab)
+CONFIG_CLASSES = {"gemma3-1b": Gemma3TextConfig}  # Qwen3Config otherwise
 
 
 class MaskTimer:
@@ -220,9 +227,12 @@ def flat_padded_tokens(wl: Workload, budget: int) -> int:
     return sum(len(b) * max(lengths[i] for i in b) for b in _token_budget_batches(lengths, budget, padded=True))
 
 
-def tree_step(model, wl: Workload, budget: int, device, fallback_ratio: float | None = None) -> dict:
+def tree_step(
+    model, wl: Workload, budget: int, device, fallback_ratio: float | None = None, recompute: str = "all"
+) -> dict:
     """The tree path. With `fallback_ratio` it decides like TreeGRPOTrainer (`tree_max_token_ratio`): when the
-    forests hold more than that fraction of the positions the flat padded forward computes, go flat_padded."""
+    forests hold more than that fraction of the positions the flat padded forward computes, go flat_padded. With
+    `recompute="auto"` each forest's policy forward recomputes only the layers `tree_recompute="auto"` would."""
     t0 = time.perf_counter()
     forests = hf_tree_attn.pack_forest(wl.sequences, max_tokens_per_mb=budget)
     pack_time = time.perf_counter() - t0
@@ -241,13 +251,23 @@ def tree_step(model, wl: Workload, budget: int, device, fallback_ratio: float | 
         forest = forest.to(device)
         rows = torch.unique(rows)
         prepared.append((forest, rows.to(device), row_weights[rows].to(device)))
+    config = model.config
+    whole, kept = activation_bytes(config)
+    checkpointed = []
     for train in (False, True):  # each layer kind's mask: built in the first forward, reused by the rest
         for forest, rows, weights in prepared:
-            with torch.set_grad_enabled(train):
+            count = None
+            if train and recompute == "auto":
+                count = layers_to_checkpoint(
+                    config.num_hidden_layers, forest.seq_len, forest.num_original_tokens, whole, kept
+                )
+                checkpointed.append(count / config.num_hidden_layers)
+            with torch.set_grad_enabled(train), recompute_only(model, count):
                 table, _ = forest_logprobs(model, forest, rows=rows)
                 if train:
                     (table[rows] * weights).sum().backward()
-    return {"pack_s": pack_time, "mask_s": MaskTimer.take(), "micro_batches": len(forests)}
+    out = {"pack_s": pack_time, "mask_s": MaskTimer.take(), "micro_batches": len(forests)}
+    return {**out, "checkpointed_layers": statistics.mean(checkpointed)} if checkpointed else out
 
 
 METHODS = {"flat_padded": flat_padded_step, "flat_packed": flat_packed_step, "tree": tree_step}
@@ -277,22 +297,38 @@ def grad_probe(model, fn, wl, budget, device) -> torch.Tensor:
     """Gradients of a few parameters (first and last layer, embeddings) after one step of `fn`, flattened fp32."""
     fn(model, wl, budget, device)
     names = ("embed_tokens", "layers.0.self_attn.q_proj", f"layers.{model.config.num_hidden_layers - 1}.mlp.down_proj")
-    grads = [p.grad.float().flatten() for n, p in model.named_parameters() if any(k in n for k in names)]
+    params = ((n.replace("._orig_mod", ""), p) for n, p in model.named_parameters())  # compiled layers' names
+    grads = [p.grad.float().flatten() for n, p in params if any(k in n for k in names)]
     model.zero_grad(set_to_none=True)
     # Kept off the GPU (it must not count in the next method's peak memory), in float64: a float32 cosine over
     # ~10^8 entries on the CPU is off by ~1e-2.
     return torch.cat(grads).cpu().double()
 
 
-def build_model(name: str, device):
+def build_model(name: str, device, liger: bool = False, compile_layers: bool = False, checkpointing: str = "all"):
     torch.manual_seed(0)
-    config_class, kwargs = MODELS[name]
-    config = config_class(**kwargs, attention_dropout=0.0)
+    config = CONFIG_CLASSES.get(name, Qwen3Config)(**MODELS[name], attention_dropout=0.0)
     with device:  # random init on the GPU: an 8B init on the host takes minutes
         model = AutoModelForCausalLM.from_config(config, attn_implementation="tree_flex", dtype=torch.bfloat16)
     model.train()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if checkpointing != "none":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if liger:  # what TRL's use_liger_kernel=True applies (its fused linear cross-entropy stays off)
+        from transformers.integrations.liger import apply_liger_kernel
+
+        apply_liger_kernel(model, {"fused_linear_cross_entropy": False})
+    if compile_layers:  # what accelerate's regional compilation does
+        from accelerate.utils import compile_regions
+
+        model = compile_regions(model)
     return model
+
+
+def model_flops(method: str, timing: dict, flops: dict) -> float:
+    """Model FLOPs of one trainer phase (old-logprob forward + policy forward + backward = 4 forwards): the tree's
+    unique work, or the unpadded sequences' for flat methods and a tree step that fell back to flat."""
+    tree = method.startswith("tree") and timing.get("micro_batches", 0) > 0
+    return 4 * (flops["tree_flops"] if tree else flops["flat_flops"])
 
 
 def recompile_check(model, budget, device, vocab) -> dict:
@@ -330,6 +366,19 @@ def e2e_step(model, device, vocab: int, g: int = 16, p: int = 4096, c: int = 512
     return {"spec": wl.spec, "generate_s": gen, "trainer_phase_s": trainer, "trainer_share": trainer / (gen + trainer)}
 
 
+def build_workloads(s: float, vocab: int) -> list[Workload]:
+    """Every workload at scale `s` (seeded: the same sequences on every run)."""
+    rng = random.Random(0)
+    return [
+        grpo_workload(rng, max(1, round(8 * s)), 8, 1024, 1024, vocab),
+        grpo_workload(rng, max(1, round(8 * s)), 16, 2048, 256, vocab),
+        grpo_workload(rng, max(1, round(4 * s)), 16, 4096, 512, vocab),
+        grpo_workload(rng, max(1, round(8 * s)), 32, 1024, 128, vocab),
+        agent_workload(rng, max(1, round(2 * s)), vocab),
+        unshared_workload(rng, max(2, round(32 * s)), vocab),
+    ]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["qwen3-0.6b"], choices=list(MODELS))
@@ -339,22 +388,16 @@ def main():
     parser.add_argument("--scale", type=float, default=1.0, help="multiply the number of groups/conversations")
     parser.add_argument("--recompile-check", action="store_true")
     parser.add_argument("--e2e", action="store_true", help="also time one GRPO step with generation")
+    parser.add_argument("--liger", action="store_true", help="Liger layer kernels on every method")
+    parser.add_argument("--compile-layers", action="store_true", help="regional compile of the decoder layers")
+    parser.add_argument("--checkpointing", choices=["all", "none", "auto"], default="all")
     parser.add_argument("--out", default="benchmarks/results/tree_vs_flat.json")
     args = parser.parse_args()
 
     device = torch.device("cuda")
     MaskTimer.install()
-    vocab = VOCAB
-    rng = random.Random(0)
-    s = args.scale
-    workloads = [
-        grpo_workload(rng, max(1, round(8 * s)), 8, 1024, 1024, vocab),
-        grpo_workload(rng, max(1, round(8 * s)), 16, 2048, 256, vocab),
-        grpo_workload(rng, max(1, round(4 * s)), 16, 4096, 512, vocab),
-        grpo_workload(rng, max(1, round(8 * s)), 32, 1024, 128, vocab),
-        agent_workload(rng, max(1, round(2 * s)), vocab),
-        unshared_workload(rng, max(2, round(32 * s)), vocab),
-    ]
+    vocab = MODELS["qwen3-0.6b"]["vocab_size"]  # token ids of the workloads (below every model's vocab)
+    workloads = build_workloads(args.scale, vocab)
     if args.workloads:
         workloads = [w for w in workloads if w.name in args.workloads]
 
@@ -367,25 +410,30 @@ def main():
             "python": platform.python_version(),
         },  # fmt: skip
         "max_tokens_per_mb": args.max_tokens_per_mb,
+        "kernels": {"liger": args.liger, "compile_layers": args.compile_layers, "checkpointing": args.checkpointing},
+        "peak_flops": PEAK_FLOPS,
         "runs": [],
     }
     print(f"{'model':<11} {'workload':<22} {'tok ceil':>8} {'flop ceil':>9} {'vs padded':>9} {'vs packed':>9} "
-          f"{'%ceil':>6} {'%flop':>6} {'mem/flat':>8} {'pack+mask':>9} {'grad cos':>8}")  # fmt: skip
+          f"{'%ceil':>6} {'%flop':>6} {'mem/flat':>8} {'pack+mask':>9} {'grad cos':>8} {'mfu tree':>8} "
+          f"{'flat':>6}")  # fmt: skip
     for name in args.models:
-        model = build_model(name, device)
+        model = build_model(name, device, args.liger, args.compile_layers, args.checkpointing)
         for wl in workloads:
             flops = hf_tree_attn.estimate_flops(model.config, wl.sequences, prompt_lengths=wl.prompt_lengths)
-            run = {"model": name, "model_config": MODELS[name][1], "workload": wl.name, "spec": wl.spec,
+            run = {"model": name, "model_config": MODELS[name], "workload": wl.name, "spec": wl.spec,
                    "num_sequences": len(wl.sequences), "total_tokens": sum(map(len, wl.sequences)),
                    "token_ceiling": 1 / flops["token_ratio"], "flop_ceiling": 1 / flops["flops_ratio"]}  # fmt: skip
             probes = {}
-            methods = dict(METHODS)
+            tree_fn = functools.partial(tree_step, recompute=args.checkpointing)
+            methods = {**METHODS, "tree": tree_fn}
             if flops["token_ratio"] > FALLBACK_RATIO:  # little sharing: the trainer's decision, and the forced tree
-                methods["tree_forced"] = tree_step
-                methods["tree"] = functools.partial(tree_step, fallback_ratio=FALLBACK_RATIO)
+                methods["tree_forced"] = tree_fn
+                methods["tree"] = functools.partial(tree_fn, fallback_ratio=FALLBACK_RATIO)
             for method, fn in methods.items():
                 run[method] = time_method(fn, model, wl, args.max_tokens_per_mb, device, args.repeats)
                 probes[method] = grad_probe(model, fn, wl, args.max_tokens_per_mb, device)
+                run[method]["mfu"] = model_flops(method, run[method], flops) / run[method]["time_s"] / PEAK_FLOPS
             for method in ("flat_packed", "tree"):  # same loss, same weights: gradients must agree (bf16 noise)
                 cos = torch.nn.functional.cosine_similarity(probes[method], probes["flat_padded"], dim=0)
                 run[method]["grad_cos_vs_flat_padded"] = cos.item()
@@ -400,12 +448,14 @@ def main():
             best_flat_mem = min(run["flat_padded"]["peak_gib"], run["flat_packed"]["peak_gib"])
             run["peak_memory_ratio"] = tree["peak_gib"] / best_flat_mem
             run["pack_and_mask_share"] = (tree["pack_s"] + tree["mask_s"]) / tree["time_s"]
+            best_flat_mfu = max(run["flat_padded"]["mfu"], run["flat_packed"]["mfu"])
             results["runs"].append(run)
             print(f"{name:<11} {wl.name:<22} {run['token_ceiling']:>7.2f}x {run['flop_ceiling']:>8.2f}x "
                   f"{run['speedup_vs_padded']:>8.2f}x {run['speedup_vs_packed']:>8.2f}x "
                   f"{run['pct_of_token_ceiling']:>5.0f}% {run['pct_of_flop_ceiling']:>5.0f}% "
                   f"{run['peak_memory_ratio']:>8.2f} "
-                  f"{100 * run['pack_and_mask_share']:>8.1f}% {tree['grad_cos_vs_flat_padded']:>8.5f}",
+                  f"{100 * run['pack_and_mask_share']:>8.1f}% {tree['grad_cos_vs_flat_padded']:>8.5f} "
+                  f"{100 * tree['mfu']:>7.1f}% {100 * best_flat_mfu:>5.1f}%",
                   flush=True)  # fmt: skip
             with open(args.out, "w") as f:
                 json.dump(results, f, indent=1)

@@ -45,6 +45,28 @@ class TreeGRPOConfig(GRPOConfig):
         },
     )
 
+    tree_balance: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Token-balanced data parallelism: after generation, move whole groups (num_generations rows) "
+            "between ranks and between the micro-batches of one optimizer step, so every rank's micro-batch costs "
+            "about the same estimated FLOPs (tree tokens, attention pairs, scored rows). Same rows per optimizer "
+            "step, so the same loss and gradients. None (default) = on with several processes wherever the loss "
+            "does not depend on which rows share a micro-batch (off for loss_type='bnpo', an entropy bonus, "
+            "top_entropy_quantile < 1); True = on (an error where the loss depends on it); False = off."
+        },
+    )
+    tree_recompute: str = field(
+        default="auto",
+        metadata={
+            "help": "Activation recompute of tree policy forwards, with gradient_checkpointing on. 'all': every "
+            "checkpointed layer recomputes (TRL's behaviour). 'auto': recompute only as many layers (evenly spaced) "
+            "as keep the forests' estimated activations within what TRL's flat forward of the same rows holds with "
+            "every layer checkpointed: a tree shares its prompt, so most layers need no recompute.",
+            "choices": ["auto", "all"],
+        },
+    )
+
     def __post_init__(self):
         super().__post_init__()
         choice = str(self.tree_packing).strip().lower()
@@ -54,6 +76,12 @@ class TreeGRPOConfig(GRPOConfig):
                 "'true' (trees or an error) or 'false' (exactly trl.GRPOTrainer)."
             )
         self.tree_packing = _TREE_PACKING_CHOICES[choice]
+        if self.tree_recompute not in ("auto", "all"):
+            raise ValueError(f"tree_recompute={self.tree_recompute!r} must be 'auto' or 'all'.")
+        if self.tree_balance:
+            reason = _balance_refusal(self)
+            if reason:
+                raise ValueError(f"tree_balance=True, but {reason} Set tree_balance=None (auto) or False.")
         if not 0.0 < self.tree_max_token_ratio <= 1.0:
             raise ValueError(
                 f"tree_max_token_ratio={self.tree_max_token_ratio} must be in (0, 1]; use 1.0 to always pack trees."
@@ -81,3 +109,19 @@ class TreeGRPOConfig(GRPOConfig):
                 "fsdp_config) and so is gradient_checkpointing=True (TRL's default); transformers refuses both. Pass "
                 "`--gradient_checkpointing false` (FSDP's checkpointing replaces it) or turn FSDP's off."
             )
+
+
+def _balance_refusal(args: TreeGRPOConfig) -> str | None:
+    """Why moving rows between ranks would change this run's loss (None if it cannot)."""
+    if args.loss_type == "bnpo":
+        return "loss_type='bnpo' normalizes each micro-batch by its own token count, which moved rows change."
+    if args.entropy_coef != 0.0 or args.use_adaptive_entropy:
+        return "the entropy bonus is a mean over each micro-batch's tokens, which moved rows change."
+    if args.top_entropy_quantile < 1.0:
+        return "top_entropy_quantile < 1 thresholds each micro-batch's entropies, which moved rows change."
+    if args.per_device_train_batch_size % args.num_generations:
+        return (
+            f"per_device_train_batch_size={args.per_device_train_batch_size} is not a multiple of num_generations="
+            f"{args.num_generations}, so whole groups cannot move: use a multiple."
+        )
+    return None

@@ -6,15 +6,21 @@ forest instead of one padded row per completion. Everything else — generation,
 `loss_type`, KL, clipping, metrics — is TRL's own code on the same `(B, C)` tensors. The forest of a micro-batch is
 built once per generation batch and reused by the old-policy, reference and every policy forward
 (`num_iterations`). `_prepare_inputs` is overridden only to keep each prompt's completions in one micro-batch.
+
+Two additions leave the math unchanged: with several processes, whole groups move between ranks after generation
+so each rank's micro-batch costs about the same (`tree_balance`, `balance.py`), and a tree policy forward recomputes
+only the layers its memory needs (`tree_recompute`, `hf_tree_attn.recompute`).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import warnings
 
 import torch
+from accelerate.utils import gather_object
 from transformers import AutoConfig
 from trl import GRPOTrainer
 from trl.extras.profiling import profiling_decorator
@@ -24,6 +30,7 @@ from ..attention import ATTN_IMPLEMENTATION
 from ..collator import TreeDataCollator
 from ..logprobs import forest_logprobs, tree_router_aux_loss
 from ..metrics import estimate_flops
+from ..recompute import activation_bytes, layers_to_checkpoint, recompute_only
 from ..support import (
     check_tree_model,
     config_support_error,
@@ -33,7 +40,22 @@ from ..support import (
     unwrap_model,
 )
 from ..tree import pack_forest
-from .grpo_config import TreeGRPOConfig
+from .balance import (
+    MIN_GAIN,
+    assign_blocks,
+    block_costs,
+    concat_micro_batches,
+    exchange_orders,
+    move_list,
+    move_rows,
+    pad_value,
+    pad_width,
+    round_up,
+    row_layout,
+    split_micro_batches,
+    step_imbalance,
+)
+from .grpo_config import TreeGRPOConfig, _balance_refusal
 
 __all__ = ["TreeGRPOTrainer"]
 
@@ -46,11 +68,12 @@ _SWITCHABLE_ATTN = (None, "sdpa", "eager")
 class TreeGRPOTrainer(GRPOTrainer):
     """`trl.GRPOTrainer` whose log-probability forwards run on packed prefix trees (see the module docstring).
 
-    Takes the same arguments as `trl.GRPOTrainer`; `args` must be a `TreeGRPOConfig`. With `tree_packing=True` the
-    model must use `attn_implementation="tree_flex"`: a model path gets it automatically (unless
-    `model_init_kwargs` names another implementation, which is an error), and a model instance loaded with `sdpa`
-    / `eager` is switched to it (`tree_flex` runs plain forwards and `generate` through SDPA, so nothing else
-    changes). Other implementations (flash attention, …) raise.
+    Takes the same arguments as `trl.GRPOTrainer`; `args` must be a `TreeGRPOConfig`. Trees need a model the gate
+    accepts (`hf_tree_attn.support`) with `attn_implementation="tree_flex"`: a model path gets it automatically, and
+    a model instance loaded with `sdpa` / `eager` is switched to it (`tree_flex` runs plain forwards and `generate`
+    as the stock implementation, so nothing else changes). A model that cannot run trees (another implementation,
+    an unsupported family) trains on TRL's flat path with one warning under `tree_packing="auto"` (the default)
+    and is an error at init under `tree_packing=True`. `self.tree_packing` holds the decision.
     """
 
     def __init__(self, model, reward_funcs=None, args: TreeGRPOConfig | None = None, **kwargs):
@@ -140,9 +163,99 @@ class TreeGRPOTrainer(GRPOTrainer):
                 batches = split_tensor_dict(generation_batch, self.args.steps_per_generation)
                 order = torch.randperm(len(batches)).tolist()
                 self._buffered_inputs = [unsplit_pixel_values_by_grid(batches[i]) for i in order]
+                self._buffered_inputs = self._balance_across_ranks(self._buffered_inputs)
             return self._buffered_inputs[self._step % self.args.steps_per_generation]
         self._tree_cache.clear()
         return self._generate_and_score_completions(generation_batch)
+
+    def _balance_active(self) -> bool:
+        """Whether `_balance_across_ranks` moves groups (`tree_balance`; None = wherever the loss allows it)."""
+        if self.args.tree_balance is False or not self.tree_packing or self.accelerator.num_processes == 1:
+            return False
+        reason = _balance_refusal(self.args)
+        if reason:
+            _log_once(logging.INFO, f"Token balancing across ranks is off: {reason}")
+        return reason is None
+
+    @profiling_decorator
+    def _balance_across_ranks(self, micro_batches: list[dict]) -> list[dict]:
+        """Move whole groups between ranks so each micro-batch costs every rank about the same (`balance.py`).
+
+        `micro_batches` are this rank's buffered micro-batches of one generation (`B` rows each, `B % G == 0`);
+        micro-batch `m` runs on every rank at the same time. Each block of `G` rows is priced by `block_costs`, the
+        table is gathered, and every rank computes the same plan (`assign_blocks`, within each optimizer step's
+        micro-batches), then one `all_to_all` per per-row tensor moves the rows — ids, masks, advantages, old / ref /
+        sampled log-probs, whatever TRL's batch holds. Widths are re-padded as TRL pads a rank's own rows. Every
+        optimizer step keeps its rows and every rank `B` rows per micro-batch, so the loss and gradients are those of
+        the unbalanced run (see `tree_balance`). Logs `balance/imbalance_before` / `_after` (`step_imbalance`).
+        """
+        if not self._balance_active():
+            return micro_batches
+        batch, rows = concat_micro_batches(micro_batches)
+        group, per_micro = self.num_generations, len(micro_batches[0]["prompt_ids"])
+        layout = row_layout(batch, rows)
+        # All ranks must agree to move (one collective each): a batch with entries of unknown layout stays put.
+        layouts = gather_object([layout])
+        if any(entry is None for entry in layouts) or any(entry != layouts[0] for entry in layouts):
+            _log_once(
+                logging.WARNING,
+                "Token balancing skipped: the batch holds entries whose rows cannot be moved (e.g. images) or whose "
+                "layout differs between ranks.",
+            )
+            return micro_batches
+
+        prompt_mask, completion_mask = batch["prompt_mask"].bool(), batch["completion_mask"].bool()
+        sequences = [
+            torch.cat([p[pm], c[cm]]).cpu().numpy()
+            for p, pm, c, cm in zip(batch["prompt_ids"], prompt_mask, batch["completion_ids"], completion_mask)
+        ]
+        prompt_lengths = prompt_mask.sum(1)
+        config = self.accelerator.unwrap_model(self.model).config.get_text_config()
+        costs = block_costs(config, sequences, prompt_lengths.tolist(), group)
+        widths = [batch["prompt_ids"].shape[1], batch["completion_ids"].shape[1]]
+        device = self.accelerator.device
+        table = self.accelerator.gather(torch.tensor([*costs, *widths], dtype=torch.float64, device=device)).cpu()
+        world = self.accelerator.num_processes
+        table = table.view(world, -1).numpy()
+        costs = table[:, :-2].reshape(world, len(micro_batches), per_micro // group)
+        prompt_width, completion_width = (int(w) for w in table[:, -2:].max(axis=0))
+
+        steps, accumulation = self.args.steps_per_generation, self.args.gradient_accumulation_steps
+        source = assign_blocks(costs, window=accumulation if steps % accumulation == 0 else 1)
+        before = step_imbalance(costs)
+        after = step_imbalance(costs[source[..., 0], source[..., 1], source[..., 2]])
+        self._metrics["train"]["balance/imbalance_before"].append(before)
+        if after > before * (1 - MIN_GAIN):  # not worth an all_to_all of the batch
+            self._metrics["train"]["balance/imbalance_after"].append(before)
+            return micro_batches
+        self._metrics["train"]["balance/imbalance_after"].append(after)
+
+        # What each row needs of the widths after the move, as TRL pads a rank's own rows: its prompt length and
+        # its completion length (a completion that mask_truncated_completions zeroed keeps its source width).
+        completion_lengths = completion_mask.sum(1)
+        needs = torch.stack([prompt_lengths, torch.where(completion_lengths > 0, completion_lengths, widths[1])], 1)
+        rank = self.accelerator.process_index
+        orders = exchange_orders(source, rank)
+        moved = {}
+        for key, value in batch.items():
+            side = layout[key][0]
+            if side == "list":
+                moved[key] = move_list(value, source, rank, per_micro, group)
+            elif side == "global":
+                moved[key] = value
+            else:
+                if side in ("prompt", "completion"):
+                    fill = pad_value(key, self._tokenizer.pad_token_id)
+                    value = pad_width(value, prompt_width if side == "prompt" else completion_width, side, fill)
+                moved[key] = move_rows(value, orders, per_micro, group)
+        needs = move_rows(needs, orders, per_micro, group).max(0).values.tolist()
+        prompt_keep, completion_keep = (round_up(n, self.pad_to_multiple_of) for n in needs)
+        for key, (side, *_) in layout.items():
+            if side == "prompt":
+                moved[key] = moved[key][:, prompt_width - prompt_keep :]
+            elif side == "completion":
+                moved[key] = moved[key][:, :completion_keep]
+        return split_micro_batches(moved, len(micro_batches))
 
     @profiling_decorator
     def _get_per_token_logps_and_entropies(
@@ -327,20 +440,45 @@ class TreeGRPOTrainer(GRPOTrainer):
         logps = torch.zeros(num_rows, logits_to_keep, dtype=torch.float32, device=device)
         entropies = torch.zeros_like(logps) if compute_entropy else None
         router_logits = []
-        for mb, rows, row_of, col_of, source_rows in packed:
-            with self.accelerator.autocast():
-                table, entropy_table, *router = forest_logprobs(
-                    model, mb.forest, rows=rows, temperature=self.temperature, return_entropy=compute_entropy,
-                    return_router_logits=compute_aux_loss,
-                )  # fmt: skip
-            router_logits += router
-            logps = logps.index_put((row_of, col_of), table[source_rows])
-            if compute_entropy:
-                entropies = entropies.index_put((row_of, col_of), entropy_table[source_rows])
+        with recompute_only(model, self._layers_to_checkpoint(packed)):
+            for mb, rows, row_of, col_of, source_rows in packed:
+                with self.accelerator.autocast():
+                    table, entropy_table, *router = forest_logprobs(
+                        model, mb.forest, rows=rows, temperature=self.temperature, return_entropy=compute_entropy,
+                        return_router_logits=compute_aux_loss,
+                    )  # fmt: skip
+                router_logits += router
+                logps = logps.index_put((row_of, col_of), table[source_rows])
+                if compute_entropy:
+                    entropies = entropies.index_put((row_of, col_of), entropy_table[source_rows])
         aux_loss = None
         if compute_aux_loss:
             aux_loss = tree_router_aux_loss(model, [mb.forest for mb, *_ in packed], router_logits)
         return logps, entropies, aux_loss
+
+    def _layers_to_checkpoint(self, packed: list) -> int | None:
+        """How many checkpointed decoder layers the policy forward of one chunk's forests recomputes.
+
+        `tree_recompute="auto"`: as few as keep the forests' activations within those of the flat forward of the same
+        sequences (unpadded, so stricter than TRL's padded rows) with every layer checkpointed (`recompute.py`).
+        None = leave the model's checkpointing as it is ("all", or a forward without gradients).
+        """
+        if self.args.tree_recompute == "all" or not self.args.gradient_checkpointing:
+            return None
+        if not (self.model.training and torch.is_grad_enabled()):
+            return None
+        config = self.accelerator.unwrap_model(self.model).config.get_text_config()
+        whole, kept = activation_bytes(config, dtype_bytes=2 if self.args.bf16 or self.args.fp16 else 4)
+        tree_tokens = sum(mb.forest.seq_len for mb, *_ in packed)
+        flat_tokens = sum(mb.forest.num_original_tokens for mb, *_ in packed)
+        count = layers_to_checkpoint(config.num_hidden_layers, tree_tokens, flat_tokens, whole, kept)
+        self._metrics["train"]["tree_checkpointed_layers"].append(count / config.num_hidden_layers)
+        return count
+
+
+@functools.cache
+def _log_once(level: int, message: str) -> None:
+    logger.log(level, message)
 
 
 def _select_tree_attention(model, args: TreeGRPOConfig):
