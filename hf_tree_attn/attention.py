@@ -194,20 +194,26 @@ def tree_flex_attention(
             f"tree_flex does not support attention dropout (got dropout={dropout}); set the model config's "
             "`attention_dropout=0.0`."
         )
-    tag = mask_tag(attention_mask)
     forest = kwargs.get("tree_forest")
-    if forest is not None:
-        _check_forest_mask(module, attention_mask, tag, forest)
-    if tag is not None and tag.role == "full":
-        _check_full_tree_mask(module, query)
-    if tag is not None and kwargs.get("position_bias") is not None:
-        raise NotImplementedError(
-            f"{type(module).__name__} adds a position bias to its attention scores, computed over rows, which a "
-            "packed tree does not keep. Train this model with tree_packing=False."
-        )
-    source = tag.source if tag is not None else None
-    if source is not None and getattr(module, "attn_temperature_tuning", False) and not module.use_rope:
-        query = _depth_temperature(module, query, source.depth)
+    if torch.compiler.is_compiling():
+        # Regionally compiled layers (masks are built outside, by `tree_flex_mask`): the checks below read
+        # Python-side mask tags and would make every new forest a recompilation, so only `tree_forest` counts here.
+        depth = forest.position_ids[0] if forest is not None else None
+    else:
+        tag = mask_tag(attention_mask)
+        if forest is not None:
+            _check_forest_mask(module, attention_mask, tag, forest)
+        if tag is not None and tag.role == "full":
+            _check_full_tree_mask(module, query)
+        depth = tag.source.depth if tag is not None and tag.role == "layer" else None
+    if depth is not None:  # a tree forward: row-based extras of the layer would see rows, not positions
+        if kwargs.get("position_bias") is not None:
+            raise NotImplementedError(
+                f"{type(module).__name__} adds a position bias to its attention scores, computed over rows, which a "
+                "packed tree does not keep. Train this model with tree_packing=False."
+            )
+        if getattr(module, "attn_temperature_tuning", False) and not module.use_rope:
+            query = _depth_temperature(module, query, depth)
     softcap = kwargs.get("softcap")
     sinks = kwargs.get("s_aux")
     if scaling is None:
