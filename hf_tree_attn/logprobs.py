@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from .attention import ATTN_IMPLEMENTATION
+from .model_inputs import check_forest_inputs, lm_head_weight_and_bias
 from .tree import PackedForest, TokenSequence, pack_forest
 
 __all__ = [
@@ -115,8 +116,7 @@ def _final_hidden_states(model: torch.nn.Module, inputs: dict) -> torch.Tensor:
 
 
 def _lm_head_params(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
-    head = unwrap_model(model).get_output_embeddings()
-    weight, bias = head.weight, head.bias
+    weight, bias = lm_head_weight_and_bias(unwrap_model(model).get_output_embeddings())
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # pragma: no cover - torch without distributed
@@ -184,6 +184,7 @@ def forest_logprobs(
         `(logps, entropy)`, each `(S,)` float32 indexed by row (0 at unscored rows); `entropy` is None unless
         requested. Differentiable.
     """
+    check_forest_inputs(unwrap_model(model), forest, temperature)
     device = forest.input_ids.device
     if rows is None:
         rows = torch.nonzero(forest.parent >= 0).squeeze(1)
