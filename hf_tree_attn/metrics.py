@@ -1,7 +1,8 @@
 """How much a tree saves: unique-token ratio and a forward-FLOPs estimate for a model config.
 
-FLOP counts follow `reference/peers.md` §1 (forward only; backward has the same ratio): per-token linear
-work, attention over (query, key) pairs, and the LM head on the scored tokens only.
+The FLOP model is written out, with its public sources, in docs/how_it_works.md ("The FLOP model"): forward
+FLOPs only (the backward pass costs about twice the forward for every term, so the tree / flat ratio is the same),
+counted as per-token linear work, attention over (query, key) pairs, and the LM head on the scored tokens only.
 """
 
 from __future__ import annotations
