@@ -32,9 +32,9 @@ class TreeGRPOConfig(GRPOConfig):
         default=0.9,
         metadata={
             "help": "Fall back to TRL's flat forward for a chunk whose packed forests hold more than this fraction of "
-            "the tokens TRL's flat forward would run (rows x padded width; logged as "
-            "tree_compute_ratio). Flat SDPA on full rows is 5 to 15 percent faster per token than the FlexAttention tree, "
-            "so 0.9 keeps the tree only where it pays; fallbacks are logged as tree_fallback. 1.0 = always the tree."
+            "the tokens TRL's flat forward would run (rows x padded width; logged as tree_compute_ratio). Flat SDPA "
+            "on full rows is 5 to 15 percent faster per token than the FlexAttention tree, so 0.9 keeps the tree "
+            "only where it pays; fallbacks are logged as tree_fallback. 1.0 = always the tree."
         },
     )
 
