@@ -31,6 +31,9 @@ def test_short_run_saves_everything_and_logs_tree_metrics(tmp_path):
     for name in ("model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json", "trainer_state.json"):
         assert (tmp_path / name).is_file(), name
     assert "4/4" in result.stderr  # the Trainer progress bar
+    card = (tmp_path / "README.md").read_text()  # TRL's model card, with the tree settings
+    assert "This model was trained with GRPO" in card and "## Tree training" in card
+    assert "| `tree_packing` | `True` |" in card and "| `tree_max_token_ratio` | `0.9` |" in card
     logs = [entry for entry in _log_history(tmp_path) if "reward" in entry]
     assert len(logs) == 2
     assert all(entry["tree_token_ratio"] < 0.6 and entry["tree_fallback"] == 0 for entry in logs)

@@ -108,9 +108,9 @@ class TreeGRPOTrainer(GRPOTrainer):
         Here the very same permutation is drawn, so the global random stream advances exactly as in TRL (the next
         generation samples the same tokens), but it only orders whole micro-batches, cut in sampler order where a
         group's rows are consecutive (see `micro_batch_order`). When `steps_per_generation ==
-        gradient_accumulation_steps` every optimizer step sums over all micro-batches, so the update is TRL's (for
-        every loss normalized over the whole batch, as the default `dapo` is); otherwise which rows share a
-        micro-batch changes an update, and whole groups are the split this trainer makes by design.
+        gradient_accumulation_steps` every optimizer step sums over all micro-batches, so the update is TRL's for
+        every loss normalized by the whole batch (all but `bnpo`, the entropy bonus and `top_entropy_quantile`,
+        which work within a micro-batch); where the split matters, whole groups are this trainer's split by design.
         """
         if not self.args.tree_packing:
             return super()._prepare_inputs(generation_batch)
