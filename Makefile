@@ -35,10 +35,11 @@ $(STAMP): setup.cfg pyproject.toml
 train: $(STAMP)
 	HF_HUB_DISABLE_TELEMETRY=1 $(BIN)/accelerate launch trainers/grpo_tree.py $(ARGS)
 
+# .venv/bin goes first on PATH, as if activated: the tests launch `accelerate` and `bash examples/*.sh`.
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) outputs
