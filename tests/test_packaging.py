@@ -3,6 +3,7 @@
 import importlib.metadata
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +29,25 @@ def test_trainer_imports_from_the_installed_package_outside_the_repo(tmp_path):
     result = _python(code, tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip() == "hf_tree_attn.trainer.grpo_trainer"
+
+
+def test_a_built_install_holds_the_trainer(tmp_path):
+    """A regular (non-editable) install of the package, imported from outside the repository, has the trainer."""
+    source, site = tmp_path / "source", tmp_path / "site"
+    source.mkdir()  # a copy: setuptools builds inside the source tree
+    for name in ("setup.cfg", "pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy(REPO / name, source / name)
+    shutil.copytree(REPO / "hf_tree_attn", source / "hf_tree_attn", ignore=shutil.ignore_patterns("__pycache__"))
+    install = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target"]
+    result = subprocess.run([*install, str(site), str(source)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (site / "hf_tree_attn" / "trainer" / "grpo_trainer.py").is_file()
+    code = "import hf_tree_attn\nfrom hf_tree_attn.trainer import TreeGRPOTrainer\nprint(hf_tree_attn.__file__)"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = str(site)  # ahead of the editable install of the repository
+    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().startswith(str(site))
 
 
 def test_import_hf_tree_attn_does_not_import_trl_or_datasets(tmp_path):
