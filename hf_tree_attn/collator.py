@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from .logprobs import forest_forward_kwargs
-from .tree import PackedForest, pack_forest
+from .tree import PackedForest, check_token_budget, pack_forest
 
 __all__ = ["TreeDataCollator", "TreeMicroBatch"]
 
@@ -84,9 +84,15 @@ class TreeMicroBatch(dict):
         fields = {name: value.to(device) for name, value in (fields or {}).items()}
         return cls(inputs, forest=forest, fields=fields, seq_fields=seq_fields)
 
-    def to(self, device: torch.device | str) -> TreeMicroBatch:
-        """Copy on `device` (attributes kept, mask rebuilt there)."""
-        return type(self).from_forest(self.forest, device, self.fields, self.seq_fields)
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> TreeMicroBatch:
+        """Copy on `device` (attributes and extra keys kept, mask rebuilt there). Accelerate's device placement
+        (`transformers.Trainer`'s dataloader) calls this, so a micro-batch built on the CPU gets its `BlockMask`
+        on CUDA."""
+        moved = type(self).from_forest(self.forest, device, self.fields, self.seq_fields)
+        for key, value in self.items():
+            if key not in moved:
+                moved[key] = value.to(device, non_blocking=non_blocking) if isinstance(value, torch.Tensor) else value
+        return moved
 
     @property
     def positions(self) -> torch.Tensor:
@@ -139,6 +145,30 @@ def _length(value: Any) -> int | None:
     return None
 
 
+def _is_number_vector(value: Any) -> bool:
+    """A 1-D run of numbers (list, tuple, tensor or array) — what a per-token field looks like."""
+    if isinstance(value, (torch.Tensor, np.ndarray)):
+        return value.ndim == 1 and value.dtype != object
+    if isinstance(value, (list, tuple)):
+        return len(value) > 0 and all(_is_scalar(v) for v in value)
+    return False
+
+
+def _token_ids(value: Any, where: str) -> torch.Tensor:
+    """`input_ids` of one feature as a 1-D long tensor; non-integer ids are refused, never rounded."""
+    ids = torch.as_tensor(value)
+    if ids.numel() == 0:
+        raise ValueError(f"{where} is empty; every sequence needs at least one token. Drop the feature first.")
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise TypeError(
+            f"{where} has dtype {ids.dtype}; token ids must be integers (a cast is not exact: bf16 stores 151643 as "
+            "151552). Keep them as int lists or torch.long tensors from the tokenizer."
+        )
+    if ids.ndim != 1:
+        raise ValueError(f"{where} has shape {tuple(ids.shape)}; it must be 1-D.")
+    return ids.long()
+
+
 class TreeDataCollator:
     """Collate features into packed prefix-tree micro-batches (a list of `TreeMicroBatch`).
 
@@ -149,18 +179,32 @@ class TreeDataCollator:
         device: where the tensors and the attention mask are built (`BlockMask` on CUDA, dense bool mask
             elsewhere); default CPU.
         split_lengths: length classes a forest must not mix (`pack_forest(split_lengths=...)`; longrope models).
+        per_sequence_fields: names of fields kept per sequence as they are (`mb.seq_fields`) even when they are
+            vectors of numbers, e.g. a per-sequence reward vector.
+        for_trainer: return one `TreeMicroBatch` per call, with the model's own loss inputs added (see below), for
+            `transformers.Trainer(data_collator=TreeDataCollator(for_trainer=True))`.
 
-    A feature is a mapping with `input_ids` (list / 1-D tensor) and optionally:
+    A feature is a mapping with `input_ids` (list / 1-D integer tensor) and optionally:
 
     - `attention_mask` — tokens where it is 0 are padding and are dropped (with every per-token field);
     - per-token fields — any other key whose value has as many entries as `input_ids` (`labels`,
       `completion_mask`, per-token advantages, …): kept per token in the expanded layout (`mb.fields`);
     - per-sequence numbers (an advantage as a float, a reward): broadcast to every token of their sequence, so
       all numeric fields share the expanded layout;
-    - anything else (strings, lists of another length): kept per sequence in `mb.seq_fields`.
+    - anything else that is not a vector of numbers (strings, nested lists) and every field named in
+      `per_sequence_fields`: kept per sequence in `mb.seq_fields`. A vector of numbers of another length than
+      `input_ids` is refused: it is almost always a per-token field with a token missing.
 
     Every feature must carry the same keys. Micro-batches come in `pack_forest` order (largest first); each
     sequence lands in exactly one of them.
+
+    With `for_trainer=True` every call must fit one micro-batch, and the micro-batch also holds the inputs of the
+    model's own causal-LM loss in transformers' `shift_labels` convention (as its padding-free collators use it):
+    `logits_to_keep` `(E,)` long — the trie row that predicts each trained token (a branching row once per child),
+    so the model computes logits only there — and `labels` = `shift_labels` `(1, E)` long, the token each of those
+    rows must predict. A trained token is token `t >= 1` of a sequence whose `labels[t]` (default: its own id) is
+    not -100, exactly as in a per-sequence forward with those `labels`. `model(**mb).loss` is then the mean
+    cross-entropy over the trained tokens, and `Trainer` counts `num_items_in_batch` from `shift_labels`.
     """
 
     def __init__(
@@ -169,15 +213,31 @@ class TreeDataCollator:
         pad_multiple: int = 128,
         device: torch.device | str | None = None,
         split_lengths: Sequence[int] = (),
+        per_sequence_fields: Sequence[str] = (),
+        for_trainer: bool = False,
     ):
+        check_token_budget(max_tokens_per_mb, pad_multiple)
         self.max_tokens_per_mb = max_tokens_per_mb
         self.pad_multiple = pad_multiple
         self.split_lengths = tuple(split_lengths)
         self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.per_sequence_fields = frozenset(per_sequence_fields)
+        self.for_trainer = for_trainer
 
-    def __call__(self, features: Sequence[Mapping[str, Any]]) -> list[TreeMicroBatch]:
+    def __call__(self, features: Sequence[Mapping[str, Any]]) -> list[TreeMicroBatch] | TreeMicroBatch:
+        if isinstance(features, Mapping):
+            raise TypeError(
+                f"features is a mapping of columns (keys {sorted(features)}), e.g. a batched slice like dataset[:8]; "
+                "pass a list of rows instead: [dataset[i] for i in range(8)]."
+            )
         if len(features) == 0:
             raise ValueError("features is empty; pass at least one feature with `input_ids`.")
+        for i, feature in enumerate(features):
+            if not isinstance(feature, Mapping):
+                raise TypeError(
+                    f"features[{i}] is a {type(feature).__name__}; each feature must be a mapping such as "
+                    "{'input_ids': [...]}."
+                )
         keys = list(features[0].keys())
         for i, feature in enumerate(features):
             if "input_ids" not in feature:
@@ -190,9 +250,7 @@ class TreeDataCollator:
 
         sequences, per_token, per_sequence = [], {}, {}
         for i, feature in enumerate(features):
-            ids = torch.as_tensor(feature["input_ids"], dtype=torch.long)
-            if ids.ndim != 1:
-                raise ValueError(f"features[{i}]['input_ids'] has shape {tuple(ids.shape)}; it must be 1-D.")
+            ids = _token_ids(feature["input_ids"], f"features[{i}]['input_ids']")
             full_len = ids.shape[0]
             keep = None
             if "attention_mask" in feature:
@@ -203,16 +261,26 @@ class TreeDataCollator:
                         f"{tuple(ids.shape)}; they must match."
                     )
                 ids = ids[keep]
+                if len(ids) == 0:
+                    raise ValueError(f"features[{i}] is all padding (attention_mask is all 0); drop it first.")
             sequences.append(ids)
             for name in keys:
                 if name in ("input_ids", "attention_mask"):
                     continue
                 value = feature[name]
-                if _length(value) == full_len:
+                if name in self.per_sequence_fields:
+                    per_sequence.setdefault(name, []).append(value)
+                elif _length(value) == full_len:
                     tensor = torch.as_tensor(value)
                     per_token.setdefault(name, []).append(tensor[keep] if keep is not None else tensor)
                 elif _is_scalar(value):
                     per_token.setdefault(name, []).append(torch.as_tensor(value).expand(len(ids)))
+                elif _is_number_vector(value):
+                    raise ValueError(
+                        f"features[{i}][{name!r}] has {_length(value)} numbers but input_ids has {full_len} tokens: "
+                        "a per-token field needs one entry per token (padding included), a per-sequence value is "
+                        f"one number. If it really is a per-sequence vector, pass per_sequence_fields=[{name!r}]."
+                    )
                 else:
                     per_sequence.setdefault(name, []).append(value)
 
@@ -228,11 +296,22 @@ class TreeDataCollator:
             pad_multiple=self.pad_multiple,
             split_lengths=self.split_lengths,
         )
+        if self.for_trainer and len(forests) > 1:
+            raise ValueError(
+                f"These {len(features)} features need {len(forests)} micro-batches of max_tokens_per_mb="
+                f"{self.max_tokens_per_mb}, but for_trainer=True returns one model input per call. Lower "
+                "per_device_train_batch_size, raise max_tokens_per_mb (None = no limit), or loop over the "
+                "micro-batches of TreeDataCollator() yourself (README: 'The collator in your own loop')."
+            )
         micro_batches = []
         for forest in forests:
             fields = {name: torch.cat([values[i] for i in forest.seq_ids]) for name, values in per_token.items()}
             seq_fields = {name: [values[i] for i in forest.seq_ids] for name, values in per_sequence.items()}
-            micro_batches.append(TreeMicroBatch.from_forest(forest, self.device, fields, seq_fields))
+            mb = TreeMicroBatch.from_forest(forest, self.device, fields, seq_fields)
+            if self.for_trainer:
+                mb.update(_causal_lm_loss_inputs(mb))
+                return mb
+            micro_batches.append(mb)
         return micro_batches
 
     @staticmethod
@@ -254,3 +333,17 @@ class TreeDataCollator:
         for mb, mb_values in zip(micro_batches, values):
             out.update(zip(mb.seq_ids, mb.unpack(mb_values)))
         return [out[i] for i in range(len(out))]
+
+
+def _causal_lm_loss_inputs(mb: TreeMicroBatch) -> dict[str, torch.Tensor]:
+    """`logits_to_keep` `(E,)`, `labels` and `shift_labels` `(1, E)`: the model's own loss on the trained tokens.
+
+    Entry `e` of the expanded layout (token `t` of its sequence) is predicted by the row of entry `e - 1` when
+    `t >= 1`; its target is `labels[t]` (the feature's `labels`, else the token itself), trained unless -100.
+    """
+    targets = mb.fields["labels"].long() if "labels" in mb.fields else mb.gather(mb["input_ids"][0])
+    targets = targets.to(mb.positions.device)
+    trained = (mb.token_index >= 1) & (targets != -100)
+    entries = torch.nonzero(trained).squeeze(1)
+    labels = targets[entries][None]
+    return {"logits_to_keep": mb.positions[entries - 1], "labels": labels, "shift_labels": labels.clone()}

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from .model_inputs import check_forest_inputs, lm_head_weight_and_bias
 from .support import check_forest, check_tree_model, logit_scale, rope_split_lengths, unwrap_model
 from .tree import PackedForest, TokenSequence, pack_forest
 
@@ -107,8 +108,7 @@ def _final_hidden_states(
 
 
 def _lm_head_params(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
-    head = unwrap_model(model).get_output_embeddings()
-    weight, bias = head.weight, head.bias
+    weight, bias = lm_head_weight_and_bias(unwrap_model(model).get_output_embeddings())
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # pragma: no cover - torch without distributed
@@ -186,6 +186,7 @@ def forest_logprobs(
         MoE layer.
     """
     check_forest(model, forest)
+    check_forest_inputs(unwrap_model(model), forest, temperature)
     device = forest.input_ids.device
     if rows is None:
         rows = torch.nonzero(forest.parent >= 0).squeeze(1)

@@ -1,8 +1,10 @@
 """How much a tree saves: unique-token ratio and a forward-FLOPs estimate for a model config.
 
-FLOP counts (forward only; backward has the same ratio): per-token linear work, attention over the (query, key)
-pairs each layer really computes — every earlier token for a full layer, at most `sliding_window` of them for a
-sliding-window layer, the tokens of the same chunk for a chunked one — and the LM head on the scored tokens only.
+The FLOP model is written out, with its public sources, in docs/how_it_works.md ("The FLOP model"): forward
+FLOPs only (the backward pass costs about twice the forward for every term, so the tree / flat ratio is the same),
+counted as per-token linear work, attention over the (query, key) pairs each layer really computes — every earlier
+token for a full layer, at most `sliding_window` of them for a sliding-window layer, the tokens of the same chunk
+for a chunked one — and the LM head on the scored tokens only.
 """
 
 from __future__ import annotations

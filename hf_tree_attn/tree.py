@@ -149,11 +149,31 @@ def _mask_device(device: torch.device | str) -> torch.device:
 
 
 def _check_not_tensor(sequences) -> None:
-    """A 2-D tensor would be read row by row, padding included: make the caller strip it."""
-    if isinstance(sequences, torch.Tensor):
+    """A 2-D tensor or array would be read row by row, padding included: make the caller strip it."""
+    if isinstance(sequences, torch.Tensor) or (isinstance(sequences, np.ndarray) and sequences.dtype != object):
+        kind = "tensor" if isinstance(sequences, torch.Tensor) else "numpy array"
         raise TypeError(
-            "sequences is a tensor; pass a list of 1-D sequences (a padded batch must be stripped of padding "
-            "first, e.g. [row[mask.bool()] for row, mask in zip(input_ids, attention_mask)])."
+            f"sequences is a {kind} of shape {tuple(sequences.shape)}; pass a list of 1-D sequences (a padded batch "
+            "must be stripped of padding first, e.g. [row[mask.bool()] for row, mask in zip(input_ids, "
+            "attention_mask)])."
+        )
+
+
+def check_token_budget(max_tokens_per_mb, pad_multiple: int = 128) -> None:
+    """Raise a clear error unless `max_tokens_per_mb` is None or a positive int multiple of `pad_multiple`."""
+    for name, value in (("pad_multiple", pad_multiple), ("max_tokens_per_mb", max_tokens_per_mb)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer))):
+            raise TypeError(
+                f"{name}={value!r} is a {type(value).__name__}; pass an int (e.g. {name}=256)"
+                + (" or None." if name == "max_tokens_per_mb" else ".")
+            )
+    if pad_multiple < 1:
+        raise ValueError(f"pad_multiple={pad_multiple} must be a positive integer (use 128, FlexAttention's block).")
+    if max_tokens_per_mb is not None and (max_tokens_per_mb <= 0 or max_tokens_per_mb % pad_multiple):
+        fix = max(pad_multiple, -(-max(max_tokens_per_mb, 1) // pad_multiple) * pad_multiple)
+        raise ValueError(
+            f"max_tokens_per_mb={max_tokens_per_mb} must be a positive multiple of pad_multiple={pad_multiple}; "
+            f"use e.g. max_tokens_per_mb={fix}."
         )
 
 
@@ -306,14 +326,7 @@ def pack_forest(
     _check_not_tensor(sequences)
     if len(sequences) == 0:
         raise ValueError("sequences is empty; pass at least one token sequence.")
-    if pad_multiple < 1:
-        raise ValueError(f"pad_multiple={pad_multiple} must be a positive integer (use 128, FlexAttention's block).")
-    if max_tokens_per_mb is not None and (max_tokens_per_mb <= 0 or max_tokens_per_mb % pad_multiple):
-        fix = max(pad_multiple, -(-max(max_tokens_per_mb, 1) // pad_multiple) * pad_multiple)
-        raise ValueError(
-            f"max_tokens_per_mb={max_tokens_per_mb} must be a positive multiple of pad_multiple={pad_multiple}; "
-            f"use e.g. max_tokens_per_mb={fix}."
-        )
+    check_token_budget(max_tokens_per_mb, pad_multiple)
     arrays = [_as_array(s, i) for i, s in enumerate(sequences)]
     lengths = np.array([len(a) for a in arrays], dtype=np.int64)
     if max_tokens_per_mb is not None and lengths.max() > max_tokens_per_mb:

@@ -4,6 +4,7 @@ import copy
 
 import pytest
 import torch
+from helpers import TOLERANCES
 from transformers import AutoModelForCausalLM, Qwen3Config
 
 import hf_tree_attn
@@ -135,3 +136,163 @@ def test_package_import_needs_no_trl():
         "import hf_tree_attn; hf_tree_attn.TreeDataCollator()([{'input_ids': [1, 2]}])"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Bad inputs: refused with the value and the fix, never cast or reinterpreted silently.
+
+
+@pytest.mark.parametrize(
+    "features, error, match",
+    [
+        ([{"input_ids": [1.0, 2.0]}], TypeError, r"features\[0\]\['input_ids'\] has dtype torch\.float32"),
+        (
+            [{"input_ids": torch.tensor([151643, 7], dtype=torch.bfloat16)}],
+            TypeError,
+            r"dtype torch\.bfloat16; token ids must be integers.*151552",
+        ),
+        ([{"input_ids": [5, 6]}, {"input_ids": []}], ValueError, r"features\[1\]\['input_ids'\] is empty"),
+        ([{"input_ids": [5, 6], "attention_mask": [0, 0]}], ValueError, r"features\[0\] is all padding"),
+        (
+            [{"input_ids": [5, 6, 7, 8], "advantages": [0.1, 0.2, 0.3]}],
+            ValueError,
+            r"features\[0\]\['advantages'\] has 3 numbers but input_ids has 4 tokens.*per_sequence_fields",
+        ),
+        (
+            {"input_ids": [[5, 6], [5, 7]]},
+            TypeError,
+            r"features is a mapping of columns.*\[dataset\[i\] for i in range\(8\)\]",
+        ),
+        ([[5, 6, 7]], TypeError, r"features\[0\] is a list; each feature must be a mapping"),
+    ],
+    ids=["float-ids", "bf16-ids", "empty-ids", "all-padding", "per-token-one-short", "batched-dict", "bare-list"],
+)
+def test_bad_features_are_refused(features, error, match):
+    with pytest.raises(error, match=match):
+        TreeDataCollator()(features)
+
+
+def test_a_declared_per_sequence_vector_is_kept_as_is():
+    features = [{"input_ids": [5, 6, 7, 8], "scores": [0.1, 0.2]}, {"input_ids": [5, 6], "scores": [0.3, 0.4]}]
+    (mb,) = TreeDataCollator(per_sequence_fields=["scores"])(features)
+    assert mb.seq_fields == {"scores": [[0.1, 0.2], [0.3, 0.4]]} and mb.fields == {}
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(max_tokens_per_mb="256"), TypeError, r"max_tokens_per_mb='256' is a str; pass an int"),
+        (dict(max_tokens_per_mb=256.0), TypeError, r"max_tokens_per_mb=256\.0 is a float"),
+        (dict(max_tokens_per_mb=200), ValueError, r"use e\.g\. max_tokens_per_mb=256"),
+    ],
+)
+def test_bad_budget_fails_at_construction(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        TreeDataCollator(**kwargs)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# transformers.Trainer: `for_trainer=True` feeds the model's own loss; a few steps equal the hand-written loop.
+
+
+def _lm_features(num, seed):
+    """Prompt-sharing sequences with HF-style `labels` (-100 on the prompt), some left-padded."""
+    gen = torch.Generator().manual_seed(seed)
+    features = []
+    for i in range(num):
+        prompt = [1 + i % 2] * 6 + [7, 8, 9]
+        completion = torch.randint(10, 30, (int(torch.randint(2, 6, (1,), generator=gen)),), generator=gen).tolist()
+        pad = i % 3
+        features.append(
+            {
+                "input_ids": [0] * pad + prompt + completion,
+                "attention_mask": [0] * pad + [1] * (len(prompt) + len(completion)),
+                "labels": [-100] * (pad + len(prompt)) + completion,
+            }
+        )
+    return features
+
+
+def _tiny_lm(seed=0):
+    cfg = Qwen3Config(
+        vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation="tree_flex")
+
+
+def test_for_trainer_batch_is_the_models_own_loss_per_sequence():
+    """`model(**mb).loss` = mean cross-entropy over the trained tokens of per-sequence forwards with `labels`."""
+    model = _tiny_lm().eval()
+    features = _lm_features(6, seed=0)
+    mb = TreeDataCollator(for_trainer=True)(features)
+    assert isinstance(mb, TreeMicroBatch)
+    assert set(mb) == {"input_ids", "position_ids", "attention_mask", "tree_forest", "use_cache"} | {
+        "logits_to_keep", "labels", "shift_labels",
+    }  # fmt: skip
+    with torch.no_grad():
+        loss = model(**mb).loss
+        total, count = 0.0, 0
+        for f in features:
+            keep = torch.tensor(f["attention_mask"]).bool()
+            out = model(torch.tensor(f["input_ids"])[keep][None], labels=torch.tensor(f["labels"])[keep][None])
+            n = int((torch.tensor(f["labels"])[keep][1:] != -100).sum())
+            total, count = total + out.loss * n, count + n
+    assert mb["labels"].shape == (1, count) and len(mb["logits_to_keep"]) == count
+    torch.testing.assert_close(loss, total / count, atol=TOLERANCES["logps_atol"], rtol=0)
+
+
+def test_for_trainer_refuses_more_than_one_micro_batch():
+    features = [{"input_ids": [i + 1] * 100} for i in range(3)]
+    with pytest.raises(ValueError, match=r"need 3 micro-batches of max_tokens_per_mb=128.*one model input per call"):
+        TreeDataCollator(max_tokens_per_mb=128, for_trainer=True)(features)
+
+
+class _Recording:
+    """Wraps a collator and records the features of every batch (the order Trainer consumed them)."""
+
+    def __init__(self, collator):
+        self.collator, self.batches = collator, []
+
+    def __call__(self, features):
+        self.batches.append(features)
+        return self.collator(features)
+
+
+def test_trainer_steps_equal_the_hand_written_loop(tmp_path):
+    """3 optimizer steps of `Trainer` (2 accumulated micro-batches each) = the README loop on the same batches."""
+    from datasets import Dataset
+    from transformers import Trainer, TrainingArguments
+
+    features = _lm_features(24, seed=1)
+    model, reference = _tiny_lm(), _tiny_lm()
+    reference.load_state_dict(model.state_dict())
+    recorder = _Recording(TreeDataCollator(for_trainer=True))
+    args = TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, gradient_accumulation_steps=2, max_steps=3,
+        learning_rate=0.5, optim="sgd", lr_scheduler_type="constant", max_grad_norm=0.0, weight_decay=0.0,
+        use_cpu=True, report_to="none", save_strategy="no", logging_steps=1, seed=0,
+    )  # fmt: skip
+    trainer = Trainer(model=model, args=args, train_dataset=Dataset.from_list(features), data_collator=recorder)
+    trainer.train()
+    assert len(recorder.batches) == 6
+
+    # The loop of the README, on the batches Trainer drew: loss = -sum(logp of trained tokens) / trained tokens.
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
+    reference.train()
+    collate = TreeDataCollator()
+    for step in range(3):
+        micro = [mb for batch in recorder.batches[2 * step : 2 * step + 2] for mb in collate(batch)]
+        trained = [(mb.token_index >= 1) & (mb.fields["labels"] != -100) for mb in micro]
+        num_trained = sum(int(t.sum()) for t in trained)
+        for mb, mask in zip(micro, trained):
+            table, _ = hf_tree_attn.forest_logprobs(reference, mb.forest)
+            (-(mb.gather(table) * mask).sum() / num_trained).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    for (name, got), (_, want) in zip(model.named_parameters(), reference.named_parameters()):
+        torch.testing.assert_close(got, want, atol=TOLERANCES["logps_atol"], rtol=0, msg=name)
+    initial = _tiny_lm()
+    moved = any(not torch.allclose(p, q) for p, q in zip(model.parameters(), initial.parameters()))
+    assert moved, "the Trainer did not train"

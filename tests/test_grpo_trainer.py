@@ -301,6 +301,9 @@ def test_overridden_hooks_are_pinned_to_trl():
         (dict(max_tokens_per_mb=100), ValueError, "multiple of 128"),
         (dict(max_tokens_per_mb=256, max_completion_length=256), ValueError, "cannot hold one sequence"),
         (dict(tree_max_token_ratio=1.5), ValueError, "tree_max_token_ratio=1.5"),
+        (dict(max_tokens_per_mb="256"), TypeError, r"max_tokens_per_mb='256' is a str; pass an int"),
+        (dict(temperature=0.0), ValueError, r"temperature=0.0: .*must be a finite number > 0"),
+        (dict(temperature=-0.5), ValueError, r"temperature=-0.5"),
     ],
 )
 def test_bad_config_fails_with_the_value(tmp_path, overrides, error, match):

@@ -31,6 +31,9 @@ def test_short_run_saves_everything_and_logs_tree_metrics(tmp_path):
     for name in ("model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json", "trainer_state.json"):
         assert (tmp_path / name).is_file(), name
     assert "4/4" in result.stderr  # the Trainer progress bar
+    card = (tmp_path / "README.md").read_text()  # TRL's model card, with the tree settings
+    assert "This model was trained with GRPO" in card and "## Tree training" in card
+    assert "| `tree_packing` | `True` |" in card and "| `tree_max_token_ratio` | `0.9` |" in card
     logs = [entry for entry in _log_history(tmp_path) if "reward" in entry]
     assert len(logs) == 2
     assert all(entry["tree_token_ratio"] < 0.6 and entry["tree_fallback"] == 0 for entry in logs)
@@ -61,12 +64,58 @@ def test_real_run_flags_model_dataset_and_reward(tmp_path):
     args = ["--model_name_or_path", str(model_dir), "--dataset_name", str(data_dir)]
     args += ["--reward_funcs", "trainers.toy_task.copy_letter_reward", "--per_device_train_batch_size", "8"]
     args += ["--num_generations", "4", "--max_completion_length", "4", "--max_steps", "2", "--logging_steps", "1"]
-    args += ["--bf16", "false", "--use_cpu", "true", "--report_to", "none", "--output_dir", str(tmp_path / "out")]
+    args += ["--report_to", "none", "--output_dir", str(tmp_path / "out")]  # machine defaults: fp32 on a CPU
     _launch(*args, timeout=600)
     logs = [entry for entry in _log_history(tmp_path / "out") if "reward" in entry]
     assert len(logs) == 2 and all(entry["tree_fallback"] == 0 for entry in logs)
     assert "rewards/copy_letter_reward/mean" in logs[0]
     assert not (tmp_path / "out" / "initial_model").exists()  # a real model is not rebuilt
+
+
+def test_help_prints_every_tree_field():
+    result = subprocess.run([sys.executable, str(SCRIPT), "--help"], cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for flag in ("--tree_packing", "--max_tokens_per_mb", "--tree_max_token_ratio", "--model_name_or_path"):
+        assert flag in result.stdout
+
+
+def _parse(*argv):
+    from trainers import grpo_tree
+
+    return grpo_tree, grpo_tree.parse_args(list(argv))
+
+
+def test_a_model_keeps_the_machine_defaults_but_not_the_embedded_task(tmp_path):
+    import torch
+
+    _, (_, training_args, model_args, _) = _parse("--model_name_or_path", "m", "--dataset_name", "d")
+    assert training_args.use_cpu == (not torch.cuda.is_available())
+    assert training_args.bf16 == torch.cuda.is_available()
+    assert model_args.model_name_or_path == "m" and training_args.max_steps == -1  # TRL's default, not the toy's
+    _, (_, training_args, _, _) = _parse("--output_dir", str(tmp_path))
+    assert training_args.max_steps == 600 and training_args.num_generations == 8  # the embedded task
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--model_name_or_path", "m"], r"--model_name_or_path m is given but no dataset: pass --dataset_name"),
+        (["--dataset_name", "d"], r"A dataset is given but no model: pass --model_name_or_path"),
+    ],
+    ids=["model-without-dataset", "dataset-without-model"],
+)
+def test_a_real_run_needs_a_model_and_a_dataset(tmp_path, argv, match):
+    grpo_tree, args = _parse(*argv, "--output_dir", str(tmp_path))
+    with pytest.raises(ValueError, match=match):
+        grpo_tree.main(*args)
+    assert not any(tmp_path.iterdir())  # nothing trained, nothing written
+
+
+def test_unknown_yaml_key_is_an_error(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text("model_name_or_path: m\ndataset_nme: trl-lib/DeepMath-103K\n")
+    with pytest.raises(ValueError, match=r"Unknown arguments from config file: \['--dataset_nme'"):
+        _parse("--config", str(config), "--output_dir", str(tmp_path))
 
 
 @pytest.mark.slow

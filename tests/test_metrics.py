@@ -76,7 +76,7 @@ def test_matches_brute_force_with_prompt_lengths(model, case, seed):
 
 
 def test_grpo_group_by_hand(model):
-    """G completions of C tokens after one prompt of P: the closed forms of reference/peers.md §1."""
+    """G completions of C tokens after one prompt of P: the closed forms of docs/how_it_works.md ("The FLOP model")."""
     p, g, c = 8, 4, 5
     prompt = list(range(1, p + 1))
     sequences = [prompt + [10 + i] * c for i in range(g)]

@@ -223,8 +223,10 @@ def test_dict_trie_counts_nodes():
         (dict(max_tokens_per_mb=200, pad_multiple=64), ValueError, r"use e\.g\. max_tokens_per_mb=256"),
         (dict(max_tokens_per_mb=0), ValueError, r"max_tokens_per_mb=0 must be a positive multiple"),
         (dict(pad_multiple=0), ValueError, r"pad_multiple=0 must be a positive integer"),
+        (dict(max_tokens_per_mb="256"), TypeError, r"max_tokens_per_mb='256' is a str; pass an int"),
+        (dict(max_tokens_per_mb=True), TypeError, r"max_tokens_per_mb=True is a bool"),
     ],
-    ids=["not-multiple", "suggests-fix", "zero-budget", "zero-pad"],
+    ids=["not-multiple", "suggests-fix", "zero-budget", "zero-pad", "string-budget", "bool-budget"],
 )
 def test_bad_budget(kwargs, error, match):
     with pytest.raises(error, match=match):
@@ -250,6 +252,7 @@ def test_sequence_longer_than_budget_names_index_and_length():
         ([[1, -100, 3]], ValueError, r"sequences\[0\] holds a negative token id \(-100\)"),
         ([[[1, 2], [3, 4]]], ValueError, r"sequences\[0\] has shape \(2, 2\).*1-D"),
         (torch.tensor([[1, 2, 0], [3, 4, 5]]), TypeError, r"sequences is a tensor.*padded batch"),
+        (np.array([[1, 2, 0], [3, 4, 5]]), TypeError, r"sequences is a numpy array of shape \(2, 3\).*padded batch"),
     ],
     ids=[
         "empty-list",
@@ -262,6 +265,7 @@ def test_sequence_longer_than_budget_names_index_and_length():
         "negative",
         "2d-element",
         "padded-2d-tensor",
+        "padded-2d-numpy",
     ],
 )
 def test_bad_sequences(sequences, error, match):

@@ -19,23 +19,26 @@ import torch
 
 from hf_tree_attn.trainer import TreeGRPOConfig, TreeGRPOTrainer
 
-__all__ = ["embedded_defaults", "main", "parse_args"]
+__all__ = ["embedded_defaults", "machine_defaults", "main", "make_parser", "parse_args"]
+
+
+def machine_defaults() -> dict:
+    """Defaults about the machine, for every run: bf16 on a GPU, fp32 on the CPU (TRL's bf16 default fails there)."""
+    cuda = torch.cuda.is_available()
+    return dict(use_cpu=not cuda, bf16=cuda)
 
 
 def embedded_defaults() -> dict:
     """Training defaults of the embedded task (the tiny model learns it in about a minute on 2 CPU cores).
 
-    Used only when no `--model_name_or_path` is given; the command line and `--config` still override them.
+    Used only when neither a model nor a dataset is given; the command line and `--config` still override them.
     """
-    cuda = torch.cuda.is_available()
     return dict(
         output_dir="outputs/grpo_tree",
-        use_cpu=not cuda,
-        bf16=cuda,
         per_device_train_batch_size=16,  # 2 prompts x 8 completions: each micro-batch holds whole groups
         num_generations=8,
         max_completion_length=4,
-        learning_rate=1e-3,
+        learning_rate=5e-4,  # 1e-3 learns faster but can collapse the entropy before the task is learned
         lr_scheduler_type="constant_with_warmup",
         warmup_steps=10,
         max_steps=600,
@@ -47,19 +50,32 @@ def embedded_defaults() -> dict:
     )
 
 
+def make_parser():
+    """The parser of `trl/scripts/grpo.py`, with `TreeGRPOConfig` in place of `GRPOConfig`."""
+    from trl import DatasetMixtureConfig, ModelConfig, TrlParser
+    from trl.scripts.grpo import GRPOScriptArguments
+
+    return TrlParser((GRPOScriptArguments, TreeGRPOConfig, ModelConfig, DatasetMixtureConfig))
+
+
 def parse_args(argv: list[str] | None = None):
-    """`(script_args, training_args, model_args, dataset_args)`, parsed like `trl/scripts/grpo.py` does."""
+    """`(script_args, training_args, model_args, dataset_args)` from the command line and `--config` YAML.
+
+    Unknown keys in the YAML are an error (a misspelled `dataset_name` must not fall back to the embedded task).
+    """
     from trl import DatasetMixtureConfig, ModelConfig, TrlParser
     from trl.scripts.grpo import GRPOScriptArguments
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = TrlParser((GRPOScriptArguments, TreeGRPOConfig, ModelConfig, DatasetMixtureConfig))
+    parser = make_parser()
+    parser.set_defaults_with_config(**machine_defaults())
     if not {"-h", "--help"} & set(argv):
-        # Peek at the model (command line or --config) to know whether the embedded defaults apply.
-        (model_args, _) = TrlParser((ModelConfig,)).parse_args_and_config(argv, return_remaining_strings=True)
-        if model_args.model_name_or_path is None:
+        # Peek at the model and the dataset (command line or --config) to know whether the embedded task applies.
+        peek = TrlParser((GRPOScriptArguments, ModelConfig, DatasetMixtureConfig))
+        script_args, model_args, dataset_args, _ = peek.parse_args_and_config(argv, return_remaining_strings=True)
+        if model_args.model_name_or_path is None and not script_args.dataset_name and not dataset_args.datasets:
             parser.set_defaults_with_config(**embedded_defaults())
-    return parser.parse_args_and_config(argv, fail_with_unknown_args=False)
+    return parser.parse_args_and_config(argv, fail_with_unknown_args=True)
 
 
 def _reward_funcs(script_args) -> list:
@@ -98,6 +114,18 @@ def main(script_args, training_args: TreeGRPOConfig, model_args, dataset_args) -
 
     from trainers import toy_task
 
+    has_dataset = bool(script_args.dataset_name or dataset_args.datasets)
+    if model_args.model_name_or_path is not None and not has_dataset:
+        raise ValueError(
+            f"--model_name_or_path {model_args.model_name_or_path} is given but no dataset: pass --dataset_name (or "
+            "`datasets:` in --config), as trl/scripts/grpo.py requires. The embedded task runs only when neither a "
+            "model nor a dataset is given."
+        )
+    if model_args.model_name_or_path is None and has_dataset:
+        raise ValueError(
+            "A dataset is given but no model: pass --model_name_or_path. The embedded task runs only when neither a "
+            "model nor a dataset is given."
+        )
     reward_funcs = _reward_funcs(script_args)
     if model_args.model_name_or_path is None:
         # The embedded model goes through the same path as a real one (TRL also rebuilds the reference model from

@@ -39,9 +39,9 @@ class TreeGRPOConfig(GRPOConfig):
         default=0.9,
         metadata={
             "help": "Fall back to TRL's flat forward for a chunk whose packed forests hold more than this fraction of "
-            "the tokens TRL's flat forward would run (rows x padded width; logged as "
-            "tree_compute_ratio). Flat SDPA on full rows is ~5-15% faster per token than the FlexAttention tree, so "
-            "0.9 keeps the tree only where it pays; fallbacks are logged as tree_fallback. 1.0 = always the tree."
+            "the tokens TRL's flat forward would run (rows x padded width; logged as tree_compute_ratio). Flat SDPA "
+            "on full rows is 5 to 15 percent faster per token than the FlexAttention tree, so 0.9 keeps the tree "
+            "only where it pays; fallbacks are logged as tree_fallback. 1.0 = always the tree."
         },
     )
 
@@ -86,7 +86,17 @@ class TreeGRPOConfig(GRPOConfig):
             raise ValueError(
                 f"tree_max_token_ratio={self.tree_max_token_ratio} must be in (0, 1]; use 1.0 to always pack trees."
             )
+        if self.tree_packing and not 0 < self.temperature < float("inf"):
+            raise ValueError(
+                f"temperature={self.temperature}: the tree log-probabilities divide the logits by the sampling "
+                "temperature (as TRL does), so it must be a finite number > 0, e.g. temperature=1.0."
+            )
         if self.max_tokens_per_mb is not None:
+            if isinstance(self.max_tokens_per_mb, bool) or not isinstance(self.max_tokens_per_mb, int):
+                raise TypeError(
+                    f"max_tokens_per_mb={self.max_tokens_per_mb!r} is a {type(self.max_tokens_per_mb).__name__}; "
+                    "pass an int multiple of 128 (e.g. max_tokens_per_mb=4096) or None."
+                )
             if self.max_tokens_per_mb <= 0 or self.max_tokens_per_mb % 128:
                 fix = max(128, -(-self.max_tokens_per_mb // 128) * 128)
                 raise ValueError(

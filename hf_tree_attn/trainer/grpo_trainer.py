@@ -5,7 +5,10 @@ log-probabilities (and entropies) of a chunk of TRL's padded rows come from one 
 forest instead of one padded row per completion. Everything else — generation, rewards, advantages, every
 `loss_type`, KL, clipping, metrics — is TRL's own code on the same `(B, C)` tensors. The forest of a micro-batch is
 built once per generation batch and reused by the old-policy, reference and every policy forward
-(`num_iterations`). `_prepare_inputs` is overridden only to keep each prompt's completions in one micro-batch.
+(`num_iterations`). `_prepare_inputs` is overridden only to keep each prompt's completions in one micro-batch
+(drawing TRL's own shuffle, so a seed gives TRL's run), `_generate_single_turn` only to run transformers'
+continuous batching with a stock attention, and `save_model` / `create_model_card` to write TRL's model card with
+the tree settings.
 
 Two additions leave the math unchanged: with several processes, whole groups move between ranks after generation
 so each rank's micro-batch costs about the same (`tree_balance`, `balance.py`), and a tree policy forward recomputes
@@ -14,10 +17,14 @@ only the layers its memory needs (`tree_recompute`, `hf_tree_attn.recompute`).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
+import os
+import shutil
 import warnings
+from pathlib import Path
 
 import torch
 from accelerate.utils import gather_object
@@ -57,7 +64,7 @@ from .balance import (
 )
 from .grpo_config import TreeGRPOConfig, _balance_refusal
 
-__all__ = ["TreeGRPOTrainer"]
+__all__ = ["TreeGRPOTrainer", "micro_batch_order", "stock_attention"]
 
 logger = logging.getLogger(__name__)
 
@@ -144,12 +151,16 @@ class TreeGRPOTrainer(GRPOTrainer):
 
     @profiling_decorator
     def _prepare_inputs(self, generation_batch):
-        """TRL's `_prepare_inputs`, except that the generation batch is split in sampler order.
+        """TRL's `_prepare_inputs`, except that each prompt's group of completions stays in one micro-batch.
 
-        TRL shuffles the rows before splitting them into `steps_per_generation` micro-batches, which scatters each
-        prompt's completions (consecutive in `RepeatSampler` order) over different micro-batches; here only the
-        order of the micro-batches is shuffled, so a prompt's group stays in one forest. Prompts are already
-        shuffled by the sampler.
+        TRL shuffles the rows of a generation batch (`shuffle_sequence_dict`: one `torch.randperm(rows)`) before
+        cutting it into `steps_per_generation` micro-batches, which scatters every group over several of them.
+        Here the very same permutation is drawn, so the global random stream advances exactly as in TRL (the next
+        generation samples the same tokens), but it only orders whole micro-batches, cut in sampler order where a
+        group's rows are consecutive (see `micro_batch_order`). When `steps_per_generation ==
+        gradient_accumulation_steps` every optimizer step sums over all micro-batches, so the update is TRL's for
+        every loss normalized by the whole batch (all but `bnpo`, the entropy bonus and `top_entropy_quantile`,
+        which work within a micro-batch); where the split matters, whole groups are this trainer's split by design.
         """
         if not self.tree_packing:
             return super()._prepare_inputs(generation_batch)
@@ -160,8 +171,10 @@ class TreeGRPOTrainer(GRPOTrainer):
                 self._tree_cache.clear()
                 generation_batch = self._generate_and_score_completions(generation_batch)
                 generation_batch = split_pixel_values_by_grid(generation_batch)
+                rows = len(next(v for v in generation_batch.values() if v is not None))  # as shuffle_sequence_dict
+                permutation = torch.randperm(rows)
                 batches = split_tensor_dict(generation_batch, self.args.steps_per_generation)
-                order = torch.randperm(len(batches)).tolist()
+                order = micro_batch_order(permutation, len(batches))
                 self._buffered_inputs = [unsplit_pixel_values_by_grid(batches[i]) for i in order]
                 self._buffered_inputs = self._balance_across_ranks(self._buffered_inputs)
             return self._buffered_inputs[self._step % self.args.steps_per_generation]
@@ -256,6 +269,63 @@ class TreeGRPOTrainer(GRPOTrainer):
             elif side == "completion":
                 moved[key] = moved[key][:, :completion_keep]
         return split_micro_batches(moved, len(micro_batches))
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        """TRL's generation; transformers' continuous batching runs with `tree_flex`'s stock twin, then switches back.
+
+        Continuous batching accepts only its own kernels (`sdpa`, `paged|eager`, flash) and refuses `tree_flex`.
+        Outside a tree `tree_flex` computes exactly what `sdpa` does (`eager` for attention-softcapping models),
+        so generating with that implementation changes nothing. HF `generate` (static cache included) and vLLM need
+        no switch: the former runs `tree_flex` as `sdpa`, the latter never sees the training model's attention.
+        """
+        args = (prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+        if not (self.tree_packing and self.use_transformers_continuous_batching):
+            return super()._generate_single_turn(*args)
+        with stock_attention(self.accelerator.unwrap_model(self.model)):
+            return super()._generate_single_turn(*args)
+
+    def create_model_card(self, model_name=None, dataset_name=None, tags=None):
+        """TRL's model card (`README.md` in `output_dir`), plus a section with the tree-packing settings."""
+        super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
+        path = os.path.join(self.args.output_dir, "README.md")
+        if self.is_world_process_zero() and os.path.isfile(path):
+            with open(path, "a", encoding="utf-8") as card:
+                card.write(self._tree_card_section())
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Save as `Trainer` does, plus TRL's model card with the tree settings (checkpoints get it from TRL)."""
+        super().save_model(output_dir, _internal_call)
+        if _internal_call or not self.is_world_process_zero():
+            return
+        output_dir = output_dir or self.args.output_dir
+        self.create_model_card(model_name=Path(output_dir).name)
+        card = os.path.join(self.args.output_dir, "README.md")
+        if os.path.abspath(output_dir) != os.path.abspath(self.args.output_dir) and os.path.isfile(card):
+            shutil.copyfile(card, os.path.join(output_dir, "README.md"))
+
+    def _tree_card_section(self) -> str:
+        from .. import __version__
+
+        args = self.args
+        rows = [
+            ("tree_packing", f"{args.tree_packing} (trees used: {self.tree_packing})"),
+            ("max_tokens_per_mb", args.max_tokens_per_mb),
+            ("tree_max_token_ratio", args.tree_max_token_ratio),
+            ("tree_balance", args.tree_balance),
+            ("tree_recompute", args.tree_recompute),
+            ("num_generations", args.num_generations),
+            ("per_device_train_batch_size", args.per_device_train_batch_size),
+            ("steps_per_generation", args.steps_per_generation),
+            ("attn_implementation", ATTN_IMPLEMENTATION if self.tree_packing else "unchanged"),
+        ]
+        table = "\n".join(f"| `{name}` | `{value}` |" for name, value in rows)
+        intro = (
+            f"Trained with `hf_tree_attn.TreeGRPOTrainer` (hf_tree_attn {__version__}): TRL's GRPO, with the "
+            "old-policy, reference and policy log-probabilities computed on packed prefix trees, so each prompt "
+            "shared by a group of completions is computed once. The log-probabilities and gradients are those of "
+            "TRL's per-sequence forward; only the cost changes."
+        )
+        return f"\n## Tree training\n\n{intro}\n\n| setting | value |\n| --- | --- |\n{table}\n"
 
     @profiling_decorator
     def _get_per_token_logps_and_entropies(
@@ -479,6 +549,31 @@ class TreeGRPOTrainer(GRPOTrainer):
 @functools.cache
 def _log_once(level: int, message: str) -> None:
     logger.log(level, message)
+
+
+def micro_batch_order(permutation: torch.Tensor, num_batches: int) -> list[int]:
+    """Micro-batches in the order their first row appears in `permutation` (TRL's row shuffle).
+
+    Args:
+        permutation: `(rows,)` long, a permutation of the generation batch's rows (`torch.randperm(rows)`).
+        num_batches: micro-batches of `rows // num_batches` consecutive rows each.
+
+    Every order of the micro-batches is equally likely, as under TRL's shuffle, and each keeps its rows together.
+    """
+    size = len(permutation) // num_batches
+    owners = (permutation // size).tolist()
+    return [b for b in dict.fromkeys(owners) if b < num_batches]
+
+
+@contextlib.contextmanager
+def stock_attention(model):
+    """Run `model` with the stock attention `tree_flex` behaves as outside a tree, then restore `tree_flex`."""
+    softcap = getattr(model.config.get_text_config(), "attn_logit_softcapping", None) is not None
+    model.set_attn_implementation("eager" if softcap else "sdpa")
+    try:
+        yield model
+    finally:
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
 
 
 def _select_tree_attention(model, args: TreeGRPOConfig):
