@@ -275,6 +275,9 @@ def bypasses_attention_interface(model_type: str) -> str | None:
     return name
 
 
+# Under a whole-model `torch.compile` this runs eagerly (a graph break where the masks are built, once per forward):
+# a forest's mask carrier is recognised by its storage, which a traced fake tensor does not have.
+@torch.compiler.disable
 def tree_flex_mask(**kwargs):
     """Mask function of `tree_flex` (see the module docstring), called by transformers' mask builders with keyword
     arguments only: a forest's tree mask for this layer kind, or exactly `sdpa`'s mask (`eager`'s for softcap

@@ -199,6 +199,20 @@ def test_hand_fed_forest_attention_mask_is_exact():
             torch.testing.assert_close(got, flat_logprobs(model, seq)[0], atol=TOLERANCES["logps_atol"], rtol=0)
 
 
+def test_whole_model_compile_keeps_the_tree_masks():
+    """`torch.compile(model)` traces the mask builders with fake tensors: the forest's masks must survive it (they
+    were silently replaced by a causal mask over the DFS row, 3.7 nats off, before `tree_flex_mask` ran eagerly)."""
+    model, _, forest = _window_model_and_forest()
+    kwargs = forest_forward_kwargs(forest, "cpu")
+    torch._dynamo.reset()
+    with torch.no_grad():
+        want = model(**kwargs).logits
+        got = torch.compile(model, backend="aot_eager")(**kwargs).logits
+    torch._dynamo.reset()
+    rows = forest.num_tree_tokens
+    torch.testing.assert_close(got[0, :rows], want[0, :rows], atol=TOLERANCES["logps_atol"], rtol=0)
+
+
 @pytest.mark.parametrize("with_forest", [False, True])
 def test_plain_tree_mask_in_a_window_model_raises(with_forest):
     """`forest.dense_mask()` has no window; handed to every layer it would silently drop it."""

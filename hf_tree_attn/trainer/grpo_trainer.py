@@ -308,7 +308,7 @@ class TreeGRPOTrainer(GRPOTrainer):
 
         args = self.args
         rows = [
-            ("tree_packing", f"{args.tree_packing} (trees used: {self.tree_packing})"),
+            ("tree_packing", self.tree_packing),
             ("max_tokens_per_mb", args.max_tokens_per_mb),
             ("tree_max_token_ratio", args.tree_max_token_ratio),
             ("tree_balance", args.tree_balance),
