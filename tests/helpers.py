@@ -254,6 +254,26 @@ def oracle_row_nodes(forest, sequences) -> tuple[DictTrie, dict[int, int]]:
     return trie, row_node
 
 
+def oracle_segments(forest, sequences) -> tuple[list[int], list[int], list[int]]:
+    """`(segment_starts, segment_parent, segment_level)` by walking the dict trie row by row.
+
+    A row starts a segment iff its trie parent is the empty root or has two or more children; a segment's level
+    counts the strict trie ancestors of its first row that have two or more children.
+    """
+    trie, row_node = oracle_row_nodes(forest, sequences)
+    node_row = {n: r for r, n in row_node.items()}
+    starts, parents, levels = [], [], []
+    segment_of_row = {}
+    for row in range(forest.num_tree_tokens):
+        up = trie.parent[row_node[row]]
+        if up == 0 or len(trie.children[up]) >= 2:
+            starts.append(row)
+            parents.append(-1 if up == 0 else segment_of_row[node_row[up]])
+            levels.append(sum(len(trie.children[a]) >= 2 for a in trie.ancestors_or_self(up)))
+        segment_of_row[row] = len(starts) - 1
+    return starts + [forest.num_tree_tokens], parents, levels
+
+
 def oracle_mask(forest, sequences) -> torch.Tensor:
     """`(S, S)` bool ancestor-or-self mask built by Python loops over the dict trie; padding rows see themselves."""
     trie, row_node = oracle_row_nodes(forest, sequences)
