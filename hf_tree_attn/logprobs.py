@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from .attention import ATTN_IMPLEMENTATION
+from .recurrent import tree_layer_types, unsupported_recurrent_layers
 from .tree import PackedForest, TokenSequence, pack_forest
 
 __all__ = [
@@ -34,7 +35,8 @@ __all__ = [
 _LOGITS_CHUNK_BYTES = 1 << 30  # fp32 logits held per chunk (torch fallback)
 _FUSED_VOCAB_CHUNK = 32768  # vocab tile of TRL's kernel, as TRL's own fused LM head uses
 
-# Config fields of layer kinds whose state is not per-token attention: a tree would silently mix branches.
+# Config layer types whose state is not per-token attention: a tree would silently mix branches, unless the layers
+# behind them are implemented segment by segment (`hf_tree_attn.recurrent`).
 _UNSUPPORTED_LAYER_TYPES = ("linear_attention", "mamba", "conv", "recurrent", "ssm", "gated_deltanet")
 
 
@@ -56,7 +58,14 @@ def check_tree_model(model: torch.nn.Module) -> None:
             f"`from_pretrained(..., attn_implementation={ATTN_IMPLEMENTATION!r})` or call "
             f"`model.set_attn_implementation({ATTN_IMPLEMENTATION!r})` (after `import hf_tree_attn`)."
         )
-    layer_types = set(getattr(config, "layer_types", None) or ())
+    refused = unsupported_recurrent_layers(model)
+    if refused:
+        reasons = "; ".join(f"{name}: {why}" for name, why in refused.items())
+        raise NotImplementedError(
+            f"{type(config).__name__} has state-carrying layers a tree cannot run exactly ({reasons}). Train this "
+            "model without tree packing."
+        )
+    layer_types = set(getattr(config, "layer_types", None) or ()) - tree_layer_types(model)
     bad = sorted(t for t in layer_types if any(u in t for u in _UNSUPPORTED_LAYER_TYPES))
     if bad:
         raise NotImplementedError(
