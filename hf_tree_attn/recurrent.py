@@ -421,9 +421,10 @@ def register() -> None:
                 setattr(module, name, _tree_dispatch(current, tree_version))
 
 
-def _is_stateful(module: torch.nn.Module) -> bool:
+def _owns_state(module: torch.nn.Module) -> bool:
+    """A listed state-carrying class, or a module owning a depthwise Conv1d (every conv-based mixer does)."""
     path = _class_path(type(module))
-    if path in TREE_LAYERS or path in REFUSED_LAYERS or _STATEFUL_NAME.search(type(module).__name__):
+    if path in TREE_LAYERS or path in REFUSED_LAYERS:
         return True
     return any(
         isinstance(child, torch.nn.Conv1d) and child.groups == child.in_channels > 1 for child in module.children()
@@ -432,7 +433,12 @@ def _is_stateful(module: torch.nn.Module) -> bool:
 
 def unsupported_recurrent_layers(model: torch.nn.Module) -> dict[str, str]:
     """`{layer class name: reason}` for every state-carrying layer of `model` a tree cannot run exactly (empty when
-    there is none, or when all of them are implemented)."""
+    there is none, or when all of them are implemented).
+
+    A layer is state-carrying if its class is listed, if it owns a depthwise Conv1d, or if its class name says so
+    (Mamba, DeltaNet, ShortConv, ...) and no module inside it is already one of the former (so a decoder layer
+    named after its mixer is not reported twice).
+    """
     reasons = {}
     for module in model.modules():
         cls = type(module)
@@ -440,7 +446,12 @@ def unsupported_recurrent_layers(model: torch.nn.Module) -> dict[str, str]:
         if path in TREE_LAYERS:
             if path in _UNAVAILABLE:
                 reasons[cls.__name__] = _UNAVAILABLE[path]
-        elif _is_stateful(module):
+            continue
+        stateful = _owns_state(module) or (
+            _STATEFUL_NAME.search(cls.__name__) is not None
+            and not any(_owns_state(inner) for inner in module.modules() if inner is not module)
+        )
+        if stateful:
             reasons[cls.__name__] = REFUSED_LAYERS.get(
                 path, "a state-carrying layer the tree does not know; its state would leak across tree branches"
             )

@@ -175,6 +175,29 @@ def test_loss_and_grads_match_flat_trainer(tiny, tmp_path, loss_type, beta, num_
         assert len(tree._metrics["train"]["tree_token_ratio"]) == 1  # the forest was built once
 
 
+@pytest.fixture(scope="module")
+def tiny_hybrid(tmp_path_factory):
+    """The embedded task's tiny Qwen3.5 (a Gated DeltaNet layer, then full attention) + char tokenizer, saved."""
+    tokenizer = toy_task.build_tokenizer()
+    model = toy_task.build_model(tokenizer, seed=0, model_type="qwen3_5")
+    path = tmp_path_factory.mktemp("tiny_qwen3_5")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path), tokenizer
+
+
+@pytest.mark.parametrize("loss_type, beta, num_iterations", [("dapo", 0.04, 2), ("grpo", 0.0, 1), ("cispo", 0.04, 2)])
+def test_hybrid_loss_and_grads_match_flat_trainer(tiny_hybrid, tmp_path, loss_type, beta, num_iterations):
+    """Qwen3.5: the recurrent state is forked at the prompt / completion branch points, exactly as TRL's padded flat
+    forward (which zeroes the left padding before the Gated DeltaNet) computes each row."""
+    tree, flat = _pair(tiny_hybrid, tmp_path, loss_type=loss_type, beta=beta, num_iterations=num_iterations)
+    assert type(tree.model).__name__ == "Qwen3_5ForCausalLM"
+    inputs = _inputs(tree, flat, tiny_hybrid[1], beta, num_iterations)
+    _assert_same(_loss_and_grads(tree, inputs), _loss_and_grads(flat, inputs))
+    assert tree._metrics["train"]["tree_fallback"] == [0.0]
+    assert tree._metrics["train"]["tree_token_ratio"][0] < 0.6
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo", "cispo"])
 def test_loss_and_grads_match_flat_trainer_on_cuda(tiny, tmp_path, loss_type):
@@ -345,13 +368,13 @@ def test_attention_implementation_is_selected_or_refused(tiny, tmp_path):
 
 
 def test_unsupported_model_fails_at_start(tmp_path):
-    from transformers import AutoModelForCausalLM, Qwen3NextConfig
+    from transformers import AutoModelForCausalLM, JambaConfig
 
     tokenizer = toy_task.build_tokenizer()
-    config = Qwen3NextConfig(
+    config = JambaConfig(
         vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8,
+        num_key_value_heads=2, attn_layer_period=2, attn_layer_offset=1, num_experts=1,
     )  # fmt: skip
     model = AutoModelForCausalLM.from_config(config, attn_implementation="tree_flex")
-    with pytest.raises(NotImplementedError, match="linear_attention"):
+    with pytest.raises(NotImplementedError, match="JambaMambaMixer: a Mamba-1 selective scan"):
         _tree_trainer(model, tmp_path, tokenizer)

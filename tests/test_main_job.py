@@ -69,6 +69,15 @@ def test_real_run_flags_model_dataset_and_reward(tmp_path):
     assert not (tmp_path / "out" / "initial_model").exists()  # a real model is not rebuilt
 
 
+def test_embedded_hybrid_model_runs_on_the_tree(tmp_path):
+    """`--embedded_model qwen3_5`: the embedded task on a tiny Qwen3.5 (Gated DeltaNet + full attention)."""
+    _launch("--embedded_model", "qwen3_5", "--max_steps", "2", "--logging_steps", "1", "--output_dir", str(tmp_path),
+            timeout=600)  # fmt: skip
+    assert json.loads((tmp_path / "config.json").read_text())["architectures"] == ["Qwen3_5ForCausalLM"]
+    logs = [entry for entry in _log_history(tmp_path) if "reward" in entry]
+    assert len(logs) == 2 and all(entry["tree_token_ratio"] < 0.6 and entry["tree_fallback"] == 0 for entry in logs)
+
+
 @pytest.mark.slow
 def test_default_job_learns_within_ten_minutes(tmp_path):
     """The full default job: reward rises by >= 0.2 (last quarter of logs vs first) with tree_token_ratio < 0.6."""
