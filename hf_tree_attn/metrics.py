@@ -1,7 +1,9 @@
 """How much a tree saves: unique-token ratio and a forward-FLOPs estimate for a model config.
 
 FLOP counts follow `reference/peers.md` §1 (forward only; backward has the same ratio): per-token linear
-work, attention over (query, key) pairs, and the LM head on the scored tokens only.
+work, attention over (query, key) pairs, and the LM head on the scored tokens only. In hybrid models
+(`config.layer_types` with `"linear_attention"` Gated DeltaNet layers, as Qwen3.5 / Qwen3-Next) those layers have
+per-token work only: their projections, the short convolution and the chunked delta-rule scan.
 """
 
 from __future__ import annotations
@@ -15,12 +17,51 @@ from .tree import TokenSequence, _as_array, _check_not_tensor, _sorted_with_lcp
 __all__ = ["estimate_flops"]
 
 
+_GDN_CHUNK = (
+    64  # chunk length of the chunked delta-rule kernels (flash-linear-attention's and transformers' torch one)
+)
+
+
+def _layer_costs(config) -> tuple[int, int]:
+    """`(per_token, per_pair)`: forward FLOPs of all decoder layers per token (projections, MLP, recurrent scans)
+    and per attended (query, key) pair (QK^T and PV), summed over the layers that have them."""
+    d = config.hidden_size
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or d // heads
+    mlp = 3 * d * config.intermediate_size
+    layer_types = list(getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers)
+    gdn = [t for t in layer_types if t == "linear_attention"]
+    if gdn and not hasattr(config, "linear_num_value_heads"):
+        raise NotImplementedError(
+            f"{type(config).__name__} has linear-attention layers other than a Gated DeltaNet; estimate_flops only "
+            "counts Gated DeltaNet hybrids (Qwen3.5, Qwen3-Next)."
+        )
+    # Qwen3.5 / Qwen3-Next attention also projects a sigmoid output gate with q_proj (twice its width).
+    gated = getattr(config, "model_type", "") in ("qwen3_5_text", "qwen3_next")
+    attention = (2 + gated) * d * heads * head_dim + 2 * d * kv_heads * head_dim + mlp
+    per_token = 2 * (len(layer_types) - len(gdn)) * attention
+    per_pair = 4 * (len(layer_types) - len(gdn)) * heads * head_dim
+    if gdn:
+        k_heads, v_heads = config.linear_num_key_heads, config.linear_num_value_heads
+        k_dim, v_dim = config.linear_key_head_dim, config.linear_value_head_dim
+        conv_dim = 2 * k_heads * k_dim + v_heads * v_dim
+        projections = d * conv_dim + d * v_heads * v_dim + 2 * d * v_heads + v_heads * v_dim * d + mlp  # qkv z b a o
+        conv = config.linear_conv_kernel_dim * conv_dim
+        # Chunked delta rule per head: in-chunk q·k, k·k and attention·v products, the triangular solve, and three
+        # (k_dim x v_dim) state reads / updates per token.
+        scan = v_heads * (_GDN_CHUNK * (2 * k_dim + v_dim) + _GDN_CHUNK * (k_dim + v_dim) // 2 + 3 * k_dim * v_dim)
+        per_token += 2 * len(gdn) * (projections + conv + scan)
+    return per_token, per_pair
+
+
 def estimate_flops(config, sequences: Sequence[TokenSequence], prompt_lengths: Sequence[int] | None = None) -> dict:
     """Forward FLOPs of scoring `sequences` flat (one row each) and as one prefix forest.
 
     Args:
         config: a transformers decoder config (`hidden_size`, `num_hidden_layers`, `intermediate_size`,
-            `num_attention_heads`, `num_key_value_heads`, `head_dim`, `vocab_size`).
+            `num_attention_heads`, `num_key_value_heads`, `head_dim`, `vocab_size`; for Gated DeltaNet hybrids also
+            `layer_types` and the `linear_*` fields).
         sequences: token-id sequences.
         prompt_lengths: tokens at depth below `prompt_lengths[i]` are not scored (as TRL's `logits_to_keep`);
             default scores every token after the first.
@@ -28,13 +69,8 @@ def estimate_flops(config, sequences: Sequence[TokenSequence], prompt_lengths: S
     Returns:
         `{"flat_flops", "tree_flops", "flops_ratio" (tree / flat), "flops_saved" (1 - ratio), "token_ratio"}`.
     """
-    d, layers, vocab = config.hidden_size, config.num_hidden_layers, config.vocab_size
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or d // heads
-    linear = 2 * layers * (2 * d * heads * head_dim + 2 * d * kv_heads * head_dim + 3 * d * config.intermediate_size)
-    attn_pair = 4 * layers * heads * head_dim  # QK^T and PV for one (query, key) pair
-    head = 2 * d * vocab
+    linear, attn_pair = _layer_costs(config)
+    head = 2 * config.hidden_size * config.vocab_size
 
     _check_not_tensor(sequences)
     arrays = [_as_array(s, i) for i, s in enumerate(sequences)]
