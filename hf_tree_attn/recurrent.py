@@ -256,10 +256,12 @@ def _bound(original, args, kwargs) -> dict:
 
 
 def _no_cache(name: str, *states) -> None:
+    """A tree forward starts every root from a zero state and keeps its own sequence boundaries."""
     if any(s is not None and s is not False for s in states):
         raise ValueError(
-            f"{name} got a cached state in a tree forward; a packed forest cannot continue a cache. Call the model "
-            "with use_cache=False (forest_forward_kwargs and TreeDataCollator do)."
+            f"{name} got a cached state or packed-sequence boundaries (cu_seq_lens / seq_idx) in a tree forward; a "
+            "packed forest cannot continue a cache and carries its own boundaries. Call the model with "
+            "use_cache=False and without cu_seq_lens_* (forest_forward_kwargs and TreeDataCollator do)."
         )
 
 
@@ -305,7 +307,7 @@ def tree_delta_rule(original, forest, *args, **kwargs) -> tuple[torch.Tensor, No
     v_dim), None)`. A zero-padded slot (`g = 0`, `beta = 0`) leaves the state unchanged.
     """
     call = _bound(original, args, kwargs)
-    _no_cache(original.__name__, call.get("initial_state"), call.get("output_final_state"), call.get("cu_seqlens"))
+    _no_cache(original.__name__, call.get("initial_state"), call.get("output_final_state"), kwargs.get("cu_seqlens"))
     tensors = [call[name] for name in list(call)[:5]]  # query, key, value, g, beta (torch or fla names)
     extra = {k: call[k] for k in ("chunk_size", "use_qk_l2norm_in_kernel") if k in call}
     varlen = _use_varlen(original, tensors[0].device)
@@ -326,7 +328,7 @@ def tree_mamba2_chunk_scan(original, forest, *args, **kwargs) -> torch.Tensor:
     kernel does, so that padded slots can get `dt = 0`: no decay, no input — the state passes unchanged.
     """
     call = _bound(original, args, kwargs)
-    _no_cache(original.__name__, call.get("initial_states"), call.get("return_final_states"), call.get("seq_idx"))
+    _no_cache(original.__name__, call.get("initial_states"), call.get("return_final_states"), kwargs.get("seq_idx"))
     dt = call["dt"]
     if call["dt_bias"] is not None:
         dt = dt + call["dt_bias"].to(dt.dtype)
@@ -397,6 +399,16 @@ def _recurrent_mask_dispatch(original):
 _UNAVAILABLE: dict[str, str] = {}  # TREE_LAYERS entries this transformers cannot serve → why
 
 
+def _passes_kwargs(cls: type, name: str) -> bool:
+    """Whether `cls.forward` calls `name(...)` with the model's `**kwargs` (so `tree_forest` reaches it): a
+    transformers version that stops forwarding them must make the gate refuse the layer, not run it silently."""
+    try:
+        source = inspect.getsource(inspect.unwrap(cls.forward))
+    except (OSError, TypeError):
+        return False
+    return re.search(rf"\b{name}\((?:[^()]|\([^()]*\))*\*\*\w*kwargs", source) is not None
+
+
 def register() -> None:
     """Wrap the kernel functions of every `TREE_LAYERS` class's modeling module (idempotent; on import)."""
     for path, kind in TREE_LAYERS.items():
@@ -406,6 +418,7 @@ def register() -> None:
         except ImportError as err:
             _UNAVAILABLE[path] = f"{module_name} cannot be imported ({err})"
             continue
+        cls = getattr(module, path.rsplit(".", 1)[1], None)
         wanted = {**_TREE_KERNELS[kind], "create_recurrent_attention_mask": None}
         for name, tree_version in wanted.items():
             current = getattr(module, name, None)
@@ -413,6 +426,11 @@ def register() -> None:
                 if tree_version is not None:
                     _UNAVAILABLE[path] = f"this transformers' {module_name} has no `{name}` to run per segment"
                 continue
+            if tree_version is not None and (cls is None or not _passes_kwargs(cls, name)):
+                _UNAVAILABLE[path] = (
+                    f"this transformers' {path.rsplit('.', 1)[1]}.forward does not pass the model kwargs to `{name}`, "
+                    "so the tree cannot reach it"
+                )
             if hasattr(current, "tree_original"):
                 continue
             if tree_version is None:

@@ -279,6 +279,8 @@ def test_tree_kernels_refuse_a_cache():
     q, k, v, g, beta = _delta_rule_inputs(forest, torch.float32, False)
     with pytest.raises(ValueError, match="cannot continue a cache.*use_cache=False"):
         recurrent.tree_delta_rule(original, forest, q, k, v, g=g, beta=beta, output_final_state=True)
+    with pytest.raises(ValueError, match="carries its own boundaries.*without cu_seq_lens"):
+        recurrent.tree_delta_rule(original, forest, q, k, v, g=g, beta=beta, cu_seqlens=torch.tensor([0, 4]))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -450,6 +452,24 @@ def test_gate_refuses_an_unknown_state_carrying_layer(monkeypatch):
     tree, _ = hybrid_twin_models("lfm2")
     monkeypatch.delitem(recurrent.TREE_LAYERS, "transformers.models.lfm2.modeling_lfm2.Lfm2ShortConv")
     with pytest.raises(NotImplementedError, match=r"Lfm2ShortConv: a state-carrying layer the tree does not know"):
+        check_tree_model(tree)
+
+
+class _DropsKwargs(torch.nn.Module):
+    """A layer whose conv call does not forward the model kwargs (a transformers version could do this)."""
+
+    def forward(self, x, **kwargs):
+        mixed = causal_conv1d_fn(x, self.weight, None, activation="silu")  # noqa: F821
+        return torch_chunk_gated_delta_rule(mixed, mixed, mixed, g=x, beta=x, **kwargs)  # noqa: F821
+
+
+def test_a_layer_that_does_not_pass_the_kwargs_on_is_refused(monkeypatch):
+    assert not recurrent._passes_kwargs(_DropsKwargs, "causal_conv1d_fn")
+    assert recurrent._passes_kwargs(_DropsKwargs, "torch_chunk_gated_delta_rule")
+    tree, _ = hybrid_twin_models("qwen3_5")
+    path = "transformers.models.qwen3_5.modeling_qwen3_5.Qwen3_5GatedDeltaNet"
+    monkeypatch.setitem(recurrent._UNAVAILABLE, path, "does not pass the model kwargs to `causal_conv1d_fn`")
+    with pytest.raises(NotImplementedError, match=r"Qwen3_5GatedDeltaNet: does not pass the model kwargs"):
         check_tree_model(tree)
 
 
