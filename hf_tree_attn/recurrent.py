@@ -1,9 +1,10 @@
 """Layers that carry a state from token to token (gated delta rule, Mamba-2, short convolutions) on a packed forest.
 
-Such a layer cannot run over the DFS row as if it were one sequence: token 9 of the module's example would start
-from the state token 8 left behind. It runs **segment by segment** instead (`PackedForest.segment_*`: maximal
-unbranched runs of rows). A segment starts from the state its parent segment ends with; all segments of one
-branching level run as one batched call with per-segment initial states; states are handed down level by level::
+Such a layer cannot run over the DFS row as if it were one sequence: in the example of `hf_tree_attn.tree`, token 9
+would start from the state token 8 left behind. It runs **segment by segment** instead (`PackedForest.segment_*`:
+maximal unbranched runs of rows). A segment starts from the state its parent segment ends with; all segments of
+one branching level run as one batched call with per-segment initial states; states are handed down level by
+level::
 
     trie (2 completions of one prompt)          level 0:  [5 6]            state₀ = scan(5 6 | 0)
       5 ─ 6 ┬ 7 ─ 8                             level 1:  [7 8], [9]       scan(7 8 | state₀), scan(9 | state₀)
@@ -140,6 +141,8 @@ class _Level:
 
 @dataclass
 class _ScanPlan:
+    """A forest's levels in order, and where their outputs go back in the row."""
+
     levels: list[_Level]
     rows: torch.Tensor  # (num_tree_tokens,) long — every level's `rows`, concatenated (where outputs go back)
 
