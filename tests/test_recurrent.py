@@ -329,8 +329,14 @@ def test_split_tries_logprobs_and_gradients_match_flat(family):
     """Several micro-batches (tries split by max_tokens_per_mb, several tries per micro-batch), in train mode."""
     tree, ref = hybrid_twin_models(family)
     tree.train(), ref.train()
-    sequences = forest_case("mixed", seed=3) + forest_case("prefix", seed=4)
-    assert len(pack_forest(sequences, max_tokens_per_mb=128)) >= 2
+    sequences = forest_case("mixed", seed=3) + multiturn(random.Random(5), turns=12)
+    forests = pack_forest(sequences, max_tokens_per_mb=128)
+    micro_batches_of_trie = {}
+    for i, forest in enumerate(forests):
+        for seq_id in forest.seq_ids:
+            micro_batches_of_trie.setdefault(sequences[seq_id][0], set()).add(i)
+    assert any(len(where) > 1 for where in micro_batches_of_trie.values()), "no trie was split"
+    assert any(len({sequences[s][0] for s in forest.seq_ids}) > 1 for forest in forests), "one trie per micro-batch"
     g = torch.Generator().manual_seed(0)
     weights = [torch.randn(len(s) - 1, generator=g) for s in sequences]
 
