@@ -207,7 +207,8 @@ def flat_packed_step(model, wl: Workload, budget: int, device) -> dict:
 
 
 def _packed_forest(sequences: list[list[int]]) -> PackedForest:
-    """The sequences concatenated in one row without sharing: each its own root segment (document mask)."""
+    """The sequences concatenated in one row without sharing (a document mask); the forest derives its segments:
+    one root segment per sequence."""
     lengths = torch.tensor([len(s) for s in sequences])
     total = int(lengths.sum())
     size = -(-total // 128) * 128
@@ -222,11 +223,15 @@ def _packed_forest(sequences: list[list[int]]) -> PackedForest:
     end = torch.arange(1, size + 1)
     end[:total] = starts[1:][doc]
     return PackedForest(
-        input_ids=ids, position_ids=pos, subtree_end=end.to(torch.int32),
-        parent=torch.cat([parent, torch.full((size - total,), -1)]), seq_ids=list(range(len(sequences))),
-        num_tree_tokens=total, num_original_tokens=total, seq_positions=rows, seq_offsets=starts,
-        segment_starts=starts, segment_parent=torch.full((len(sequences),), -1),
-        segment_level=torch.zeros_like(lengths),
+        input_ids=ids,
+        position_ids=pos,
+        subtree_end=end.to(torch.int32),
+        parent=torch.cat([parent, torch.full((size - total,), -1)]),
+        seq_ids=list(range(len(sequences))),
+        num_tree_tokens=total,
+        num_original_tokens=total,
+        seq_positions=rows,
+        seq_offsets=starts,
     )  # fmt: skip
 
 

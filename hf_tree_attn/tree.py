@@ -71,6 +71,8 @@ class PackedForest:
             row (its recurrent state seeds segment `k`); -1 for a root segment.
         segment_level: `(num_segments,)` long — branch points above segment `k` (0 for roots; a segment's level is
             its parent's plus one).
+        The three segment arrays are derived from `parent` and `subtree_end` when not given (`pack_forest` computes
+        them with the layout).
     """
 
     input_ids: torch.Tensor
@@ -82,11 +84,20 @@ class PackedForest:
     num_original_tokens: int
     seq_positions: torch.Tensor
     seq_offsets: torch.Tensor
-    segment_starts: torch.Tensor
-    segment_parent: torch.Tensor
-    segment_level: torch.Tensor
+    segment_starts: torch.Tensor | None = None
+    segment_parent: torch.Tensor | None = None
+    segment_level: torch.Tensor | None = None
     _mask_cache: dict = field(default_factory=dict, repr=False, compare=False)
     _scan_cache: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self):
+        if self.segment_starts is None or self.segment_parent is None or self.segment_level is None:
+            real = slice(0, self.num_tree_tokens)
+            arrays = _segments(self.parent[real].cpu().numpy(), self.subtree_end[real].cpu().numpy().astype(np.int64))
+            device = self.parent.device
+            self.segment_starts, self.segment_parent, self.segment_level = (
+                torch.from_numpy(a).to(device) for a in arrays
+            )
 
     @property
     def seq_len(self) -> int:

@@ -87,6 +87,14 @@ def test_accepts_tensors_and_arrays_like_lists():
         assert torch.equal(getattr(mixed[0], name), getattr(as_lists, name)), name
 
 
+def test_segments_are_derived_when_a_forest_is_built_by_hand():
+    forest = pack_forest(DOC_SEQUENCES, pad_multiple=8)[0]
+    fields = {f.name: getattr(forest, f.name) for f in dataclasses.fields(forest) if not f.name.startswith("seg")}
+    by_hand = PackedForest(**{k: v for k, v in fields.items() if not k.startswith("_")})
+    for name in ("segment_starts", "segment_parent", "segment_level"):
+        assert torch.equal(getattr(by_hand, name), getattr(forest, name)), name
+
+
 def test_to_moves_segments_and_shares_caches():
     forest = pack_forest(DOC_SEQUENCES, pad_multiple=8)[0]
     moved = forest.to("cpu")
