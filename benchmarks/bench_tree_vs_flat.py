@@ -1,8 +1,10 @@
 """Tree vs flat on one GPU: the GRPO trainer phase, side by side on the same batch.
 
 Trainer phase = old-logprob forward (no grad) + policy forward + backward, gradient checkpointing on, logits
-only for scored (completion) tokens, bf16, random weights from configs shaped like Qwen3 or, with sliding-window
-layers, Gemma-3-1B (no download).
+only for scored (completion) tokens, bf16, random weights from configs shaped like Qwen3, Gemma-3-1B (sliding-window
+layers) or Qwen3.5 (no download). Qwen3.5 (hybrid: 3 Gated DeltaNet layers per full-attention layer) runs its
+recurrent layers segment by segment, level by level (flash-linear-attention's varlen kernel where installed); its
+packed flat baseline is a forest without sharing (one root segment per sequence: one varlen call, a document mask).
 
 Methods, all on the same model object (`attn_implementation="tree_flex"`):
   flat_padded  rows right-padded to the micro-batch's longest row, SDPA with a padding mask (what TRL does);
@@ -21,11 +23,18 @@ Kernels and recompute apply to every method alike: `--liger` (Liger's RMSNorm / 
 `TreeGRPOConfig.tree_recompute="auto"` would, flat keeps every layer). Each method's `mfu` = its model FLOPs
 (`estimate_flops`: the tree's unique tokens for the tree, the unpadded sequences for flat; x4 for the old-logprob
 forward, the policy forward and the backward; recompute not counted) / time / `PEAK_FLOPS`.
+
+    python benchmarks/bench_tree_vs_flat.py --models qwen3.5-0.8b --workloads agent_20_turns --repeats 1
+
+For hybrids each tree run is also timed with every segment made a root ("tree_one_level": the same tokens and
+kernels in one call per layer, wrong states — timing only): `level_overhead` = the share of the tree's time that
+going level by level costs.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import platform
@@ -36,12 +45,14 @@ from dataclasses import dataclass
 
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, Gemma3TextConfig, Qwen3Config
+from transformers import AutoModelForCausalLM, Gemma3TextConfig, Qwen3_5TextConfig, Qwen3Config
 
 import hf_tree_attn
 from hf_tree_attn.logprobs import _final_hidden_states, forest_logprobs, lm_head_logprobs
 from hf_tree_attn.masks import TreeMaskSource
 from hf_tree_attn.recompute import activation_bytes, layers_to_checkpoint, recompute_only
+from hf_tree_attn.recurrent import tree_layer_types
+from hf_tree_attn.tree import PackedForest
 
 # H200 SXM dense bf16 tensor-core peak (NVIDIA's datasheet gives 1,979 TFLOPS with 2:4 sparsity; dense is half).
 PEAK_FLOPS = 989e12
@@ -58,8 +69,20 @@ MODELS = {
                       num_key_value_heads=1, head_dim=256, vocab_size=262144, query_pre_attn_scalar=256,
                       sliding_window=512, max_position_embeddings=32768, tie_word_embeddings=True,
                       layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(26)]),
+    # Qwen3.5-shaped (approximate sizes of the 0.8B / 2B models): 24 layers, a full-attention layer (gated, head 256)
+    # after every 3 Gated DeltaNet layers (16 key / 16 value heads of 128, 4-tap conv), vocab 248k.
+    "qwen3.5-0.8b": dict(hidden_size=1024, intermediate_size=3584, num_hidden_layers=24, num_attention_heads=8,
+                         num_key_value_heads=2, head_dim=256, vocab_size=248320, tie_word_embeddings=True,
+                         linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128,
+                         linear_value_head_dim=128, linear_conv_kernel_dim=4,
+                         layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 6),
+    "qwen3.5-2b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=24, num_attention_heads=8,
+                       num_key_value_heads=2, head_dim=256, vocab_size=248320, tie_word_embeddings=True,
+                       linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128,
+                       linear_value_head_dim=128, linear_conv_kernel_dim=4,
+                       layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 6),
 }  # fmt: skip
-CONFIG_CLASSES = {"gemma3-1b": Gemma3TextConfig}  # Qwen3Config otherwise
+CONFIG_CLASSES = {"gemma3-1b": Gemma3TextConfig, "qwen3.5-0.8b": Qwen3_5TextConfig, "qwen3.5-2b": Qwen3_5TextConfig}
 
 
 class MaskTimer:
@@ -113,23 +136,27 @@ def grpo_workload(rng: random.Random, groups: int, g: int, p: int, c: int, vocab
     return Workload(f"grpo_G{g}_P{p}_C{c}", seqs, prompt_lengths, spec)
 
 
-def agent_workload(rng: random.Random, conversations: int, vocab: int, system: int = 4800) -> Workload:
-    """tau2-like: a shared system prompt, 10-20 turns; each turn is one sample per sampled response (2 branches)
-    holding the whole history; the conversation continues from the first branch. Only the response is scored."""
+def agent_workload(
+    rng: random.Random, conversations: int, vocab: int, system: int = 4800, turns: tuple[int, int] = (10, 20)
+) -> Workload:
+    """tau2-like: a shared system prompt, `turns` turns (uniform); each turn is one sample per sampled response (2
+    branches) holding the whole history; the conversation continues from the first branch (a branch point per turn:
+    one recurrent level per turn). Only the response is scored."""
     sys_prompt = [rng.randrange(vocab) for _ in range(system)]
     seqs, prompt_lengths = [], []
     for _ in range(conversations):
         history = list(sys_prompt)
-        for _ in range(rng.randint(10, 20)):
+        for _ in range(rng.randint(*turns)):
             history += [rng.randrange(vocab) for _ in range(rng.randint(40, 200))]  # user / tool message
             responses = [[rng.randrange(vocab) for _ in range(rng.randint(80, 400))] for _ in range(2)]
             for r in responses:
                 seqs.append(history + r)
                 prompt_lengths.append(len(history))
             history += responses[0]
-    spec = {"kind": "agent", "conversations": conversations, "system": system, "turns": "U[10,20]",
+    spec = {"kind": "agent", "conversations": conversations, "system": system, "turns": f"U[{turns[0]},{turns[1]}]",
             "user": "U[40,200]", "response": "U[80,400]", "branches": 2}  # fmt: skip
-    return Workload("tau2_like_agent", seqs, prompt_lengths, spec)
+    name = "tau2_like_agent" if turns == (10, 20) else f"agent_{turns[0]}_turns"
+    return Workload(name, seqs, prompt_lengths, spec)
 
 
 def unshared_workload(rng: random.Random, n: int, vocab: int) -> Workload:
@@ -221,20 +248,84 @@ def flat_packed_step(model, wl: Workload, budget: int, device) -> dict:
     return {"mask_s": MaskTimer.take()}
 
 
+def _packed_forest(sequences: list[list[int]]) -> PackedForest:
+    """The sequences concatenated in one row without sharing (a document mask); the forest derives its segments:
+    one root segment per sequence."""
+    lengths = torch.tensor([len(s) for s in sequences])
+    total = int(lengths.sum())
+    size = -(-total // 128) * 128
+    starts = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+    rows = torch.arange(total)
+    doc = torch.repeat_interleave(torch.arange(len(sequences)), lengths)
+    depth = rows - starts[doc]
+    parent = torch.where(depth > 0, rows - 1, -1)
+    ids, pos = torch.zeros(1, size, dtype=torch.long), torch.zeros(1, size, dtype=torch.long)
+    ids[0, :total] = torch.tensor([t for s in sequences for t in s])
+    pos[0, :total] = depth
+    end = torch.arange(1, size + 1)
+    end[:total] = starts[1:][doc]
+    return PackedForest(
+        input_ids=ids,
+        position_ids=pos,
+        subtree_end=end.to(torch.int32),
+        parent=torch.cat([parent, torch.full((size - total,), -1)]),
+        seq_ids=list(range(len(sequences))),
+        num_tree_tokens=total,
+        num_original_tokens=total,
+        seq_positions=rows,
+        seq_offsets=starts,
+    )  # fmt: skip
+
+
+def flat_packed_forest_step(model, wl: Workload, budget: int, device) -> dict:
+    """Padding-free packing for hybrids: recurrent layers need the document boundaries (one varlen call), which a
+    forest without sharing carries; attention gets the same document mask as `flat_packed_step`."""
+    lengths = [len(s) for s in wl.sequences]
+    prepared = []
+    MaskTimer.take()
+    for batch in _token_budget_batches(lengths, budget, padded=False):
+        forest = _packed_forest([wl.sequences[i] for i in batch])
+        rows = torch.cat([forest.positions(k)[wl.prompt_lengths[i] :] for k, i in enumerate(batch)])
+        weights = torch.cat([wl.weights[i] for i in batch])
+        prepared.append((forest.to(device), rows.to(device), weights.to(device)))
+    for train in (False, True):
+        for forest, rows, weights in prepared:
+            with torch.set_grad_enabled(train):
+                table, _ = forest_logprobs(model, forest, rows=rows)
+                if train:
+                    (table[rows] * weights).sum().backward()
+    return {"mask_s": MaskTimer.take()}
+
+
 def flat_padded_tokens(wl: Workload, budget: int) -> int:
     """Positions flat_padded computes: rows x padded width, summed over its micro-batches."""
     lengths = [len(s) for s in wl.sequences]
     return sum(len(b) * max(lengths[i] for i in b) for b in _token_budget_batches(lengths, budget, padded=True))
 
 
+def _one_level(forest: PackedForest) -> PackedForest:
+    """The forest with every segment made a root: one recurrent call per layer (wrong states; timing only)."""
+    roots = torch.full_like(forest.segment_parent, -1)
+    return dataclasses.replace(forest, segment_parent=roots, segment_level=torch.zeros_like(roots), _scan_cache={})
+
+
 def tree_step(
-    model, wl: Workload, budget: int, device, fallback_ratio: float | None = None, recompute: str = "all"
+    model,
+    wl: Workload,
+    budget: int,
+    device,
+    fallback_ratio: float | None = None,
+    recompute: str = "all",
+    one_level: bool = False,
 ) -> dict:
     """The tree path. With `fallback_ratio` it decides like TreeGRPOTrainer (`tree_max_token_ratio`): when the
     forests hold more than that fraction of the positions the flat padded forward computes, go flat_padded. With
-    `recompute="auto"` each forest's policy forward recomputes only the layers `tree_recompute="auto"` would."""
+    `recompute="auto"` each forest's policy forward recomputes only the layers `tree_recompute="auto"` would. With
+    `one_level`, recurrent layers run all segments in one call (see `_one_level`)."""
     t0 = time.perf_counter()
     forests = hf_tree_attn.pack_forest(wl.sequences, max_tokens_per_mb=budget)
+    if one_level:
+        forests = [_one_level(f) for f in forests]
     pack_time = time.perf_counter() - t0
     tree_tokens = sum(f.num_tree_tokens for f in forests)
     if fallback_ratio is not None and tree_tokens > fallback_ratio * flat_padded_tokens(wl, budget):
@@ -266,7 +357,8 @@ def tree_step(
                 table, _ = forest_logprobs(model, forest, rows=rows)
                 if train:
                     (table[rows] * weights).sum().backward()
-    out = {"pack_s": pack_time, "mask_s": MaskTimer.take(), "micro_batches": len(forests)}
+    levels = max(f.num_levels for f in forests)
+    out = {"pack_s": pack_time, "mask_s": MaskTimer.take(), "micro_batches": len(forests), "levels": levels}
     return {**out, "checkpointed_layers": statistics.mean(checkpointed)} if checkpointed else out
 
 
@@ -296,7 +388,7 @@ def time_method(fn, model, wl, budget, device, repeats: int) -> dict:
 def grad_probe(model, fn, wl, budget, device) -> torch.Tensor:
     """Gradients of a few parameters (first and last layer, embeddings) after one step of `fn`, flattened fp32."""
     fn(model, wl, budget, device)
-    names = ("embed_tokens", "layers.0.self_attn.q_proj", f"layers.{model.config.num_hidden_layers - 1}.mlp.down_proj")
+    names = ("embed_tokens", "layers.0.", f"layers.{model.config.num_hidden_layers - 1}.mlp.down_proj")
     params = ((n.replace("._orig_mod", ""), p) for n, p in model.named_parameters())  # compiled layers' names
     grads = [p.grad.float().flatten() for n, p in params if any(k in n for k in names)]
     model.zero_grad(set_to_none=True)
@@ -376,6 +468,7 @@ def build_workloads(s: float, vocab: int) -> list[Workload]:
         grpo_workload(rng, max(1, round(8 * s)), 32, 1024, 128, vocab),
         agent_workload(rng, max(1, round(2 * s)), vocab),
         unshared_workload(rng, max(2, round(32 * s)), vocab),
+        agent_workload(rng, max(1, round(2 * s)), vocab, turns=(20, 20)),
     ]
 
 
@@ -414,7 +507,7 @@ def main():
         "peak_flops": PEAK_FLOPS,
         "runs": [],
     }
-    print(f"{'model':<11} {'workload':<22} {'tok ceil':>8} {'flop ceil':>9} {'vs padded':>9} {'vs packed':>9} "
+    print(f"{'model':<12} {'workload':<22} {'tok ceil':>8} {'flop ceil':>9} {'vs padded':>9} {'vs packed':>9} "
           f"{'%ceil':>6} {'%flop':>6} {'mem/flat':>8} {'pack+mask':>9} {'grad cos':>8} {'mfu tree':>8} "
           f"{'flat':>6}")  # fmt: skip
     for name in args.models:
@@ -427,6 +520,9 @@ def main():
             probes = {}
             tree_fn = functools.partial(tree_step, recompute=args.checkpointing)
             methods = {**METHODS, "tree": tree_fn}
+            hybrid = bool(tree_layer_types(model))
+            if hybrid:
+                methods["flat_packed"] = flat_packed_forest_step
             if flops["token_ratio"] > FALLBACK_RATIO:  # little sharing: the trainer's decision, and the forced tree
                 methods["tree_forced"] = tree_fn
                 methods["tree"] = functools.partial(tree_fn, fallback_ratio=FALLBACK_RATIO)
@@ -434,6 +530,10 @@ def main():
                 run[method] = time_method(fn, model, wl, args.max_tokens_per_mb, device, args.repeats)
                 probes[method] = grad_probe(model, fn, wl, args.max_tokens_per_mb, device)
                 run[method]["mfu"] = model_flops(method, run[method], flops) / run[method]["time_s"] / PEAK_FLOPS
+            if hybrid:  # the cost of going level by level: same tokens and kernels, one call per layer
+                one_level = functools.partial(tree_step, one_level=True)
+                run["tree_one_level"] = time_method(one_level, model, wl, args.max_tokens_per_mb, device, args.repeats)
+                run["level_overhead"] = 1 - run["tree_one_level"]["time_s"] / run["tree"]["time_s"]
             for method in ("flat_packed", "tree"):  # same loss, same weights: gradients must agree (bf16 noise)
                 cos = torch.nn.functional.cosine_similarity(probes[method], probes["flat_padded"], dim=0)
                 run[method]["grad_cos_vs_flat_padded"] = cos.item()
@@ -450,12 +550,13 @@ def main():
             run["pack_and_mask_share"] = (tree["pack_s"] + tree["mask_s"]) / tree["time_s"]
             best_flat_mfu = max(run["flat_padded"]["mfu"], run["flat_packed"]["mfu"])
             results["runs"].append(run)
-            print(f"{name:<11} {wl.name:<22} {run['token_ceiling']:>7.2f}x {run['flop_ceiling']:>8.2f}x "
+            print(f"{name:<12} {wl.name:<22} {run['token_ceiling']:>7.2f}x {run['flop_ceiling']:>8.2f}x "
                   f"{run['speedup_vs_padded']:>8.2f}x {run['speedup_vs_packed']:>8.2f}x "
                   f"{run['pct_of_token_ceiling']:>5.0f}% {run['pct_of_flop_ceiling']:>5.0f}% "
                   f"{run['peak_memory_ratio']:>8.2f} "
                   f"{100 * run['pack_and_mask_share']:>8.1f}% {tree['grad_cos_vs_flat_padded']:>8.5f} "
-                  f"{100 * tree['mfu']:>7.1f}% {100 * best_flat_mfu:>5.1f}%",
+                  f"{100 * tree['mfu']:>7.1f}% {100 * best_flat_mfu:>5.1f}%"
+                  + (f"  levels {tree.get('levels')}, by level +{100 * run['level_overhead']:.1f}%" if hybrid else ""),
                   flush=True)  # fmt: skip
             with open(args.out, "w") as f:
                 json.dump(results, f, indent=1)

@@ -48,6 +48,19 @@ for stage in "$@"; do
       timeout 170 python3 benchmarks/bench_tree_vs_flat.py --models qwen3-0.6b --scale 0.5 --repeats 1 \
         --workloads no_sharing grpo_G16_P4096_C512 --out "$OUT/tree_vs_flat_qwen3-0.6b_memory.json" 2>&1 \
         | grep -v -i warn ;;
+    hybrid-tests)  # Qwen3.5 / LFM2 / Nemotron-H trees on CUDA (flash-linear-attention from .whl/)
+      timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_recurrent.py 2>&1 \
+        | tee "$OUT/gpu_tests_hybrid.log" | tail -15 ;;
+    hybrid-grpo)  # ~3 min each on one H200
+      for model in qwen3.5-0.8b qwen3.5-2b; do
+        timeout 200 python3 benchmarks/bench_tree_vs_flat.py --models $model --scale 0.5 --repeats 2 \
+          --workloads grpo_G16_P4096_C512 --out "$OUT/tree_vs_flat_h200_$model.json" 2>&1 | grep -v -i warn
+      done ;;
+    hybrid-agent)
+      timeout 300 python3 benchmarks/bench_tree_vs_flat.py --models qwen3.5-0.8b --scale 0.5 --repeats 1 \
+        --workloads agent_20_turns --out "$OUT/tree_vs_flat_h200_qwen3.5-0.8b_agent20.json" 2>&1 | grep -v -i warn
+      timeout 120 python3 benchmarks/bench_levels.py --device cuda --heads 16 --dim 128 --scale 1 \
+        --out "$OUT/levels_h200.json" 2>&1 | grep -v -i warn ;;
     parallel)
       CUDA_VISIBLE_DEVICES=1 bash "$0" bench-small > "$OUT/bench_small.log" 2>&1 &
       CUDA_VISIBLE_DEVICES=0 bash "$0" tests bench-large

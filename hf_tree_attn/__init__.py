@@ -1,16 +1,19 @@
 """Tree training for HuggingFace Transformers: pack prefix-sharing sequences into tries and score them at once.
 
-`import hf_tree_attn` registers `attn_implementation="tree_flex"` with transformers (idempotent).
+`import hf_tree_attn` registers `attn_implementation="tree_flex"` with transformers and the segment-wise tree
+versions of the state-carrying layers' kernels (`hf_tree_attn.recurrent`); both idempotent.
 """
 
 from .attention import ATTN_IMPLEMENTATION, register, tree_flex_attention
 from .collator import TreeDataCollator, TreeMicroBatch
 from .logprobs import forest_logprobs, gather_sequences, pad_sequences, sequence_logprobs
 from .metrics import estimate_flops
+from .recurrent import register as _register_recurrent
 from .support import check_tree_model, tree_support_error
 from .tree import PackedForest, pack_forest, tree_token_ratio
 
 register()
+_register_recurrent()
 
 __version__ = "0.1.0"
 

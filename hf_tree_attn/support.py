@@ -6,8 +6,9 @@ entropies equal to per-sequence `eager` forwards, docs/coverage.md) — and its 
 covers:
 
 - decoder-only causal LM (the family's `*ForCausalLM` class of transformers' auto mapping, or a subclass);
-- every layer kind in `IMPLEMENTED_LAYER_KINDS` (one entry per kind: the kinds whose attention is a mask over
-  earlier tokens today; state-carrying kinds join when their tree scan exists);
+- every layer kind in `IMPLEMENTED_LAYER_KINDS` (one entry per kind: attention that is a mask over earlier tokens,
+  and the state-carrying kinds `hf_tree_attn.recurrent` runs segment by segment), and every state-carrying layer
+  class one that `hf_tree_attn.recurrent.TREE_LAYERS` implements;
 - RoPE whose frequencies do not depend on the forward's longest position, or depend on it in a way the packing
   reproduces (`rope_split_lengths`, `rope_length_limit`);
 - a plain `nn.Linear` LM head whose logits the tree head reproduces (`logit_scale`, `final_logit_softcapping`).
@@ -21,6 +22,8 @@ refused as unverified.
 from __future__ import annotations
 
 import torch
+
+from .recurrent import STATE_LAYER_TYPES, unsupported_recurrent_layers
 
 __all__ = [
     "EXACT_FAMILIES",
@@ -44,14 +47,20 @@ ATTN_IMPLEMENTATION = "tree_flex"  # the name registered by hf_tree_attn.attenti
 
 # Layer kinds (`config.layer_types` values) a tree runs exactly, and how. A kind whose attention is a mask over
 # earlier tokens needs nothing here beyond the model's own mask function, which `tree_flex_mask` reads at depths.
-# Kinds that carry state from token to token (linear attention, Mamba, short convolutions) are refused until a
-# tree scan implements them: add one entry per kind when it does.
+# Kinds that carry state from token to token run segment by segment (`hf_tree_attn.recurrent`); a kind name is only
+# the config's label, so the model-level gate also checks every such layer's class against what is implemented
+# (a "linear_attention" layer may be a Gated DeltaNet, which is, or MiniMax's lightning attention, which is not).
 IMPLEMENTED_LAYER_KINDS: dict[str, str] = {
     "full_attention": "causal attention over the ancestors",
     "sliding_attention": "ancestors fewer than `sliding_window` depths up (the model's window mask read at depths)",
     "chunked_attention": "ancestors in the same chunk of `attention_chunk_size` depths (Llama 4)",
     "mlp": "no attention: a per-token MLP",
     "moe": "no attention: a per-token mixture of experts",
+    **dict.fromkeys(
+        STATE_LAYER_TYPES,
+        "state-carrying (gated / Kimi delta rule, Mamba-2, short conv): segment by segment, level by level, each "
+        "segment from its parent segment's final state (hf_tree_attn.recurrent), if the layer class is implemented",
+    ),
 }
 
 # RoPE types whose frequencies never depend on the sequence: a token's rotation is a function of its depth.
@@ -76,6 +85,7 @@ EXACT_FAMILIES: dict[str, str] = {
     "arcee": "",
     "aria_text": "MoE",
     "axk1": "MoE, MLA",
+    "bamba": "Mamba-2",
     "beam": "sliding window, MoE, final softcap",
     "biogpt": "",
     "bitnet": "",
@@ -97,6 +107,7 @@ EXACT_FAMILIES: dict[str, str] = {
     "exaone": "",
     "exaone4": "sliding window",
     "exaone_moe": "sliding window, MoE",
+    "falcon_h1": "Mamba-2, logit scale",
     "flex_olmo": "MoE",
     "flint": "sliding window, MoE, attention sinks",
     "fuyu": "",
@@ -124,6 +135,7 @@ EXACT_FAMILIES: dict[str, str] = {
     "granite_swa": "sliding window, attention sinks, logit scale",
     "granitemoe": "MoE, logit scale",
     "granitemoe_swa": "sliding window, MoE, attention sinks, logit scale",
+    "granitemoehybrid": "Mamba-2, MoE",
     "granitemoeshared": "MoE, logit scale",
     "helium": "",
     "hrm_text": "",
@@ -135,8 +147,11 @@ EXACT_FAMILIES: dict[str, str] = {
     "iquestcoder": "",
     "jais2": "",
     "jetmoe": "MoE",
+    "kimi_linear": "Kimi delta rule, MoE, MLA",
     "kolibri1": "sliding window, MoE",
     "laguna": "MoE",
+    "lfm2": "short conv",
+    "lfm2_moe": "short conv, MoE",
     "llama": "",
     "llama4": "chunked attention, MoE",
     "llama4_text": "chunked attention, MoE",
@@ -155,9 +170,11 @@ EXACT_FAMILIES: dict[str, str] = {
     "moss_transcribe_diarize": "sliding window",
     "nanochat": "final softcap",
     "nemotron": "",
+    "nemotron_h": "Mamba-2, MoE",
     "olmo": "",
     "olmo2": "",
     "olmo3": "sliding window",
+    "olmo_hybrid": "gated delta rule",
     "olmoe": "MoE",
     "opt": "",
     "persimmon": "",
@@ -168,7 +185,12 @@ EXACT_FAMILIES: dict[str, str] = {
     "qwen2": "sliding window",
     "qwen2_moe": "sliding window, MoE",
     "qwen3": "sliding window",
+    "qwen3_5": "gated delta rule",
+    "qwen3_5_moe": "gated delta rule, MoE",
+    "qwen3_5_moe_text": "gated delta rule, MoE",
+    "qwen3_5_text": "gated delta rule",
     "qwen3_moe": "sliding window, MoE",
+    "qwen3_next": "gated delta rule, MoE",
     "sarvam_mla": "MoE, MLA",
     "sarvam_moe": "MoE",
     "seed_oss": "",
@@ -223,29 +245,16 @@ REFUSED_FAMILIES: dict[str, str] = {
     **dict.fromkeys(["axk2", "deepseek_v32", "dots3_note", "dots3_note_text", "glm_moe_dsa", "hy_v4"], _INDEXED),
     **dict.fromkeys(["gemma4_assistant", "gemma4_unified_assistant"], _DRAFTER),
     "bailing_hybrid": _state("linear attention"),
-    "bamba": _state("Mamba-2"),
-    "falcon_h1": _state("Mamba-2 in every `hybrid` layer"),
     "falcon_mamba": _state("Mamba"),
-    "granitemoehybrid": _state("Mamba-2"),
     "inkling2_loop_text": _state("`hybrid` recurrent layers"),
     "inkling2_text": _state("`hybrid` recurrent layers"),
     "inkling_text": _state("`hybrid` recurrent layers"),
     "jamba": _state("Mamba"),
-    "kimi_linear": _state("Kimi delta attention"),
     "lara_mini": _state("linear attention"),
-    "lfm2": _state("short convolutions"),
-    "lfm2_moe": _state("short convolutions"),
     "lfm3": _state("short convolutions"),
     "mamba": _state("Mamba"),
     "mamba2": _state("Mamba-2"),
     "minimax": _state("lightning linear attention"),
-    "nemotron_h": _state("Mamba-2"),
-    "olmo_hybrid": _state("gated delta rule"),
-    "qwen3_5": _state("gated delta rule"),
-    "qwen3_5_moe": _state("gated delta rule"),
-    "qwen3_5_moe_text": _state("gated delta rule"),
-    "qwen3_5_text": _state("gated delta rule"),
-    "qwen3_next": _state("gated delta rule"),
     "qwen4_exp": _state("linear attention"),
     "qwen4_exp_text": _state("linear attention"),
     "recurrent_gemma": _state("RG-LRU recurrence"),
@@ -448,7 +457,17 @@ def tree_support_error(model: torch.nn.Module) -> str | None:
             f"{type(base).__name__} (model_type {model_type!r}) is not a causal LM class of a family hf_tree_attn has "
             "verified exact (hf_tree_attn.support.EXACT_FAMILIES, docs/coverage.md). " + _fix(model_type)
         )
-    return config_support_error(model.config, family) or _lm_head_error(model)
+    return config_support_error(model.config, family) or _state_layer_error(model) or _lm_head_error(model)
+
+
+def _state_layer_error(model: torch.nn.Module) -> str | None:
+    refused = unsupported_recurrent_layers(model)
+    if not refused:
+        return None
+    reasons = "; ".join(f"{name}: {why}" for name, why in refused.items())
+    return f"{type(model).__name__} has state-carrying layers a tree cannot run exactly ({reasons}). " + _fix(
+        getattr(model.config, "model_type", None)
+    )
 
 
 def check_tree_model(model: torch.nn.Module) -> None:

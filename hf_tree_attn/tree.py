@@ -17,6 +17,18 @@ The tiny example used throughout the package (and as a test fixture) — two com
 Token ``q`` may attend to token ``kv`` iff ``kv <= q < subtree_end[kv]``. ``position_ids`` is the depth, so
 RoPE sees exactly the positions of the unpacked sequence.
 
+For layers that carry a state from token to token (gated delta rule, Mamba-2, short convolutions) the rows also
+split into **segments**: maximal runs of DFS rows without a branch. A segment starts at a root or at a child of a
+branching row, so it is a contiguous range of rows; it continues the state its parent segment ends with. Its
+**level** is the number of branch points above it: all segments of one level can run at once. In the example::
+
+    segment   rows     parent segment   level
+       0      [0, 2)        -1            0        tokens 5 6
+       1      [2, 4)         0            1        tokens 7 8
+       2      [4, 5)         0            1        token  9
+
+    segment_starts = [0, 2, 4, 5]   segment_parent = [-1, 0, 0]   segment_level = [0, 1, 1]
+
 Building is vectorised per sequence, never per token: sort the sequences (``memcmp`` on big-endian bytes),
 take the longest common prefix (LCP) of sorted neighbours, and append each sequence's tokens after that LCP.
 A trie is a run of sorted sequences whose neighbours share at least one token; whole tries are bin-packed
@@ -53,6 +65,15 @@ class PackedForest:
         num_original_tokens: total tokens of the sequences in `seq_ids`.
         seq_positions: `(num_original_tokens,)` long — row of every token of every sequence, concatenated in
             `seq_ids` order; `seq_offsets` `(len(seq_ids) + 1,)` long delimits them.
+        segment_starts: `(num_segments + 1,)` long — first row of each segment in DFS order, then
+            `num_tree_tokens`; segment `k` is rows `[segment_starts[k], segment_starts[k + 1])`. Padding rows
+            belong to no segment.
+        segment_parent: `(num_segments,)` long — the segment whose last row is the parent of segment `k`'s first
+            row (its recurrent state seeds segment `k`); -1 for a root segment.
+        segment_level: `(num_segments,)` long — branch points above segment `k` (0 for roots; a segment's level is
+            its parent's plus one).
+        The three segment arrays are derived from `parent` and `subtree_end` when not given (`pack_forest` computes
+        them with the layout).
     """
 
     input_ids: torch.Tensor
@@ -64,7 +85,20 @@ class PackedForest:
     num_original_tokens: int
     seq_positions: torch.Tensor
     seq_offsets: torch.Tensor
+    segment_starts: torch.Tensor | None = None
+    segment_parent: torch.Tensor | None = None
+    segment_level: torch.Tensor | None = None
     _mask_cache: dict = field(default_factory=dict, repr=False, compare=False)
+    _scan_cache: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self):
+        if self.segment_starts is None or self.segment_parent is None or self.segment_level is None:
+            real = slice(0, self.num_tree_tokens)
+            arrays = _segments(self.parent[real].cpu().numpy(), self.subtree_end[real].cpu().numpy().astype(np.int64))
+            device = self.parent.device
+            self.segment_starts, self.segment_parent, self.segment_level = (
+                torch.from_numpy(a).to(device) for a in arrays
+            )
 
     @property
     def seq_len(self) -> int:
@@ -75,6 +109,16 @@ class PackedForest:
     def max_depth(self) -> int:
         """Largest depth of a real token (the longest sequence length minus one)."""
         return int(self.position_ids[0, : self.num_tree_tokens].max())
+
+    @property
+    def num_segments(self) -> int:
+        """Maximal unbranched runs of real rows (see the module docstring)."""
+        return self.segment_parent.shape[0]
+
+    @cached_property
+    def num_levels(self) -> int:
+        """Branching levels: a state-carrying layer runs one batched call per level."""
+        return int(self.segment_level.max()) + 1
 
     def positions(self, k: int) -> torch.Tensor:
         """Row positions `(len(sequences[seq_ids[k]]),)` long of the tokens of the `k`-th packed sequence."""
@@ -127,16 +171,14 @@ class PackedForest:
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> PackedForest:
         """Copy of the forest with its tensors on `device` (mask caches are kept per device)."""
-        moved = {
-            name: getattr(self, name).to(device, non_blocking=non_blocking)
-            for name in ("input_ids", "position_ids", "subtree_end", "parent", "seq_positions", "seq_offsets")
-        }
+        moved = {name: getattr(self, name).to(device, non_blocking=non_blocking) for name in _TENSOR_FIELDS}
         return PackedForest(
             **moved,
             seq_ids=self.seq_ids,
             num_tree_tokens=self.num_tree_tokens,
             num_original_tokens=self.num_original_tokens,
             _mask_cache=self._mask_cache,
+            _scan_cache=self._scan_cache,
         )
 
 
@@ -146,6 +188,19 @@ def _mask_device(device: torch.device | str) -> torch.device:
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return device
+
+
+_TENSOR_FIELDS = (
+    "input_ids",
+    "position_ids",
+    "subtree_end",
+    "parent",
+    "seq_positions",
+    "seq_offsets",
+    "segment_starts",
+    "segment_parent",
+    "segment_level",
+)
 
 
 def _check_not_tensor(sequences) -> None:
@@ -252,6 +307,31 @@ def _first_fit_decreasing(sizes: list[int], budget: int | None) -> list[list[int
     return bins
 
 
+def _segments(parent: np.ndarray, subtree_end: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`(segment_starts, segment_parent, segment_level)` of the real rows whose `parent` and `subtree_end` are
+    given (`(N,)` each, DFS preorder; see `PackedForest`)."""
+    num_rows = parent.shape[0]
+    has_parent = parent >= 0
+    children = np.bincount(parent[has_parent], minlength=num_rows)
+    branching = children >= 2
+    # A row starts a segment unless it is the only child of its parent (which then sits right before it).
+    is_start = ~has_parent | branching[np.where(has_parent, parent, 0)]
+    starts = np.flatnonzero(is_start)
+    segment_of_row = np.cumsum(is_start) - 1
+    start_parent = parent[starts]
+    segment_parent = np.where(start_parent >= 0, segment_of_row[start_parent], -1)
+    # Branching ancestors-or-self of each row: +1 over the subtree of every branching row (a difference array in
+    # DFS order, where a subtree is the row range [r, subtree_end[r])). A segment's level is that count at the
+    # branching row its parent segment ends with.
+    branch_rows = np.flatnonzero(branching)
+    delta = np.bincount(branch_rows, minlength=num_rows + 1) - np.bincount(
+        subtree_end[branch_rows], minlength=num_rows + 1
+    )
+    branches_above = np.cumsum(delta)[:num_rows]
+    segment_level = np.where(start_parent >= 0, branches_above[np.maximum(start_parent, 0)], 0)
+    return np.append(starts, num_rows), segment_parent, segment_level
+
+
 def _layout(arrays: list[np.ndarray], order: list[int], lcp: np.ndarray, pad_multiple: int) -> PackedForest:
     """DFS layout of the sequences `order` (in lexicographic order; `lcp[k]` = LCP of `order[k-1]` and
     `order[k]`, 0 for the first) as one padded row."""
@@ -287,6 +367,7 @@ def _layout(arrays: list[np.ndarray], order: list[int], lcp: np.ndarray, pad_mul
     seq_positions = np.concatenate([seq_positions[seq_offsets_sorted[k] : seq_offsets_sorted[k + 1]] for k in inverse])
     seq_ids = [order[k] for k in inverse]
     seq_offsets = np.concatenate([[0], np.cumsum(lengths[inverse])])
+    segment_starts, segment_parent, segment_level = _segments(parent[:num_tree], subtree_end[:num_tree])
     return PackedForest(
         input_ids=torch.from_numpy(tokens)[None],
         position_ids=torch.from_numpy(depth)[None],
@@ -297,6 +378,9 @@ def _layout(arrays: list[np.ndarray], order: list[int], lcp: np.ndarray, pad_mul
         num_original_tokens=int(lengths.sum()),
         seq_positions=torch.from_numpy(seq_positions),
         seq_offsets=torch.from_numpy(seq_offsets),
+        segment_starts=torch.from_numpy(segment_starts),
+        segment_parent=torch.from_numpy(segment_parent),
+        segment_level=torch.from_numpy(segment_level),
     )
 
 

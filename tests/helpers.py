@@ -1,6 +1,7 @@
 """Slow, obvious oracles and tiny seeded fixtures shared by the CPU tests.
 
 - `tiny_config` / `twin_models`: offline 2-layer models of each supported family, built from configs.
+- `tiny_hybrid_config` / `hybrid_twin_models`: offline 2–4-layer hybrids (attention + state-carrying layers).
 - `forest_case`: seeded random token sequences that exercise every packing edge case.
 - `DictTrie`: a per-token Python dict trie — the independent oracle for packing and masks.
 - `flat_logprobs`: per-sequence unpacked forwards — the oracle for tree log-probs.
@@ -14,12 +15,23 @@ import random
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    BambaConfig,
+    FalconH1Config,
     Gemma2Config,
     GemmaConfig,
     GraniteConfig,
+    GraniteMoeHybridConfig,
+    KimiLinearConfig,
+    Lfm2Config,
+    Lfm2MoeConfig,
     LlamaConfig,
+    NemotronHConfig,
+    OlmoHybridConfig,
     Qwen2Config,
+    Qwen3_5MoeTextConfig,
+    Qwen3_5TextConfig,
     Qwen3Config,
+    Qwen3NextConfig,
 )
 
 import hf_tree_attn  # noqa: F401  (registers "tree_flex")
@@ -115,6 +127,123 @@ def twin_models(family: str, reference: str | None = None, seed: int = 0, **over
     """`(tree_model, reference_model)` with identical weights: tree_flex vs `reference_attn(family)`."""
     tree = tiny_model(family, "tree_flex", seed, **overrides)
     ref = tiny_model(family, reference or reference_attn(family), seed + 1, **overrides)
+    ref.load_state_dict(tree.state_dict())
+    return tree, ref
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Hybrid models: attention layers mixed with layers that carry a state from token to token.
+
+HYBRID_FAMILIES = (
+    "qwen3_5",
+    "qwen3_5_moe",
+    "qwen3_next",
+    "olmo_hybrid",
+    "kimi_linear",
+    "lfm2",
+    "lfm2_moe",
+    "nemotron_h",
+    "bamba",
+    "granitemoehybrid",
+    "falcon_h1",
+)
+
+_HYBRID_COMMON = {**_COMMON, "initializer_range": 0.05, "tie_word_embeddings": False}
+_HYBRID_COMMON.pop("num_hidden_layers")
+_HYBRID_COMMON.pop("intermediate_size")
+_GDN = dict(
+    linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+    linear_conv_kernel_dim=4,
+)  # fmt: skip
+_LINEAR_FULL = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
+_CONV_FULL = ["conv", "full_attention", "conv", "full_attention"]
+_MOE = dict(num_experts=4, num_experts_per_tok=2)
+_MAMBA2 = dict(
+    mamba_n_heads=4, mamba_d_head=32, mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4, mamba_chunk_size=16
+)
+
+
+def tiny_hybrid_config(family: str):
+    """A hidden-64, vocab-128 hybrid of `family` (one of `HYBRID_FAMILIES`): its state-carrying layers (gated delta
+    rule, Kimi delta rule, short conv or Mamba-2) before and after full attention; MoE MLPs where the family has them.
+
+    `initializer_range` is 0.05: at 0.1 the 4-layer gated-delta-rule models' fp32 flat forward alone is 1e-5 off its
+    float64 value, too close to the tolerance to tell the tree apart from rounding.
+    """
+    c = _HYBRID_COMMON
+    if family == "qwen3_5":
+        return Qwen3_5TextConfig(
+            **c, **_GDN, intermediate_size=128, num_hidden_layers=4, head_dim=16, layer_types=_LINEAR_FULL
+        )
+    if family == "qwen3_5_moe":
+        return Qwen3_5MoeTextConfig(
+            **c, **_GDN, **_MOE, num_hidden_layers=4, head_dim=16, layer_types=_LINEAR_FULL, moe_intermediate_size=32,
+            shared_expert_intermediate_size=32,
+        )  # fmt: skip
+    if family == "qwen3_next":
+        return Qwen3NextConfig(
+            **c, **_GDN, **_MOE, intermediate_size=128, num_hidden_layers=4, head_dim=16, layer_types=_LINEAR_FULL,
+            moe_intermediate_size=32, shared_expert_intermediate_size=32,
+        )  # fmt: skip
+    if family == "olmo_hybrid":
+        return OlmoHybridConfig(**c, **_GDN, intermediate_size=128, num_hidden_layers=4, layer_types=_LINEAR_FULL)
+    if family == "kimi_linear":  # MLA full attention (kv heads = heads, as in Kimi's checkpoints) + KDA
+        return KimiLinearConfig(
+            **{**c, "num_key_value_heads": 4}, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
+            layer_types=["linear_attention", "full_attention", "linear_attention"],
+            mlp_layer_types=["dense", "sparse", "dense"], num_experts=4, num_experts_per_token=2, kv_lora_rank=16,
+            q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, linear_head_dim=16,
+            linear_num_heads=4, linear_conv_kernel_dim=4,
+        )  # fmt: skip
+    if family == "lfm2":
+        return Lfm2Config(
+            **c, intermediate_size=128, num_hidden_layers=4, layer_types=_CONV_FULL, conv_L_cache=3,
+            block_auto_adjust_ff_dim=False,
+        )  # fmt: skip
+    if family == "lfm2_moe":
+        return Lfm2MoeConfig(
+            **c, **_MOE, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=4, layer_types=_CONV_FULL,
+            conv_L_cache=3, num_dense_layers=1,
+        )  # fmt: skip
+    if family == "nemotron_h":
+        return NemotronHConfig(
+            **c, intermediate_size=128, layers_block_type=["linear_attention", "full_attention", "mlp", "moe"],
+            head_dim=16, ssm_state_size=16, mamba_num_heads=4, mamba_head_dim=16, n_groups=2, conv_kernel=4,
+            chunk_size=16, n_routed_experts=4, n_shared_experts=1, moe_intermediate_size=32,
+            moe_shared_expert_intermediate_size=32, num_experts_per_tok=2,
+        )  # fmt: skip
+    if family == "bamba":
+        return BambaConfig(**c, **_MAMBA2, intermediate_size=128, num_hidden_layers=3, attn_layer_indices=[1])
+    if family == "granitemoehybrid":  # with Granite's multipliers (logits_scaling must stay 1 for trees)
+        return GraniteMoeHybridConfig(
+            **c, **_MAMBA2, intermediate_size=128, num_hidden_layers=3,
+            layer_types=["linear_attention", "attention", "linear_attention"], num_local_experts=4,
+            num_experts_per_tok=2, shared_intermediate_size=64, embedding_multiplier=2.0, residual_multiplier=0.5,
+            attention_multiplier=0.2,
+        )  # fmt: skip
+    if family == "falcon_h1":  # attention and Mamba-2 side by side in every layer
+        return FalconH1Config(**c, **_MAMBA2, intermediate_size=128, num_hidden_layers=2, head_dim=16, mamba_d_ssm=128)
+    raise ValueError(f"unknown hybrid family {family!r}; use one of {HYBRID_FAMILIES}")
+
+
+def hybrid_twin_models(family: str, seed: int = 0):
+    """`(tree_model, eager_model)` of `tiny_hybrid_config(family)` with identical weights, fp32, eval mode.
+
+    Decay rates `A` are re-drawn from [0.01, 2]: transformers' random init reaches A = 16, where a head forgets its
+    state within a token and the gradient of `A_log` / `dt_bias` is fp32 rounding in the *flat* forward too (changing
+    the flat kernel's chunk size moves it by ~1e-3). The exactness of the scans for any decay is tested at kernel
+    level, in float64, in test_recurrent.py.
+    """
+    torch.manual_seed(seed)
+    cfg = tiny_hybrid_config(family)
+    tree = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation="tree_flex").eval()
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in tree.named_parameters():
+            if name.endswith("A_log"):
+                decay = torch.empty(param.shape).uniform_(0.01, 2.0, generator=generator)
+                param.copy_(decay.log())
+    ref = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), attn_implementation="eager").eval()
     ref.load_state_dict(tree.state_dict())
     return tree, ref
 
@@ -275,6 +404,26 @@ def oracle_row_nodes(forest, sequences) -> tuple[DictTrie, dict[int, int]]:
             assert row_node.setdefault(row, node) == node, f"row {row} holds two different trie nodes"
             assert node_row.setdefault(node, row) == row, f"trie node {node} laid out in two rows"
     return trie, row_node
+
+
+def oracle_segments(forest, sequences) -> tuple[list[int], list[int], list[int]]:
+    """`(segment_starts, segment_parent, segment_level)` by walking the dict trie row by row.
+
+    A row starts a segment iff its trie parent is the empty root or has two or more children; a segment's level
+    counts the strict trie ancestors of its first row that have two or more children.
+    """
+    trie, row_node = oracle_row_nodes(forest, sequences)
+    node_row = {n: r for r, n in row_node.items()}
+    starts, parents, levels = [], [], []
+    segment_of_row = {}
+    for row in range(forest.num_tree_tokens):
+        up = trie.parent[row_node[row]]
+        if up == 0 or len(trie.children[up]) >= 2:
+            starts.append(row)
+            parents.append(-1 if up == 0 else segment_of_row[node_row[up]])
+            levels.append(sum(len(trie.children[a]) >= 2 for a in trie.ancestors_or_self(up)))
+        segment_of_row[row] = len(starts) - 1
+    return starts + [forest.num_tree_tokens], parents, levels
 
 
 def oracle_mask(forest, sequences) -> torch.Tensor:

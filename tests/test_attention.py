@@ -240,20 +240,29 @@ def test_copied_forest_mask_with_tree_forest_raises():
 # The gate (hf_tree_attn.support)
 
 
-def test_state_carrying_layer_kinds_are_refused_until_implemented(monkeypatch):
-    """The gate refuses layer kinds outside IMPLEMENTED_LAYER_KINDS, even for a listed family; one entry lifts it."""
+def test_state_carrying_layers_are_refused_unless_implemented(monkeypatch):
+    """Jamba (Mamba-1 mixers) is refused by its family; listed as exact it is still refused by its layer class (a
+    kind name such as "mamba" or "linear_attention" proves nothing); a layer kind trees do not know is refused by
+    the config check. Implemented hybrids (Qwen3.5, LFM2, Nemotron-H, ...) are tested in test_recurrent.py."""
+    import transformers
+
     import hf_tree_attn.support as support
 
-    config = tiny_config_of("qwen3_next")
+    common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=128)
+    config = transformers.JambaConfig(
+        **common, num_key_value_heads=2, attn_layer_period=2, attn_layer_offset=1, num_experts=1
+    )
     model = AutoModelForCausalLM.from_config(config, attn_implementation="tree_flex")
-    with pytest.raises(NotImplementedError, match=r"model_type 'qwen3_next': layers that carry state.*gated delta"):
+    with pytest.raises(NotImplementedError, match=r"model_type 'jamba': layers that carry state"):
         check_tree_model(model)
-    monkeypatch.setitem(support.EXACT_FAMILIES, "qwen3_next", "")
-    monkeypatch.delitem(support.REFUSED_FAMILIES, "qwen3_next")
-    with pytest.raises(NotImplementedError, match=r"has layer types \['linear_attention'\].*leak it across tree"):
+    monkeypatch.setitem(support.EXACT_FAMILIES, "jamba", "")
+    monkeypatch.delitem(support.REFUSED_FAMILIES, "jamba")
+    with pytest.raises(NotImplementedError, match=r"state-carrying layers .*\(JambaMambaMixer: a Mamba-1 selective"):
         check_tree_model(model)
-    monkeypatch.setitem(support.IMPLEMENTED_LAYER_KINDS, "linear_attention", "a tree scan")
-    check_tree_model(model)
+
+    qwen3 = tiny_config_of("qwen3")
+    qwen3.layer_types = ["full_attention", "retention"]
+    assert "has layer types ['retention'], which trees do not implement" in support.config_support_error(qwen3)
 
 
 def test_unverified_family_is_refused(monkeypatch):

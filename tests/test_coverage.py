@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from helpers import TOLERANCES
+from helpers import HYBRID_FAMILIES, TOLERANCES, tiny_hybrid_config
 from transformers import AutoModelForCausalLM
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -33,6 +33,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 import hf_tree_attn.masks
 import hf_tree_attn.support
 from hf_tree_attn import sequence_logprobs
+from hf_tree_attn.recurrent import TREE_LAYERS
 from hf_tree_attn.support import (
     EXACT_FAMILIES,
     REFUSED_FAMILIES,
@@ -168,9 +169,20 @@ def _merge(config: dict, overrides: dict) -> None:
             config[key] = value
 
 
+# Hybrids (state-carrying layers before and after attention): the configs of tests/helpers.py, which
+# test_recurrent.py checks in depth; a multimodal family wraps its text config.
+_HYBRID_OF = {**{f: f for f in HYBRID_FAMILIES}, "qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe"}
+
+
 def tiny_config(model_type: str):
     """A small, seeded-init config of `model_type` with its special features switched on (see the module doc)."""
     config_class = CONFIG_MAPPING[model_type]
+    if model_type in _HYBRID_OF:
+        text = tiny_hybrid_config(_HYBRID_OF[model_type])
+        for key, value in _FEATURES.items():  # logit multipliers (Falcon-H1) and windows, where the family has them
+            if getattr(text, key, None) is not None:
+                setattr(text, key, value)
+        return text if type(text) is config_class else config_class(text_config=text.to_dict())
     base = {"text_config": _DRAFTER_TEXT} if model_type in _DRAFTERS else {}  # their defaults do not validate
     values = _shrink(config_class(**base).to_dict())
     _merge(values, copy.deepcopy(OVERRIDES.get(model_type, {})))
@@ -189,8 +201,10 @@ def _models(model_type: str, reference: str):
     torch.manual_seed(0)
     tree = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="tree_flex").float().eval()
     with torch.no_grad():
-        for param in tree.parameters():
+        for name, param in tree.named_parameters():
             param.add_(0.05 * torch.randn_like(param))
+            if name.endswith("A_log"):  # decay rates as in tests/helpers.hybrid_twin_models (A in [0.01, 2])
+                param.copy_(torch.empty_like(param).uniform_(0.01, 2.0).log())
     ref = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=reference).float().eval()
     ref.load_state_dict(tree.state_dict())
     return tree, ref
@@ -255,6 +269,11 @@ class _MaskRecorder:
         monkeypatch.setattr(hf_tree_attn.masks.TreeMaskSource, "mask", mask)
 
 
+def _has_state_kind(model, kind: str) -> bool:
+    """The model holds a state-carrying layer of `kind` that `hf_tree_attn.recurrent` runs segment by segment."""
+    return any(TREE_LAYERS.get(f"{type(m).__module__}.{type(m).__qualname__}") == kind for m in model.modules())
+
+
 def _has_moe(model) -> bool:
     return any("expert" in name.lower() for name, _ in model.named_modules())
 
@@ -268,6 +287,10 @@ _CLAIMS = {
     "attention softcap": lambda cfg, model, rec: getattr(cfg.get_text_config(), "attn_logit_softcapping", None),
     "final softcap": lambda cfg, model, rec: getattr(cfg.get_text_config(), "final_logit_softcapping", None),
     "logit scale": lambda cfg, model, rec: logit_scale(cfg) != 1.0,
+    "gated delta rule": lambda cfg, model, rec: _has_state_kind(model, "gated_delta_rule"),
+    "Kimi delta rule": lambda cfg, model, rec: _has_state_kind(model, "kimi_delta_rule"),
+    "Mamba-2": lambda cfg, model, rec: _has_state_kind(model, "mamba2"),
+    "short conv": lambda cfg, model, rec: _has_state_kind(model, "short_conv"),
 }
 
 

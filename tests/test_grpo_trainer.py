@@ -176,6 +176,29 @@ def test_loss_and_grads_match_flat_trainer(tiny, tmp_path, loss_type, beta, num_
         assert len(tree._metrics["train"]["tree_token_ratio"]) == 1  # the forest was built once
 
 
+@pytest.fixture(scope="module")
+def tiny_hybrid(tmp_path_factory):
+    """The embedded task's tiny Qwen3.5 (a Gated DeltaNet layer, then full attention) + char tokenizer, saved."""
+    tokenizer = toy_task.build_tokenizer()
+    model = toy_task.build_model(tokenizer, seed=0, model_type="qwen3_5")
+    path = tmp_path_factory.mktemp("tiny_qwen3_5")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path), tokenizer
+
+
+@pytest.mark.parametrize("loss_type, beta, num_iterations", [("dapo", 0.04, 2), ("grpo", 0.0, 1), ("cispo", 0.04, 2)])
+def test_hybrid_loss_and_grads_match_flat_trainer(tiny_hybrid, tmp_path, loss_type, beta, num_iterations):
+    """Qwen3.5: the recurrent state is forked at the prompt / completion branch points, exactly as TRL's padded flat
+    forward (which zeroes the left padding before the Gated DeltaNet) computes each row."""
+    tree, flat = _pair(tiny_hybrid, tmp_path, loss_type=loss_type, beta=beta, num_iterations=num_iterations)
+    assert type(tree.model).__name__ == "Qwen3_5ForCausalLM"
+    inputs = _inputs(tree, flat, tiny_hybrid[1], beta, num_iterations)
+    _assert_same(_loss_and_grads(tree, inputs), _loss_and_grads(flat, inputs))
+    assert tree._metrics["train"]["tree_fallback"] == [0.0]
+    assert tree._metrics["train"]["tree_token_ratio"][0] < 0.6
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo", "cispo"])
 def test_loss_and_grads_match_flat_trainer_on_cuda(tiny, tmp_path, loss_type):
@@ -366,17 +389,17 @@ def _tiny_family_model(model_type: str, tokenizer):
 
 
 def test_unsupported_model_falls_back_with_one_warning_or_fails_when_trees_are_required(tmp_path):
-    """tree_packing='auto' on a model trees cannot run (gated-delta-rule layers): TRL's flat path, one warning
+    """tree_packing='auto' on a model trees cannot run (Jamba's Mamba-1 layers): TRL's flat path, one warning
     naming the reason, tree_fallback logged; tree_packing=True: an error at init."""
     tokenizer = toy_task.build_tokenizer()
-    model = _tiny_family_model("qwen3_next", tokenizer)
-    with pytest.raises(ValueError, match=r"tree_packing=True, but .*'qwen3_next'.*carry state"):
+    model = _tiny_family_model("jamba", tokenizer)
+    with pytest.raises(ValueError, match=r"tree_packing=True, but .*'jamba'.*carry state"):
         _tree_trainer(model, tmp_path, tokenizer, tree_packing=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer = _tree_trainer(model, tmp_path, tokenizer)
     reasons = [str(w.message) for w in caught if "tree_packing='auto'" in str(w.message)]
-    assert len(reasons) == 1 and "gated delta rule" in reasons[0], reasons
+    assert len(reasons) == 1 and "Mamba" in reasons[0], reasons
     assert not trainer.tree_packing and trainer.model.config._attn_implementation == "sdpa"
     prompt_ids, prompt_mask, completion_ids, completion_mask = _batch(tokenizer)
     ids, mask = torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, completion_mask], 1)
@@ -388,10 +411,11 @@ def test_unsupported_model_falls_back_with_one_warning_or_fails_when_trees_are_r
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model_type, on_tree", [("gpt_oss", True), ("nemotron_h", False)])
+@pytest.mark.parametrize("model_type, on_tree", [("gpt_oss", True), ("nemotron_h", True)])
 def test_trl_matrix_models_train_a_step(tmp_path, model_type, on_tree):
-    """Two models of TRL's own test matrix that used to break: GPT-OSS (attention sinks; generation included) runs
-    on trees, Nemotron-H (Mamba-2 layers) falls back to TRL's flat path instead of crashing."""
+    """Two models of TRL's own test matrix that used to break run on trees: GPT-OSS (attention sinks; generation
+    included) and Nemotron-H (Mamba-2 layers, segment by segment). A model trees cannot run falls back instead of
+    crashing: `test_unsupported_model_falls_back_with_one_warning_or_fails_when_trees_are_required`."""
     tokenizer = toy_task.build_tokenizer()
     model = _tiny_family_model(model_type, tokenizer)
     with warnings.catch_warnings():

@@ -88,11 +88,11 @@ def _parse(*argv):
 def test_a_model_keeps_the_machine_defaults_but_not_the_embedded_task(tmp_path):
     import torch
 
-    _, (_, training_args, model_args, _) = _parse("--model_name_or_path", "m", "--dataset_name", "d")
+    _, (_, training_args, model_args, _, _) = _parse("--model_name_or_path", "m", "--dataset_name", "d")
     assert training_args.use_cpu == (not torch.cuda.is_available())
     assert training_args.bf16 == torch.cuda.is_available()
     assert model_args.model_name_or_path == "m" and training_args.max_steps == -1  # TRL's default, not the toy's
-    _, (_, training_args, _, _) = _parse("--output_dir", str(tmp_path))
+    _, (_, training_args, _, _, _) = _parse("--output_dir", str(tmp_path))
     assert training_args.max_steps == 600 and training_args.num_generations == 8  # the embedded task
 
 
@@ -116,6 +116,15 @@ def test_unknown_yaml_key_is_an_error(tmp_path):
     config.write_text("model_name_or_path: m\ndataset_nme: trl-lib/DeepMath-103K\n")
     with pytest.raises(ValueError, match=r"Unknown arguments from config file: \['--dataset_nme'"):
         _parse("--config", str(config), "--output_dir", str(tmp_path))
+
+
+def test_embedded_hybrid_model_runs_on_the_tree(tmp_path):
+    """`--embedded_model qwen3_5`: the embedded task on a tiny Qwen3.5 (Gated DeltaNet + full attention)."""
+    _launch("--embedded_model", "qwen3_5", "--max_steps", "2", "--logging_steps", "1", "--output_dir", str(tmp_path),
+            timeout=600)  # fmt: skip
+    assert json.loads((tmp_path / "config.json").read_text())["architectures"] == ["Qwen3_5ForCausalLM"]
+    logs = [entry for entry in _log_history(tmp_path) if "reward" in entry]
+    assert len(logs) == 2 and all(entry["tree_token_ratio"] < 0.6 and entry["tree_fallback"] == 0 for entry in logs)
 
 
 @pytest.mark.slow

@@ -162,3 +162,32 @@ def test_windowed_and_chunked_layers_count_only_the_keys_they_see(case):
         )
         assert plain["flat_flops"] - full["flat_flops"] == layers_cut * flat_cut * pair
         assert plain["tree_flops"] - full["tree_flops"] == layers_cut * tree_cut * pair
+
+
+def test_gated_deltanet_hybrid_counts_pairs_in_attention_layers_only():
+    """Qwen3.5: every nn.Linear of every layer and the depthwise conv per token; the delta-rule scan per token by
+    the kernel's chunked form; (query, key) pairs only in the full-attention layers."""
+    from helpers import tiny_hybrid_config
+    from transformers import AutoModelForCausalLM
+
+    cfg = tiny_hybrid_config("qwen3_5")
+    hybrid = AutoModelForCausalLM.from_config(cfg)
+    layers = hybrid.model.layers
+    linear = sum(2 * m.weight.numel() for layer in layers for m in layer.modules() if type(m).__name__ == "Linear")
+    linear += sum(2 * m.weight.numel() for layer in layers for m in layer.modules() if type(m).__name__ == "Conv1d")
+    gdn = [layer.linear_attn for layer in layers if hasattr(layer, "linear_attn")]
+    full = [layer.self_attn for layer in layers if hasattr(layer, "self_attn")]
+    assert len(gdn) == 2 and len(full) == 2
+    k_dim, v_dim, chunk = gdn[0].head_k_dim, gdn[0].head_v_dim, 64
+    scan = gdn[0].num_v_heads * (chunk * (2 * k_dim + v_dim) + chunk * (k_dim + v_dim) // 2 + 3 * k_dim * v_dim)
+    per_token = linear + 2 * len(gdn) * scan
+    per_pair = len(full) * cfg.num_attention_heads * 4 * full[0].head_dim
+    head = 2 * hybrid.get_output_embeddings().weight.numel()
+
+    p, g, c = 8, 4, 5
+    sequences = [list(range(1, p + 1)) + [10 + i] * c for i in range(g)]
+    got = estimate_flops(cfg, sequences, prompt_lengths=[p] * g)
+    pairs_flat = g * (p + c) * (p + c + 1) // 2
+    pairs_tree = p * (p + 1) // 2 + g * sum(t + 1 for t in range(p, p + c))
+    assert got["flat_flops"] == g * (p + c) * per_token + pairs_flat * per_pair + g * c * head
+    assert got["tree_flops"] == (p + g * c) * per_token + pairs_tree * per_pair + g * c * head

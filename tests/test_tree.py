@@ -8,7 +8,17 @@ import random
 import numpy as np
 import pytest
 import torch
-from helpers import FOREST_CASES, DictTrie, forest_case, grpo_groups, oracle_mask, oracle_row_nodes, trie_node_count
+from helpers import (
+    FOREST_CASES,
+    DictTrie,
+    forest_case,
+    grpo_groups,
+    multiturn,
+    oracle_mask,
+    oracle_row_nodes,
+    oracle_segments,
+    trie_node_count,
+)
 
 from hf_tree_attn import PackedForest, pack_forest, tree_token_ratio
 
@@ -23,6 +33,7 @@ DOC_POSITION_IDS = [0, 1, 2, 3, 2]
 DOC_PARENT = [-1, 0, 1, 2, 1]
 DOC_SUBTREE_END = [5, 5, 4, 4, 5]
 DOC_POSITIONS = [[0, 1, 2, 3], [0, 1, 4]]
+DOC_SEGMENT_STARTS, DOC_SEGMENT_PARENT, DOC_SEGMENT_LEVEL = [0, 2, 4, 5], [-1, 0, 0], [0, 1, 1]
 # fmt: off
 DOC_MASK = [  # ■ = 1, ⬚ = 0; q rows, kv columns
     [1, 0, 0, 0, 0],
@@ -45,6 +56,10 @@ def test_docstring_example_unpadded():
     assert [forest.positions(k).tolist() for k in range(2)] == DOC_POSITIONS
     assert forest.dense_mask().tolist() == [[[[bool(x) for x in row] for row in DOC_MASK]]]
     assert forest.max_depth == 3
+    assert forest.segment_starts.tolist() == DOC_SEGMENT_STARTS
+    assert forest.segment_parent.tolist() == DOC_SEGMENT_PARENT
+    assert forest.segment_level.tolist() == DOC_SEGMENT_LEVEL
+    assert forest.num_segments == 3 and forest.num_levels == 2
 
 
 def test_docstring_example_padded_to_block():
@@ -60,6 +75,9 @@ def test_docstring_example_padded_to_block():
     assert torch.equal(forest.dense_mask()[0, 0], expected)
     assert forest.dense_mask().shape == (1, 1, size, size)
     assert forest.input_ids.dtype == forest.position_ids.dtype == forest.parent.dtype == torch.long
+    # Padding rows belong to no segment.
+    assert forest.segment_starts.tolist() == DOC_SEGMENT_STARTS
+    assert forest.segment_starts.dtype == forest.segment_parent.dtype == forest.segment_level.dtype == torch.long
 
 
 def test_accepts_tensors_and_arrays_like_lists():
@@ -67,6 +85,22 @@ def test_accepts_tensors_and_arrays_like_lists():
     mixed = pack_forest([torch.tensor(DOC_SEQUENCES[0]), np.array(DOC_SEQUENCES[1], dtype=np.int32)], pad_multiple=8)
     for name in ("input_ids", "position_ids", "subtree_end", "parent", "seq_positions", "seq_offsets"):
         assert torch.equal(getattr(mixed[0], name), getattr(as_lists, name)), name
+
+
+def test_segments_are_derived_when_a_forest_is_built_by_hand():
+    forest = pack_forest(DOC_SEQUENCES, pad_multiple=8)[0]
+    fields = {f.name: getattr(forest, f.name) for f in dataclasses.fields(forest) if not f.name.startswith("seg")}
+    by_hand = PackedForest(**{k: v for k, v in fields.items() if not k.startswith("_")})
+    for name in ("segment_starts", "segment_parent", "segment_level"):
+        assert torch.equal(getattr(by_hand, name), getattr(forest, name)), name
+
+
+def test_to_moves_segments_and_shares_caches():
+    forest = pack_forest(DOC_SEQUENCES, pad_multiple=8)[0]
+    moved = forest.to("cpu")
+    for name in ("segment_starts", "segment_parent", "segment_level"):
+        assert torch.equal(getattr(moved, name), getattr(forest, name)), name
+    assert moved._scan_cache is forest._scan_cache and moved._mask_cache is forest._mask_cache
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -108,6 +142,10 @@ def _check_forests(sequences, forests: list[PackedForest], pad_multiple: int, bu
         assert (forest.input_ids[0, pad] == 0).all() and (forest.position_ids[0, pad] == 0).all()
         assert (forest.parent[pad] == -1).all()
         assert torch.equal(forest.dense_mask()[0, 0], oracle_mask(forest, sequences))
+        starts, parents, levels = oracle_segments(forest, sequences)
+        assert forest.segment_starts.tolist() == starts
+        assert forest.segment_parent.tolist() == parents
+        assert forest.segment_level.tolist() == levels
 
 
 def _tries(sequences) -> list[list[int]]:
@@ -161,6 +199,18 @@ def test_trie_larger_than_budget_is_split_and_each_piece_exact():
     _check_forests(sequences, forests, 16, 128)
     for forest in forests:  # every piece carries its own copy of the prompt, and shares it inside the piece
         assert forest.num_tree_tokens == 40 + 30 * len(forest.seq_ids)
+
+
+def test_deep_multiturn_tree_has_one_level_per_branch_point():
+    """A 20-turn agent tree: many levels, each segment's level one more than its parent's."""
+    sequences = multiturn(random.Random(7), turns=20)
+    (forest,) = pack_forest(sequences, pad_multiple=16)
+    _check_forests(sequences, [forest], 16, None)
+    parent, level = forest.segment_parent, forest.segment_level
+    has_parent = parent >= 0
+    assert torch.equal(level[has_parent], level[parent[has_parent]] + 1)
+    assert (level[~has_parent] == 0).all()
+    assert forest.num_levels >= 20
 
 
 def test_identical_sequences_share_every_row():

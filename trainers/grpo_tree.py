@@ -1,6 +1,7 @@
 """The main job: `trl/scripts/grpo.py` with `TreeGRPOTrainer`, plus an embedded default (no model / dataset given).
 
     accelerate launch trainers/grpo_tree.py                                   # embedded default, CPU, no download
+    accelerate launch trainers/grpo_tree.py --embedded_model qwen3_5          # ... on a tiny hybrid (Qwen3.5)
     accelerate launch --config_file trainers/configs/fsdp2.yaml trainers/grpo_tree.py
     accelerate launch trainers/grpo_tree.py --model_name_or_path Qwen/Qwen3-0.6B --dataset_name <ds> \\
         --reward_funcs accuracy_reward --config trainers/configs/grpo_qwen3.yaml
@@ -51,15 +52,19 @@ def embedded_defaults() -> dict:
 
 
 def make_parser():
-    """The parser of `trl/scripts/grpo.py`, with `TreeGRPOConfig` in place of `GRPOConfig`."""
+    """The parser of `trl/scripts/grpo.py`, with `TreeGRPOConfig` in place of `GRPOConfig`, plus the embedded task's
+    options."""
     from trl import DatasetMixtureConfig, ModelConfig, TrlParser
     from trl.scripts.grpo import GRPOScriptArguments
 
-    return TrlParser((GRPOScriptArguments, TreeGRPOConfig, ModelConfig, DatasetMixtureConfig))
+    from trainers.toy_task import EmbeddedTaskArguments
+
+    return TrlParser((GRPOScriptArguments, TreeGRPOConfig, ModelConfig, DatasetMixtureConfig, EmbeddedTaskArguments))
 
 
 def parse_args(argv: list[str] | None = None):
-    """`(script_args, training_args, model_args, dataset_args)` from the command line and `--config` YAML.
+    """`(script_args, training_args, model_args, dataset_args, task_args)` from the command line and `--config` YAML
+    (`task_args`: the embedded task's options).
 
     Unknown keys in the YAML are an error (a misspelled `dataset_name` must not fall back to the embedded task).
     """
@@ -108,7 +113,7 @@ def _reward_funcs(script_args) -> list:
     return funcs
 
 
-def main(script_args, training_args: TreeGRPOConfig, model_args, dataset_args) -> TreeGRPOTrainer:
+def main(script_args, training_args: TreeGRPOConfig, model_args, dataset_args, task_args=None) -> TreeGRPOTrainer:
     """Train, then save the model (or adapter), the tokenizer and `trainer_state.json` to `output_dir`."""
     from trl import get_dataset, get_peft_config, get_quantization_config
 
@@ -134,7 +139,9 @@ def main(script_args, training_args: TreeGRPOConfig, model_args, dataset_args) -
         with training_args.main_process_first(desc="writing the embedded model"):
             if training_args.local_process_index == 0:
                 tokenizer = toy_task.build_tokenizer()
-                toy_task.build_model(tokenizer, seed=training_args.seed).save_pretrained(model_args.model_name_or_path)
+                model_type = task_args.embedded_model if task_args is not None else "qwen3"
+                model = toy_task.build_model(tokenizer, seed=training_args.seed, model_type=model_type)
+                model.save_pretrained(model_args.model_name_or_path)
                 tokenizer.save_pretrained(model_args.model_name_or_path)
     model_init_kwargs = dict(
         revision=model_args.model_revision,

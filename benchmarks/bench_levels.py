@@ -1,0 +1,156 @@
+"""The cost of running a recurrent layer level by level, kernel only, on CPU or CUDA.
+
+A 20-turn agent tree (one branch point per turn, so ~21 levels) and a GRPO group (2 levels) go through one Gated
+DeltaNet scan (`hf_tree_attn.recurrent.tree_delta_rule` with transformers' kernel — its torch reference, or
+flash-linear-attention's varlen kernel on CUDA where installed), forward + backward, against
+
+  one_call   the same number of tokens as ONE sequence in one kernel call: the floor for these tokens;
+  one_level  (CUDA varlen only) the forest's segments all as roots in one varlen call: the same segments without
+             the hand-down (wrong states, timing only).
+
+`by_level / one_call - 1` is what going level by level costs on top of the unavoidable scan work (per-call launch,
+gathers and scatters, and on the padded CPU path the padding of each level's batch to its longest segment).
+
+    python benchmarks/bench_levels.py --device cpu --out benchmarks/results/levels_cpu.json
+    python benchmarks/bench_levels.py --device cuda --heads 16 --dim 128 --scale 1 --out ...levels_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import platform
+import random
+import sys
+import time
+
+import torch
+import transformers
+import transformers.models.qwen3_5.modeling_qwen3_5 as qwen3_5
+
+import hf_tree_attn
+from hf_tree_attn import recurrent
+
+
+def agent_tree(rng: random.Random, scale: float, turns: int = 20) -> list[list[int]]:
+    """As benchmarks/bench_tree_vs_flat.py's agent workload (lengths times `scale`): per turn a user message, two
+    sampled responses (two samples), the conversation continuing from the first."""
+
+    def tokens(lo, hi):
+        return [
+            rng.randrange(1, 1000) for _ in range(rng.randint(max(1, round(lo * scale)), max(1, round(hi * scale))))
+        ]
+
+    history, samples = tokens(4800, 4800), []
+    for _ in range(turns):
+        history += tokens(40, 200)
+        responses = [tokens(80, 400) for _ in range(2)]
+        samples += [history + r for r in responses]
+        history += responses[0]
+    return samples
+
+
+def grpo_group(rng: random.Random, scale: float, g: int = 16) -> list[list[int]]:
+    prompt = [rng.randrange(1, 1000) for _ in range(round(4096 * scale))]
+    return [prompt + [rng.randrange(1, 1000) for _ in range(round(512 * scale))] for _ in range(g)]
+
+
+def _time(fn, repeats: int, device) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return min(times)  # the least disturbed run: other jobs share the machine
+
+
+def measure(sequences, heads: int, dim: int, device, dtype, repeats: int) -> dict:
+    (forest,) = hf_tree_attn.pack_forest(sequences)
+    forest = forest.to(device)
+    kernel = qwen3_5.torch_chunk_gated_delta_rule.tree_original
+    g = torch.Generator(device=device).manual_seed(0)
+    size = forest.seq_len
+
+    def inputs(length):
+        q, k, v = (torch.randn(1, length, heads, dim, generator=g, device=device, dtype=dtype) for _ in range(3))
+        decay = -torch.rand(1, length, heads, generator=g, device=device).to(dtype)
+        beta = torch.rand(1, length, heads, generator=g, device=device, dtype=dtype)
+        return [t.requires_grad_() for t in (q, k, v, decay, beta)]
+
+    tree_inputs, flat_inputs = inputs(size), inputs(forest.num_tree_tokens)
+
+    def by_level(f=forest):
+        q, k, v, decay, beta = tree_inputs
+        out, _ = recurrent.tree_delta_rule(kernel, f, q, k, v, g=decay, beta=beta, use_qk_l2norm_in_kernel=True)
+        out.float().sum().backward()
+
+    def one_call():
+        q, k, v, decay, beta = flat_inputs
+        out, _ = kernel(q, k, v, g=decay, beta=beta, use_qk_l2norm_in_kernel=True)
+        out.float().sum().backward()
+
+    result = {
+        "sequences": len(sequences),
+        "total_tokens": sum(map(len, sequences)),
+        "tree_tokens": forest.num_tree_tokens,
+        "levels": forest.num_levels,
+        "segments": forest.num_segments,
+        "varlen": recurrent._use_varlen(kernel, device),
+        "by_level_s": _time(by_level, repeats, device),
+        "one_call_s": _time(one_call, repeats, device),
+    }
+    result["by_level_over_one_call"] = result["by_level_s"] / result["one_call_s"] - 1
+    result["per_level_ms"] = 1e3 * (result["by_level_s"] - result["one_call_s"]) / forest.num_levels
+    if result["varlen"]:
+        roots = torch.full_like(forest.segment_parent, -1)
+        flat_forest = dataclasses.replace(
+            forest, segment_parent=roots, segment_level=torch.zeros_like(roots), _scan_cache={}
+        )
+        result["one_level_s"] = _time(lambda: by_level(flat_forest), repeats, device)
+        result["by_level_over_one_level"] = result["by_level_s"] / result["one_level_s"] - 1
+    return result
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--scale", type=float, default=0.1, help="multiply every length of the workloads")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    rng = random.Random(0)
+    cpu = f"cpu ({torch.get_num_threads()} threads)"
+    workloads = {"agent_20_turns": agent_tree(rng, args.scale), "grpo_G16_P4096_C512": grpo_group(rng, args.scale)}
+    results = {
+        "command": "python " + " ".join(sys.argv),
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else cpu,
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
+                     "python": platform.python_version()},  # fmt: skip
+        "heads": args.heads, "dim": args.dim, "dtype": str(dtype), "scale": args.scale,
+        "runs": {name: measure(seqs, args.heads, args.dim, device, dtype, args.repeats)
+                 for name, seqs in workloads.items()},
+    }  # fmt: skip
+    for name, run in results["runs"].items():
+        line = f"{name:<22} levels {run['levels']:>3}  tree tokens {run['tree_tokens']:>6}"
+        line += f"  by level {run['by_level_s']:.4f}s  one call {run['one_call_s']:.4f}s"
+        line += f"  (+{100 * run['by_level_over_one_call']:.1f}%, {run['per_level_ms']:.2f} ms/level)"
+        if "one_level_s" in run:
+            line += f"  one level {run['one_level_s']:.4f}s (+{100 * run['by_level_over_one_level']:.1f}%)"
+        print(line, flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

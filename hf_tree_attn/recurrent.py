@@ -1,0 +1,490 @@
+"""Layers that carry a state from token to token (gated delta rule, Mamba-2, short convolutions) on a packed forest.
+
+Such a layer cannot run over the DFS row as if it were one sequence: in the example of `hf_tree_attn.tree`, token 9
+would start from the state token 8 left behind. It runs **segment by segment** instead (`PackedForest.segment_*`:
+maximal unbranched runs of rows). A segment starts from the state its parent segment ends with; all segments of
+one branching level run as one batched call with per-segment initial states; states are handed down level by
+level::
+
+    trie (2 completions of one prompt)          level 0:  [5 6]            state₀ = scan(5 6 | 0)
+      5 ─ 6 ┬ 7 ─ 8                             level 1:  [7 8], [9]       scan(7 8 | state₀), scan(9 | state₀)
+            └ 9
+
+A short causal convolution of kernel `K` needs no levels: row `r` reads itself and its `K - 1` nearest ancestors.
+The convolution runs over the whole DFS row, and only rows whose `K - 1` DFS predecessors are not their ancestors
+(the first `K - 1` rows of a segment) are recomputed from their ancestor window. Attention layers keep using
+`tree_flex`. Every sequence thus gets exactly the outputs of its own flat forward, and autograd carries the
+gradients back through the handed-down states.
+
+**How it is hooked in.** transformers routes these layers' sequence mixing through module-level kernel functions
+(`causal_conv1d_fn`, `torch_chunk_gated_delta_rule`, `chunk_kimi_delta_attention`, `mamba2_chunk_scan`, …) that it
+already swaps for flash-linear-attention, causal-conv1d, mamba-ssm or Hub kernels
+(`use_kernel_func_from_hub_with_fallback`), and it forwards every model kwarg to them — `tree_forest` included.
+`register()` wraps those functions in the modeling module of each layer class of `TREE_LAYERS`: without
+`tree_forest` the wrapper calls the function transformers resolved, with the same arguments (ordinary forwards and
+`generate` stay bit-identical); with it, the tree version runs and calls that same function per level (varlen
+`cu_seqlens` with flash-linear-attention on CUDA, a zero-padded batch otherwise). No module forward is replaced.
+It also makes `create_recurrent_attention_mask` return None for a FlexAttention `BlockMask` (transformers reads
+`.ndim` from it and fails; a tree mask holds no padding for the recurrent layers to zero).
+
+Kernel-level Hub swaps (`use_kernel_forward_from_hub`, `kernelize`) replace a whole layer forward for every call
+and need the `kernels` package; they cannot tell a tree forward from an ordinary one, so they are not used here.
+
+`TREE_LAYERS` (implemented, class → kind) and `REFUSED_LAYERS` (class → reason) are the declarative table the model
+gate (`hf_tree_attn.support`) reads through `STATE_LAYER_TYPES` and `unsupported_recurrent_layers`.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import re
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask
+
+__all__ = [
+    "REFUSED_LAYERS",
+    "STATE_LAYER_TYPES",
+    "TREE_LAYERS",
+    "register",
+    "tree_causal_conv1d",
+    "tree_delta_rule",
+    "tree_layer_types",
+    "tree_mamba2_chunk_scan",
+    "unsupported_recurrent_layers",
+]
+
+_TF = "transformers.models"
+
+# Implemented state-carrying layer classes ("module.Class") → kind (a key of `_TREE_KERNELS`).
+TREE_LAYERS: dict[str, str] = {
+    f"{_TF}.qwen3_5.modeling_qwen3_5.Qwen3_5GatedDeltaNet": "gated_delta_rule",
+    f"{_TF}.qwen3_5_moe.modeling_qwen3_5_moe.Qwen3_5MoeGatedDeltaNet": "gated_delta_rule",
+    f"{_TF}.qwen3_next.modeling_qwen3_next.Qwen3NextGatedDeltaNet": "gated_delta_rule",
+    f"{_TF}.olmo_hybrid.modeling_olmo_hybrid.OlmoHybridGatedDeltaNet": "gated_delta_rule",
+    f"{_TF}.kimi_linear.modeling_kimi_linear.KimiLinearDeltaAttention": "kimi_delta_rule",
+    f"{_TF}.lfm2.modeling_lfm2.Lfm2ShortConv": "short_conv",
+    f"{_TF}.lfm2_moe.modeling_lfm2_moe.Lfm2MoeShortConv": "short_conv",
+    f"{_TF}.nemotron_h.modeling_nemotron_h.NemotronHMamba2Mixer": "mamba2",
+    f"{_TF}.bamba.modeling_bamba.BambaMixer": "mamba2",
+    f"{_TF}.granitemoehybrid.modeling_granitemoehybrid.GraniteMoeHybridMambaLayer": "mamba2",
+    f"{_TF}.falcon_h1.modeling_falcon_h1.FalconH1Mixer": "mamba2",
+}
+
+# The `config.layer_types` names each kind appears under (the gate's layer-type check must not refuse them).
+_KIND_LAYER_TYPES = {
+    "gated_delta_rule": ("linear_attention",),
+    "kimi_delta_rule": ("linear_attention",),
+    "short_conv": ("conv",),
+    "mamba2": ("linear_attention", "mamba", "hybrid"),
+}
+
+# Every `layer_types` name an implemented kind appears under (the config-level layer-kind check lets them through;
+# `unsupported_recurrent_layers` then judges the classes).
+STATE_LAYER_TYPES = tuple(sorted({name for names in _KIND_LAYER_TYPES.values() for name in names}))
+
+_MAMBA1 = (
+    "a Mamba-1 selective scan (`selective_scan_fn` / `mamba_inner_fn`), which the tree does not implement yet: its "
+    "forward reaches no kernel function that takes `tree_forest`"
+)
+# State-carrying layer classes the tree knows but does not run, with the reason the gate reports.
+REFUSED_LAYERS: dict[str, str] = {
+    f"{_TF}.jamba.modeling_jamba.JambaMambaMixer": _MAMBA1,
+    f"{_TF}.mamba.modeling_mamba.MambaMixer": _MAMBA1,
+    f"{_TF}.falcon_mamba.modeling_falcon_mamba.FalconMambaMixer": _MAMBA1,
+    f"{_TF}.mamba2.modeling_mamba2.Mamba2Mixer": (
+        "a pure Mamba-2 model (no attention layers); its mixer is not wired to the tree kernels or tested"
+    ),
+    f"{_TF}.zamba2.modeling_zamba2.Zamba2MambaMixer": (
+        "Zamba2's Mamba-2 mixer with shared attention blocks, not wired to the tree kernels or tested"
+    ),
+    f"{_TF}.minimax.modeling_minimax.MiniMaxLightningAttention": (
+        "lightning attention (linear attention with decay) computed by its own block loop, not through a kernel "
+        "function that takes `tree_forest`"
+    ),
+}
+
+# Class names of sequence mixers that carry a state; a module of an unlisted class that matches (or owns a
+# depthwise Conv1d) is refused rather than silently run over the DFS row.
+_STATEFUL_NAME = re.compile(
+    r"Mamba|Mixer|DeltaNet|DeltaAttention|ShortConv|LightningAttention|Recurrent|SSM|Rwkv|RWKV|Retention|Hyena"
+)
+
+
+def _class_path(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Per-forest plans, built once per forest and device from its segment arrays and kept with it.
+
+
+@dataclass
+class _Level:
+    """The segments of one branching level, as the kernels take them.
+
+    rows: `(N,)` long — their DFS rows, segment after segment.
+    cu_seqlens: `(n + 1,)` long — segment boundaries in `rows` (varlen kernels).
+    pad_index: `(n, T)` long — row of each slot of the zero-padded batch (`T` = longest segment); `S` (a zero
+        row appended to the input) past a segment's end.
+    valid: `(n, T)` bool — real slots of `pad_index`.
+    parent_slot: `(n,)` long — index of each segment's parent among the previous level's segments (None on level 0,
+        whose segments are roots and start from a zero state).
+    """
+
+    rows: torch.Tensor
+    cu_seqlens: torch.Tensor
+    pad_index: torch.Tensor
+    valid: torch.Tensor
+    parent_slot: torch.Tensor | None
+
+
+@dataclass
+class _ScanPlan:
+    """A forest's levels in order, and where their outputs go back in the row."""
+
+    levels: list[_Level]
+    rows: torch.Tensor  # (num_tree_tokens,) long — every level's `rows`, concatenated (where outputs go back)
+
+
+def _ragged_arange(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """`concat(arange(s, s + n) for s, n in zip(starts, lengths))` without a Python loop."""
+    offsets = np.cumsum(lengths) - lengths
+    return np.repeat(starts - offsets, lengths) + np.arange(int(lengths.sum()))
+
+
+def _scan_plan(forest, device: torch.device) -> _ScanPlan:
+    key = ("levels", device)
+    if key not in forest._scan_cache:
+        bounds = forest.segment_starts.cpu().numpy()
+        parent = forest.segment_parent.cpu().numpy()
+        level = forest.segment_level.cpu().numpy()
+        starts, lengths = bounds[:-1], np.diff(bounds)
+        order = np.argsort(level, kind="stable")  # by level, DFS order inside a level
+        counts = np.bincount(level)
+        first = np.cumsum(counts) - counts
+        slot = np.empty_like(order)
+        slot[order] = np.arange(order.size) - np.repeat(first, counts)  # index of a segment inside its level
+
+        def tensor(array, dtype=torch.long):
+            return torch.as_tensor(array, dtype=dtype).to(device)
+
+        levels = []
+        for lvl in range(counts.size):
+            segs = order[first[lvl] : first[lvl] + counts[lvl]]
+            seg_starts, seg_lengths = starts[segs], lengths[segs]
+            width = np.arange(int(seg_lengths.max()))
+            valid = width[None] < seg_lengths[:, None]
+            pad_index = np.where(valid, seg_starts[:, None] + width[None], forest.seq_len)
+            levels.append(
+                _Level(
+                    rows=tensor(_ragged_arange(seg_starts, seg_lengths)),
+                    cu_seqlens=tensor(np.concatenate([[0], np.cumsum(seg_lengths)])),
+                    pad_index=tensor(pad_index),
+                    valid=tensor(valid, torch.bool),
+                    parent_slot=tensor(slot[parent[segs]]) if lvl else None,
+                )
+            )
+        forest._scan_cache[key] = _ScanPlan(levels, torch.cat([lv.rows for lv in levels]))
+    return forest._scan_cache[key]
+
+
+def _conv_plan(forest, kernel_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(rows, taps)`: the real rows whose convolution window is not their DFS predecessors `(F,)` long, and the
+    row each of the `kernel_size` taps reads for them `(kernel_size, F)` long (oldest first; `S` = zero)."""
+    key = ("conv", kernel_size, device)
+    if key not in forest._scan_cache:
+        num_rows = forest.num_tree_tokens
+        parent = forest.parent[:num_rows].cpu().numpy()
+        rows = np.arange(num_rows)
+        ancestors, mismatch = [rows], np.zeros(num_rows, dtype=bool)
+        for back in range(1, kernel_size):
+            up = ancestors[-1]
+            up = np.where(up >= 0, parent[np.maximum(up, 0)], -1)
+            ancestors.append(up)
+            mismatch |= up != np.maximum(rows - back, -1)
+        fix = np.flatnonzero(mismatch)
+        taps = np.stack([ancestors[kernel_size - 1 - k][fix] for k in range(kernel_size)])
+        taps = np.where(taps >= 0, taps, forest.seq_len)
+        forest._scan_cache[key] = (torch.as_tensor(fix).to(device), torch.as_tensor(taps).to(device))
+    return forest._scan_cache[key]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Level-by-level scans.
+
+
+def _with_zero_row(x: torch.Tensor) -> torch.Tensor:
+    """`(S + 1, ...)`: row `S` is zeros — the padding slot of `_Level.pad_index`. `x` is `(1, S, ...)`."""
+    return torch.cat([x[0], x.new_zeros((1, *x.shape[2:]))])
+
+
+def _scan_levels(forest, inputs: list[torch.Tensor], varlen: bool, run) -> torch.Tensor:
+    """Run a state-carrying kernel over `forest` level by level; returns its output `(1, S, ...)` (zeros on padding
+    rows).
+
+    Args:
+        inputs: `(1, S, ...)` tensors, per row (queries, decays, ...).
+        varlen: gather each level's rows into `(1, N, ...)` for a `cu_seqlens` kernel; else a zero-padded batch
+            `(n, T, ...)` (the kernel must leave a state unchanged over zero inputs).
+        run: `run(level_inputs, initial_state, level) -> (output, final_state)`; `initial_state` is None on level 0,
+            `(n, ...)` after. `output` is `(1, N, ...)` (varlen) or `(n, T, ...)`.
+    """
+    plan = _scan_plan(forest, inputs[0].device)
+    padded = None if varlen else [_with_zero_row(x) for x in inputs]
+    outputs, final = [], None
+    for level in plan.levels:
+        initial = None if level.parent_slot is None else final.index_select(0, level.parent_slot)
+        if varlen:
+            out, final = run([x.index_select(1, level.rows) for x in inputs], initial, level)
+            outputs.append(out[0])
+        else:
+            out, final = run([x[level.pad_index] for x in padded], initial, level)
+            outputs.append(out[level.valid])
+    values = torch.cat(outputs)
+    full = values.new_zeros((inputs[0].shape[1], *values.shape[1:])).index_copy(0, plan.rows, values)
+    return full[None]
+
+
+def _bound(original, args, kwargs) -> dict:
+    """The call's arguments by parameter name (defaults filled), without the catch-all `**kwargs`."""
+    signature = inspect.signature(original)
+    bound = signature.bind(*args, **kwargs)
+    bound.apply_defaults()
+    named = dict(bound.arguments)
+    for name, param in signature.parameters.items():
+        if param.kind is inspect.Parameter.VAR_KEYWORD:
+            named.pop(name, None)
+    return named
+
+
+def _no_cache(name: str, *states) -> None:
+    """A tree forward starts every root from a zero state and keeps its own sequence boundaries."""
+    if any(s is not None and s is not False for s in states):
+        raise ValueError(
+            f"{name} got a cached state or packed-sequence boundaries (cu_seq_lens / seq_idx) in a tree forward; a "
+            "packed forest cannot continue a cache and carries its own boundaries. Call the model with "
+            "use_cache=False and without cu_seq_lens_* (forest_forward_kwargs and TreeDataCollator do)."
+        )
+
+
+def _use_varlen(original, device: torch.device) -> bool:
+    """Whether to call `original` with `cu_seqlens`: on CUDA, when transformers resolved it to a package kernel
+    (flash-linear-attention) rather than its torch reference, which cannot keep packed sequences apart."""
+    if device.type != "cuda":
+        return False
+    try:
+        return bool(inspect.getclosurevars(original).nonlocals.get("is_new_implementation", False))
+    except TypeError:  # not transformers' wrapper
+        return False
+
+
+def tree_causal_conv1d(original, forest, *args, **kwargs) -> torch.Tensor:
+    """`causal_conv1d_fn(hidden_states (1, channels, S), weight (channels, K), bias, activation)` over a forest.
+
+    `original` runs over the DFS row; the rows whose `K - 1` predecessors are not their ancestors are recomputed
+    from their ancestor window (zeros above a root) and replace those outputs.
+    """
+    call = _bound(original, args, kwargs)
+    x, weight, bias, activation = call["hidden_states"], call["weight"], call["bias"], call["activation"]
+    out = original(x, weight, bias, activation=activation)
+    rows, taps = _conv_plan(forest, weight.shape[-1], x.device)
+    if rows.numel() == 0:
+        return out
+    window = torch.cat([x[0], x.new_zeros(x.shape[1], 1)], dim=1)[:, taps].to(weight.dtype)  # (channels, K, F)
+    fixed = (window * weight[:, :, None]).sum(1)
+    if bias is not None:
+        fixed = fixed + bias[:, None]
+    if activation is not None:
+        from transformers.activations import ACT2FN
+
+        fixed = ACT2FN[activation](fixed)
+    return out.index_copy(2, rows, fixed.to(out.dtype)[None])
+
+
+def tree_delta_rule(original, forest, *args, **kwargs) -> tuple[torch.Tensor, None]:
+    """Chunked (gated / Kimi) delta rule over a forest: `torch_chunk_gated_delta_rule` or `chunk_kimi_delta_attention`.
+
+    Takes the kernel's arguments: query, key `(1, S, k_heads, k_dim)`, value `(1, S, v_heads, v_dim)`, `g` (log
+    decay) `(1, S, v_heads)` or `(1, S, heads, k_dim)`, beta `(1, S, v_heads)`. Returns `(output (1, S, v_heads,
+    v_dim), None)`. A zero-padded slot (`g = 0`, `beta = 0`) leaves the state unchanged.
+    """
+    call = _bound(original, args, kwargs)
+    _no_cache(original.__name__, call.get("initial_state"), call.get("output_final_state"), kwargs.get("cu_seqlens"))
+    tensors = [call[name] for name in list(call)[:5]]  # query, key, value, g, beta (torch or fla names)
+    extra = {k: call[k] for k in ("chunk_size", "use_qk_l2norm_in_kernel") if k in call}
+    varlen = _use_varlen(original, tensors[0].device)
+
+    def run(level_inputs, initial, level):
+        q, k, v, g, beta = level_inputs
+        seqlens = {"cu_seqlens": level.cu_seqlens} if varlen else {}
+        return original(q, k, v, g=g, beta=beta, initial_state=initial, output_final_state=True, **extra, **seqlens)
+
+    return _scan_levels(forest, tensors, varlen, run), None
+
+
+def tree_mamba2_chunk_scan(original, forest, *args, **kwargs) -> torch.Tensor:
+    """`mamba2_chunk_scan` (Mamba-2's SSD) over a forest, on a zero-padded batch per level.
+
+    Takes the kernel's arguments: hidden_states `(1, S, heads, head_dim)`, dt `(1, S, heads)`, A `(heads,)`, B, C
+    `(1, S, groups, state)`, D, dt_bias, dt_softplus, dt_limit. The time step is discretised here exactly as the
+    kernel does, so that padded slots can get `dt = 0`: no decay, no input — the state passes unchanged.
+    """
+    call = _bound(original, args, kwargs)
+    _no_cache(original.__name__, call.get("initial_states"), call.get("return_final_states"), kwargs.get("seq_idx"))
+    dt = call["dt"]
+    if call["dt_bias"] is not None:
+        dt = dt + call["dt_bias"].to(dt.dtype)
+    if call["dt_softplus"]:
+        dt = F.softplus(dt)
+    dt = torch.clamp(dt, min=call["dt_limit"][0], max=call["dt_limit"][1])
+
+    def run(level_inputs, initial, level):
+        x, dt_level, b, c = level_inputs
+        return original(
+            x, dt_level, call["A"], b, c, chunk_size=call["chunk_size"], D=call["D"], dt_bias=None,
+            initial_states=initial, dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=True,
+        )  # fmt: skip
+
+    return _scan_levels(forest, [call["hidden_states"], dt, call["B"], call["C"]], False, run)
+
+
+def _unfused_in_tree(original, forest, *args, **kwargs) -> None:
+    """`mamba2_split_conv1d_scan_combined`: None makes the mixer take its unfused path (conv, then the scan)."""
+    return None
+
+
+# kind → {kernel function in the modeling module: its tree version}
+_TREE_KERNELS = {
+    "gated_delta_rule": {"causal_conv1d_fn": tree_causal_conv1d, "torch_chunk_gated_delta_rule": tree_delta_rule},
+    "kimi_delta_rule": {"causal_conv1d_fn": tree_causal_conv1d, "chunk_kimi_delta_attention": tree_delta_rule},
+    "short_conv": {"causal_conv1d_fn": tree_causal_conv1d},
+    "mamba2": {
+        "causal_conv1d_fn": tree_causal_conv1d,
+        "mamba2_chunk_scan": tree_mamba2_chunk_scan,
+        "mamba2_split_conv1d_scan_combined": _unfused_in_tree,
+    },
+}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Registration and the gate's questions.
+
+
+def _tree_dispatch(original, tree_version):
+    """`original` unless the call carries `tree_forest`; then `tree_version(original, forest, *args, **kwargs)`."""
+
+    @functools.wraps(original)
+    def dispatch(*args, **kwargs):
+        forest = kwargs.pop("tree_forest", None)
+        if forest is None:
+            return original(*args, **kwargs)
+        return tree_version(original, forest, *args, **kwargs)
+
+    dispatch.tree_original = original
+    return dispatch
+
+
+def _recurrent_mask_dispatch(original):
+    """`create_recurrent_attention_mask` that returns None for a `BlockMask` (a tree: no padding to zero)."""
+
+    @functools.wraps(original)
+    def dispatch(*args, **kwargs):
+        mask = kwargs.get("attention_mask", args[2] if len(args) > 2 else None)
+        if isinstance(mask, BlockMask):
+            return None
+        return original(*args, **kwargs)
+
+    dispatch.tree_original = original
+    return dispatch
+
+
+_UNAVAILABLE: dict[str, str] = {}  # TREE_LAYERS entries this transformers cannot serve → why
+
+
+def _passes_kwargs(cls: type, name: str) -> bool:
+    """Whether `cls.forward` calls `name(...)` with the model's `**kwargs` (so `tree_forest` reaches it): a
+    transformers version that stops forwarding them must make the gate refuse the layer, not run it silently."""
+    try:
+        source = inspect.getsource(inspect.unwrap(cls.forward))
+    except (OSError, TypeError):
+        return False
+    return re.search(rf"\b{name}\((?:[^()]|\([^()]*\))*\*\*\w*kwargs", source) is not None
+
+
+def register() -> None:
+    """Wrap the kernel functions of every `TREE_LAYERS` class's modeling module (idempotent; on import)."""
+    for path, kind in TREE_LAYERS.items():
+        module_name = path.rsplit(".", 1)[0]
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as err:
+            _UNAVAILABLE[path] = f"{module_name} cannot be imported ({err})"
+            continue
+        cls = getattr(module, path.rsplit(".", 1)[1], None)
+        wanted = {**_TREE_KERNELS[kind], "create_recurrent_attention_mask": None}
+        for name, tree_version in wanted.items():
+            current = getattr(module, name, None)
+            if current is None:
+                if tree_version is not None:
+                    _UNAVAILABLE[path] = f"this transformers' {module_name} has no `{name}` to run per segment"
+                continue
+            if tree_version is not None and (cls is None or not _passes_kwargs(cls, name)):
+                _UNAVAILABLE[path] = (
+                    f"this transformers' {path.rsplit('.', 1)[1]}.forward does not pass the model kwargs to `{name}`, "
+                    "so the tree cannot reach it"
+                )
+            if hasattr(current, "tree_original"):
+                continue
+            if tree_version is None:
+                setattr(module, name, _recurrent_mask_dispatch(current))
+            else:
+                setattr(module, name, _tree_dispatch(current, tree_version))
+
+
+def _owns_state(module: torch.nn.Module) -> bool:
+    """A listed state-carrying class, or a module owning a depthwise Conv1d (every conv-based mixer does)."""
+    path = _class_path(type(module))
+    if path in TREE_LAYERS or path in REFUSED_LAYERS:
+        return True
+    return any(
+        isinstance(child, torch.nn.Conv1d) and child.groups == child.in_channels > 1 for child in module.children()
+    )
+
+
+def unsupported_recurrent_layers(model: torch.nn.Module) -> dict[str, str]:
+    """`{layer class name: reason}` for every state-carrying layer of `model` a tree cannot run exactly (empty when
+    there is none, or when all of them are implemented).
+
+    A layer is state-carrying if its class is listed, if it owns a depthwise Conv1d, or if its class name says so
+    (Mamba, DeltaNet, ShortConv, ...) and no module inside it is already one of the former (so a decoder layer
+    named after its mixer is not reported twice).
+    """
+    reasons = {}
+    for module in model.modules():
+        cls = type(module)
+        path = _class_path(cls)
+        if path in TREE_LAYERS:
+            if path in _UNAVAILABLE:
+                reasons[cls.__name__] = _UNAVAILABLE[path]
+            continue
+        stateful = _owns_state(module) or (
+            _STATEFUL_NAME.search(cls.__name__) is not None
+            and not any(_owns_state(inner) for inner in module.modules() if inner is not module)
+        )
+        if stateful:
+            reasons[cls.__name__] = REFUSED_LAYERS.get(
+                path, "a state-carrying layer the tree does not know; its state would leak across tree branches"
+            )
+    return reasons
+
+
+def tree_layer_types(model: torch.nn.Module) -> set[str]:
+    """The `config.layer_types` names under which `model`'s implemented state-carrying layers appear."""
+    kinds = {TREE_LAYERS.get(_class_path(type(m))) for m in model.modules()}
+    return {name for kind in kinds if kind is not None for name in _KIND_LAYER_TYPES[kind]}

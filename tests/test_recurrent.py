@@ -1,0 +1,493 @@
+"""State-carrying layers on a forest (`hf_tree_attn.recurrent`): segment scans against per-sequence oracles.
+
+Kernel level: the tree versions of the causal conv, the (gated / Kimi) delta rule and Mamba-2's scan against each
+sequence run alone — in float64 with a per-token recurrence as the kernel, so any decay is checked exactly.
+Model level: tiny hybrids (`helpers.HYBRID_FAMILIES`) scored as a tree against `eager` flat forwards of the same
+weights — log-probs, entropies, parameter gradients — and, without a tree, bit-identical to the stock model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import random
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import (
+    FOREST_CASES,
+    HYBRID_FAMILIES,
+    TOLERANCES,
+    flat_logprobs,
+    forest_case,
+    hybrid_twin_models,
+    multiturn,
+    oracle_segments,
+)
+from transformers import AutoModelForCausalLM
+
+import hf_tree_attn
+from hf_tree_attn import check_tree_model, pack_forest, recurrent, sequence_logprobs
+
+ATOL = TOLERANCES["logps_atol"]
+# One family per kind of state-carrying layer, for the tests that need not run on every family.
+ONE_PER_KIND = ("qwen3_5", "kimi_linear", "lfm2", "nemotron_h")
+# Kernel-level tolerances by dtype: float64 with the per-token oracle kernel is exact up to rounding; fp32 runs
+# transformers' chunked kernels, whose chunk boundaries differ between a segment and the whole sequence.
+KERNEL_TOL = {torch.float64: dict(atol=1e-12, rtol=0), torch.float32: dict(atol=2e-5, rtol=0)}
+
+
+def _modeling(name: str):
+    return sys.modules[f"transformers.models.{name}.modeling_{name}"]
+
+
+@contextlib.contextmanager
+def stock_kernels(model):
+    """`model`'s modeling module with transformers' own kernel functions (the tree dispatchers taken out)."""
+    module = sys.modules[type(model).__module__]
+    wrapped = {name: fn for name, fn in vars(module).items() if hasattr(fn, "tree_original")}
+    assert wrapped, f"{module.__name__} has no tree dispatchers"
+    try:
+        for name, fn in wrapped.items():
+            setattr(module, name, fn.tree_original)
+        yield
+    finally:
+        for name, fn in wrapped.items():
+            setattr(module, name, fn)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Per-forest plans against the dict-trie oracle.
+
+
+@pytest.mark.parametrize("case", FOREST_CASES)
+def test_scan_plan_runs_every_row_once_after_its_parent_segment(case):
+    sequences = forest_case(case, seed=1)
+    (forest,) = pack_forest(sequences, pad_multiple=16)
+    starts, parents, levels = oracle_segments(forest, sequences)
+    plan = recurrent._scan_plan(forest, torch.device("cpu"))
+    assert sorted(plan.rows.tolist()) == list(range(forest.num_tree_tokens))
+    assert len(plan.levels) == max(levels) + 1
+    previous = None
+    for lvl, level in enumerate(plan.levels):
+        segments = [s for s, v in enumerate(levels) if v == lvl]  # DFS order inside a level
+        want_rows = [r for s in segments for r in range(starts[s], starts[s + 1])]
+        assert level.rows.tolist() == want_rows
+        assert level.cu_seqlens.tolist() == [0, *torch.tensor([starts[s + 1] - starts[s] for s in segments]).cumsum(0)]
+        assert level.pad_index[level.valid].tolist() == want_rows
+        assert (level.pad_index[~level.valid] == forest.seq_len).all()
+        if lvl == 0:
+            assert level.parent_slot is None and all(parents[s] == -1 for s in segments)
+        else:
+            assert [previous[i] for i in level.parent_slot.tolist()] == [parents[s] for s in segments]
+        previous = segments
+
+
+@pytest.mark.parametrize("kernel_size", [2, 3, 4])
+@pytest.mark.parametrize("case", ["mixed", "single_token", "prefix"])
+def test_conv_plan_reads_the_ancestor_window(case, kernel_size):
+    sequences = forest_case(case, seed=2)
+    (forest,) = pack_forest(sequences, pad_multiple=16)
+    rows, taps = recurrent._conv_plan(forest, kernel_size, torch.device("cpu"))
+    parent = forest.parent.tolist()
+    want_rows, want_taps = [], []
+    for r in range(forest.num_tree_tokens):
+        window, node = [], r
+        for _ in range(kernel_size):  # r, its parent, grandparent, ...; -1 above a root
+            window.append(node)
+            node = parent[node] if node >= 0 else -1
+        if window != [r - j if r - j >= 0 else -1 for j in range(kernel_size)]:
+            want_rows.append(r)
+            want_taps.append([forest.seq_len if n < 0 else n for n in reversed(window)])
+    assert rows.tolist() == want_rows
+    assert taps.T.tolist() == want_taps
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Kernels against each sequence alone.
+
+
+def _forest(case="mixed", seed=3):
+    sequences = forest_case(case, seed)
+    (forest,) = pack_forest(sequences, pad_multiple=16)
+    return forest
+
+
+def _per_sequence(forest, run, tensors):
+    """Run `run(*[t[:, positions] for t in tensors])` per packed sequence; returns `[(positions, output)]`."""
+    out = []
+    for k in range(len(forest.seq_ids)):
+        pos = forest.positions(k)
+        out.append((pos, run(*[t[:, pos] for t in tensors])))
+    return out
+
+
+def _first_visit_sum(results, weights, seq_dim):
+    """Σ over rows of weights · output, each row counted once (at the first sequence that passes through it)."""
+    seen, total = set(), 0.0
+    for pos, value in results:
+        keep = [i for i, p in enumerate(pos.tolist()) if p not in seen]
+        seen.update(pos.tolist())
+        picked = value.index_select(seq_dim, torch.tensor(keep, dtype=torch.long))
+        total = total + (picked * weights.index_select(seq_dim, pos[keep])).sum()
+    return total
+
+
+@pytest.mark.parametrize("activation", [None, "silu"])
+def test_tree_causal_conv1d_equals_each_sequence(activation):
+    forest = _forest()
+    original = _modeling("qwen3_5").causal_conv1d_fn.tree_original
+    g = torch.Generator().manual_seed(0)
+    channels, size = 6, forest.seq_len
+    x = torch.randn(1, channels, size, generator=g, requires_grad=True)
+    weight = torch.randn(channels, 4, generator=g, requires_grad=True)
+    bias = torch.randn(channels, generator=g, requires_grad=True)
+    got = recurrent.tree_causal_conv1d(original, forest, x, weight, bias, activation=activation)
+    w = torch.randn(got.shape, generator=g)
+    real = slice(0, forest.num_tree_tokens)
+    grads = torch.autograd.grad((got * w)[..., real].sum(), [x, weight, bias])
+
+    results = [(pos, original(x[..., pos], weight, bias, activation=activation)) for pos in _positions(forest)]
+    for pos, want in results:
+        torch.testing.assert_close(got[..., pos], want, atol=1e-6, rtol=0)
+    want_grads = torch.autograd.grad(_first_visit_sum(results, w, seq_dim=2), [x, weight, bias])
+    for a, b in zip(grads, want_grads):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def _positions(forest):
+    return [forest.positions(k) for k in range(len(forest.seq_ids))]
+
+
+def _delta_rule_oracle(query, key, value, g, beta, initial_state=None, output_final_state=False,
+                       use_qk_l2norm_in_kernel=False, **kwargs):  # fmt: skip
+    """The gated delta rule token by token, in the inputs' dtype: `S ← S·exp(g)`, `S ← S + k (β (v − kᵀS))ᵀ`,
+    `o = Sᵀ q / √d`. `g` is per head `(B, T, H)` (GDN) or per key channel `(B, T, H, K)` (Kimi)."""
+    if use_qk_l2norm_in_kernel:
+        query = query / (query.pow(2).sum(-1, keepdim=True) + 1e-6).sqrt()
+        key = key / (key.pow(2).sum(-1, keepdim=True) + 1e-6).sqrt()
+    query = query * query.shape[-1] ** -0.5
+    decay = g.exp() if g.dim() == 4 else g.exp()[..., None].expand_as(key)
+    batch, steps, heads, k_dim = key.shape
+    state = initial_state if initial_state is not None else key.new_zeros(batch, heads, k_dim, value.shape[-1])
+    outs = []
+    for t in range(steps):
+        state = state * decay[:, t, :, :, None]
+        delta = (value[:, t] - (state * key[:, t, :, :, None]).sum(-2)) * beta[:, t, :, None]
+        state = state + key[:, t, :, :, None] * delta[:, :, None, :]
+        outs.append((state * query[:, t, :, :, None]).sum(-2))
+    return torch.stack(outs, 1), (state if output_final_state else None)
+
+
+def _delta_rule_inputs(forest, dtype, per_channel_decay, strong_decay=True):
+    g = torch.Generator().manual_seed(1)
+    size, heads, dim = forest.seq_len, 2, 8
+    q, k, v = (torch.randn(1, size, heads, dim, generator=g, dtype=dtype) for _ in range(3))
+    decay_shape = (1, size, heads, dim) if per_channel_decay else (1, size, heads)
+    # A up to 16 as in transformers' init: some heads forget within a token, others remember.
+    scale = 16.0 if strong_decay else 1.0
+    log_decay = -F.softplus(torch.randn(decay_shape, generator=g, dtype=dtype)) * scale * torch.rand(1, dtype=dtype)
+    beta = torch.rand(1, size, heads, generator=g, dtype=dtype)
+    return [t.requires_grad_() for t in (q, k, v, log_decay, beta)]
+
+
+@pytest.mark.parametrize("per_channel_decay", [False, True], ids=["gdn", "kimi"])
+@pytest.mark.parametrize("varlen", [False, True], ids=["padded", "varlen"])
+def test_tree_delta_rule_is_exact_in_float64(per_channel_decay, varlen, monkeypatch):
+    """Outputs and gradients (through the handed-down states) equal each sequence's own scan, for any decay."""
+    forest = _forest("multiturn", seed=4)
+    tensors = _delta_rule_inputs(forest, torch.float64, per_channel_decay)
+    kernel = _delta_rule_oracle
+    if varlen:  # a cu_seqlens kernel, as flash-linear-attention's, built from the oracle
+
+        def kernel(q, k, v, g, beta, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False,
+                   cu_seqlens=None):  # fmt: skip
+            bounds = cu_seqlens.tolist()
+            outs, finals = [], []
+            for n, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+                init = None if initial_state is None else initial_state[n : n + 1]
+                piece = [t[:, a:b] for t in (q, k, v, g, beta)]
+                o, s = _delta_rule_oracle(*piece, init, True, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+                outs.append(o)
+                finals.append(s)
+            return torch.cat(outs, 1), torch.cat(finals)
+
+        monkeypatch.setattr(recurrent, "_use_varlen", lambda original, device: True)
+    q, k, v, g, beta = tensors
+    got, _ = recurrent.tree_delta_rule(kernel, forest, q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)
+    w = torch.randn(got.shape, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    grads = torch.autograd.grad((got * w)[:, : forest.num_tree_tokens].sum(), tensors)
+
+    def alone(q, k, v, g, beta):
+        return _delta_rule_oracle(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0]
+
+    results = _per_sequence(forest, alone, tensors)
+    for pos, want in results:
+        torch.testing.assert_close(got[:, pos], want, **KERNEL_TOL[torch.float64])
+    want_grads = torch.autograd.grad(_first_visit_sum(results, w, seq_dim=1), tensors)
+    for name, a, b in zip(["q", "k", "v", "g", "beta"], grads, want_grads):
+        torch.testing.assert_close(a, b, **KERNEL_TOL[torch.float64], msg=lambda m, name=name: f"d/d{name}: {m}")
+    assert (got[:, forest.num_tree_tokens :] == 0).all(), "padding rows get zeros"
+
+
+@pytest.mark.parametrize("module, name", [("qwen3_5", "torch_chunk_gated_delta_rule"),
+                                          ("kimi_linear", "chunk_kimi_delta_attention")])  # fmt: skip
+def test_tree_delta_rule_with_transformers_kernel(module, name):
+    """transformers' fp32 chunked kernel per level equals the kernel per sequence (weak decays: well conditioned)."""
+    forest = _forest("grpo", seed=5)
+    original = getattr(_modeling(module), name).tree_original
+    tensors = _delta_rule_inputs(forest, torch.float32, name.endswith("attention"), strong_decay=False)
+    q, k, v, g, beta = tensors
+    got, _ = recurrent.tree_delta_rule(original, forest, q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)
+    for pos in _positions(forest):
+        want, _ = original(
+            q[:, pos], k[:, pos], v[:, pos], g=g[:, pos], beta=beta[:, pos], use_qk_l2norm_in_kernel=True
+        )
+        torch.testing.assert_close(got[:, pos], want, **KERNEL_TOL[torch.float32])
+
+
+def test_tree_mamba2_scan_equals_each_sequence():
+    forest = _forest("multiturn", seed=6)
+    original = _modeling("nemotron_h").mamba2_chunk_scan.tree_original
+    g = torch.Generator().manual_seed(3)
+    size, heads, head_dim, groups, state = forest.seq_len, 4, 8, 2, 8
+    x = torch.randn(1, size, heads, head_dim, generator=g)
+    dt = torch.randn(1, size, heads, generator=g)
+    b, c = (torch.randn(1, size, groups, state, generator=g) for _ in range(2))
+    tensors = [t.requires_grad_() for t in (x, dt, b, c)]
+    params = dict(
+        A=-torch.rand(heads, generator=g) * 4, D=torch.randn(heads, generator=g),
+        dt_bias=torch.randn(heads, generator=g), dt_softplus=True, dt_limit=(0.001, 5.0), chunk_size=4,
+    )  # fmt: skip
+
+    got = recurrent.tree_mamba2_chunk_scan(original, forest, x, dt, B=b, C=c, **params)
+    w = torch.randn(got.shape, generator=g)
+    grads = torch.autograd.grad((got * w)[:, : forest.num_tree_tokens].sum(), tensors)
+    results = _per_sequence(forest, lambda x, dt, b, c: original(x, dt, B=b, C=c, **params), tensors)
+    for pos, want in results:
+        torch.testing.assert_close(got[:, pos], want, atol=1e-5, rtol=0)
+    want_grads = torch.autograd.grad(_first_visit_sum(results, w, seq_dim=1), tensors)
+    for a, b_ in zip(grads, want_grads):
+        torch.testing.assert_close(a, b_, atol=1e-5, rtol=1e-4)
+
+
+def test_tree_kernels_refuse_a_cache():
+    forest = _forest()
+    original = _modeling("qwen3_5").torch_chunk_gated_delta_rule.tree_original
+    q, k, v, g, beta = _delta_rule_inputs(forest, torch.float32, False)
+    with pytest.raises(ValueError, match="cannot continue a cache.*use_cache=False"):
+        recurrent.tree_delta_rule(original, forest, q, k, v, g=g, beta=beta, output_final_state=True)
+    with pytest.raises(ValueError, match="carries its own boundaries.*without cu_seq_lens"):
+        recurrent.tree_delta_rule(original, forest, q, k, v, g=g, beta=beta, cu_seqlens=torch.tensor([0, 4]))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Hybrid models: tree against flat, same weights.
+
+
+def _assert_matches_flat(ref, sequences, logps, entropies):
+    for i, seq in enumerate(sequences):
+        want_logps, want_entropy = flat_logprobs(ref, seq)
+        torch.testing.assert_close(logps[i], want_logps, atol=ATOL, rtol=0, msg=lambda m, i=i: f"sequence {i}: {m}")
+        torch.testing.assert_close(
+            entropies[i], want_entropy, atol=ATOL, rtol=0, msg=lambda m, i=i: f"entropy {i}: {m}"
+        )
+
+
+# Every forest case alone on Qwen3.5; on every family the mixed forest (all the cases at once, several tries).
+_CASES = [("qwen3_5", c) for c in FOREST_CASES if c != "mixed"] + [(f, "mixed") for f in HYBRID_FAMILIES]
+
+
+@pytest.mark.parametrize("family, case", _CASES)
+def test_logprobs_and_entropies_match_flat(family, case):
+    tree, ref = hybrid_twin_models(family)
+    sequences = forest_case(case, seed=0)
+    with torch.no_grad():
+        logps, entropies = sequence_logprobs(tree, sequences, return_entropy=True)
+        _assert_matches_flat(ref, sequences, logps, entropies)
+
+
+@pytest.mark.parametrize("family", (*ONE_PER_KIND, "qwen3_5_moe", "qwen3_next"))
+def test_deep_multiturn_tree_matches_flat(family):
+    """A 20-turn agent tree (20+ levels): the states are handed down through every branch point."""
+    tree, ref = hybrid_twin_models(family)
+    sequences = multiturn(random.Random(7), turns=20)
+    assert pack_forest(sequences)[0].num_levels >= 20
+    with torch.no_grad():
+        logps, entropies = sequence_logprobs(tree, sequences, return_entropy=True)
+        _assert_matches_flat(ref, sequences, logps, entropies)
+
+
+def _param_grads(model) -> dict[str, torch.Tensor]:
+    return {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("family", HYBRID_FAMILIES)
+def test_split_tries_logprobs_and_gradients_match_flat(family):
+    """Several micro-batches (tries split by max_tokens_per_mb, several tries per micro-batch), in train mode."""
+    tree, ref = hybrid_twin_models(family)
+    tree.train(), ref.train()
+    sequences = forest_case("mixed", seed=3) + multiturn(random.Random(5), turns=12)
+    forests = pack_forest(sequences, max_tokens_per_mb=128)
+    micro_batches_of_trie = {}
+    for i, forest in enumerate(forests):
+        for seq_id in forest.seq_ids:
+            micro_batches_of_trie.setdefault(sequences[seq_id][0], set()).add(i)
+    assert any(len(where) > 1 for where in micro_batches_of_trie.values()), "no trie was split"
+    assert any(len({sequences[s][0] for s in forest.seq_ids}) > 1 for forest in forests), "one trie per micro-batch"
+    g = torch.Generator().manual_seed(0)
+    weights = [torch.randn(len(s) - 1, generator=g) for s in sequences]
+
+    logps, entropies = sequence_logprobs(tree, sequences, max_tokens_per_mb=128, return_entropy=True)
+    with torch.no_grad():
+        _assert_matches_flat(ref, sequences, logps, entropies)
+    sum((w * lp).sum() + 0.1 * e.sum() for w, lp, e in zip(weights, logps, entropies)).backward()
+    flat = [flat_logprobs(ref, s) for s in sequences]
+    sum((w * lp).sum() + 0.1 * e.sum() for w, (lp, e) in zip(weights, flat)).backward()
+
+    got, want = _param_grads(tree), _param_grads(ref)
+    assert got.keys() == want.keys() and len(got) > 0
+    for name, value in want.items():
+        worst = (got[name] - value).abs().max().item()
+        assert worst <= TOLERANCES["grad_max_rel"] * value.abs().max().item(), f"{name}: max |diff| {worst}"
+    cosine = F.cosine_similarity(
+        torch.cat([got[k].flatten() for k in sorted(got)]).double(),
+        torch.cat([want[k].flatten() for k in sorted(want)]).double(),
+        dim=0,
+    ).item()
+    assert cosine >= TOLERANCES["grad_cosine"], cosine
+
+
+@pytest.mark.parametrize("family", ONE_PER_KIND)
+def test_a_state_leaking_across_branches_fails_the_oracle(family):
+    """With the stock kernels, the DFS row runs as one sequence: siblings see each other's states (the tests can
+    fail)."""
+    tree, ref = hybrid_twin_models(family)
+    sequences = forest_case("grpo", seed=0)
+    with torch.no_grad(), stock_kernels(tree):
+        leaked = sequence_logprobs(tree, sequences)
+    worst = max((leaked[i] - flat_logprobs(ref, s)[0]).abs().max().item() for i, s in enumerate(sequences))
+    assert worst > 100 * ATOL
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Without a tree: bit-identical to the stock model.
+
+
+def _stock_twin(tree):
+    ref = AutoModelForCausalLM.from_config(copy.deepcopy(tree.config), attn_implementation="sdpa").eval()
+    ref.load_state_dict(tree.state_dict())
+    return ref
+
+
+@pytest.mark.parametrize("family", ONE_PER_KIND)
+def test_padded_forward_and_generate_bit_identical_to_stock(family):
+    tree, _ = hybrid_twin_models(family)
+    stock = _stock_twin(tree)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 128, (3, 9), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :4], mask[2, :7] = 0, 0  # left padding
+    kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=None,
+                  return_dict_in_generate=True, output_logits=True)  # fmt: skip
+    with torch.no_grad():
+        got_logits = tree(input_ids=ids, attention_mask=mask).logits
+        got = tree.generate(ids, **kwargs)
+        with stock_kernels(stock):
+            want_logits = stock(input_ids=ids, attention_mask=mask).logits
+            want = stock.generate(ids, **kwargs)
+    assert torch.equal(got_logits, want_logits)
+    assert torch.equal(got.sequences, want.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(got.logits, want.logits))
+
+
+def test_block_mask_forward_on_cpu_matches_dense(monkeypatch):
+    """The CUDA input (a `BlockMask`) reaches the recurrent layers as no padding mask (FlexAttention's forward runs
+    on CPU without grad; uncompiled here: what is tested is the recurrent layers' mask, and inductor's CPU flex
+    kernel can fail to build after other shapes compiled it dynamically)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    monkeypatch.setattr(hf_tree_attn.attention, "_compiled_flex_attention", flex_attention)
+    tree, _ = hybrid_twin_models("qwen3_5")
+    (forest,) = pack_forest(forest_case("grpo", seed=2))
+    kwargs = hf_tree_attn.logprobs.forest_forward_kwargs(forest, "cpu")
+    with torch.no_grad():
+        dense = tree(**kwargs).logits
+        block = tree(**{**kwargs, "attention_mask": forest.block_mask("cpu")}).logits
+    real = slice(0, forest.num_tree_tokens)
+    torch.testing.assert_close(block[0, real], dense[0, real], atol=1e-5, rtol=0)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The gate: implemented kinds pass, everything else is refused with the layer and the reason.
+
+
+@pytest.mark.parametrize("family", HYBRID_FAMILIES)
+def test_gate_accepts_implemented_hybrids(family):
+    tree, _ = hybrid_twin_models(family)
+    assert recurrent.unsupported_recurrent_layers(tree) == {}
+    assert recurrent.tree_layer_types(tree) & {"linear_attention", "conv"}
+    check_tree_model(tree)
+
+
+def _refused(model_type: str, **overrides):
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.for_model(
+        model_type, vocab_size=128, hidden_size=32, num_attention_heads=2, num_key_value_heads=2, **overrides
+    )
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation="tree_flex")
+
+
+@pytest.mark.parametrize(
+    "model_type, overrides, layer",
+    [
+        ("jamba", dict(num_hidden_layers=2, attn_layer_period=2, attn_layer_offset=1, num_experts=1,
+                       intermediate_size=64, mamba_d_state=4), "JambaMambaMixer"),
+        ("minimax", dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"], head_dim=16,
+                         intermediate_size=64, num_local_experts=2, block_size=16), "MiniMaxLightningAttention"),
+    ],
+    ids=["jamba-mamba1", "minimax-lightning"],
+)  # fmt: skip
+def test_gate_refuses_unimplemented_state_with_the_reason(model_type, overrides, layer):
+    model = _refused(model_type, **overrides)
+    with pytest.raises(NotImplementedError, match=rf"{layer}: .*(Mamba-1|lightning).*without tree packing"):
+        check_tree_model(model)
+
+
+def test_gate_refuses_an_unknown_state_carrying_layer(monkeypatch):
+    """A depthwise Conv1d in a layer the table does not list: refused, not run over the DFS row."""
+    tree, _ = hybrid_twin_models("lfm2")
+    monkeypatch.delitem(recurrent.TREE_LAYERS, "transformers.models.lfm2.modeling_lfm2.Lfm2ShortConv")
+    with pytest.raises(NotImplementedError, match=r"Lfm2ShortConv: a state-carrying layer the tree does not know"):
+        check_tree_model(tree)
+
+
+class _DropsKwargs(torch.nn.Module):
+    """A layer whose conv call does not forward the model kwargs (a transformers version could do this)."""
+
+    def forward(self, x, **kwargs):
+        mixed = causal_conv1d_fn(x, self.weight, None, activation="silu")  # noqa: F821
+        return torch_chunk_gated_delta_rule(mixed, mixed, mixed, g=x, beta=x, **kwargs)  # noqa: F821
+
+
+def test_a_layer_that_does_not_pass_the_kwargs_on_is_refused(monkeypatch):
+    assert not recurrent._passes_kwargs(_DropsKwargs, "causal_conv1d_fn")
+    assert recurrent._passes_kwargs(_DropsKwargs, "torch_chunk_gated_delta_rule")
+    tree, _ = hybrid_twin_models("qwen3_5")
+    path = "transformers.models.qwen3_5.modeling_qwen3_5.Qwen3_5GatedDeltaNet"
+    monkeypatch.setitem(recurrent._UNAVAILABLE, path, "does not pass the model kwargs to `causal_conv1d_fn`")
+    with pytest.raises(NotImplementedError, match=r"Qwen3_5GatedDeltaNet: does not pass the model kwargs"):
+        check_tree_model(tree)
+
+
+def test_register_is_idempotent_and_wraps_once():
+    before = {
+        name: getattr(_modeling("qwen3_5"), name) for name in ("causal_conv1d_fn", "torch_chunk_gated_delta_rule")
+    }
+    recurrent.register()
+    for name, fn in before.items():
+        after = getattr(_modeling("qwen3_5"), name)
+        assert after is fn and not hasattr(after.tree_original, "tree_original")
