@@ -20,7 +20,7 @@ for stage in "$@"; do
   echo "=== $stage"
   case $stage in
     tests)
-      timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ 2>&1 | tee "$OUT/gpu_tests.log" | tail -15 ;;
+      timeout 330 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ 2>&1 | tee "$OUT/gpu_tests.log" | tail -15 ;;
     fsdp)
       timeout 400 python3 -m accelerate.commands.launch --config_file trainers/configs/fsdp2.yaml trainers/grpo_tree.py \
         --max_steps 60 --logging_steps 10 --output_dir /tmp/fsdp2_out 2>&1 | tee "$OUT/fsdp2_2gpu.log" \
@@ -61,6 +61,42 @@ for stage in "$@"; do
         --workloads agent_20_turns --out "$OUT/tree_vs_flat_h200_qwen3.5-0.8b_agent20.json" 2>&1 | grep -v -i warn
       timeout 120 python3 benchmarks/bench_levels.py --device cuda --heads 16 --dim 128 --scale 1 \
         --out "$OUT/levels_h200.json" 2>&1 | grep -v -i warn ;;
+    # ---- session 2 (issues 8-11), on nvidia-h200-x2: `bash benchmarks/h200_session.sh s2-a` then `s2-b`
+    gemma3)  # issue 8: a sliding-window family (window 512 < 4096-token prompts)
+      timeout 200 python3 benchmarks/bench_tree_vs_flat.py --models gemma3-1b --workloads grpo_G16_P4096_C512 \
+        --scale 0.5 --repeats 1 --out "$OUT/tree_vs_flat_h200_gemma3-1b.json" 2>&1 | grep -v -i warn ;;
+    hybrid-a)  # issue 9: Qwen3.5-0.8B-shaped GRPO and 20-turn agent rows, then the kernel-only level cost
+      timeout 200 python3 benchmarks/bench_tree_vs_flat.py --models qwen3.5-0.8b --scale 0.5 --repeats 2 \
+        --workloads grpo_G16_P4096_C512 --out "$OUT/tree_vs_flat_h200_qwen3.5-0.8b.json" 2>&1 | grep -v -i warn
+      timeout 230 python3 benchmarks/bench_tree_vs_flat.py --models qwen3.5-0.8b --scale 0.5 --repeats 1 \
+        --workloads agent_20_turns --out "$OUT/tree_vs_flat_h200_qwen3.5-0.8b_agent20.json" 2>&1 | grep -v -i warn
+      timeout 90 python3 benchmarks/bench_levels.py --device cuda --heads 16 --dim 128 --scale 1 \
+        --out "$OUT/levels_h200.json" 2>&1 | grep -v -i warn ;;
+    balance-fsdp)  # issue 11: FSDP2 on both GPUs, Qwen3-1.7B-shaped, tree vs flat, balanced vs not
+      timeout 260 python3 -m accelerate.commands.launch --config_file trainers/configs/fsdp2.yaml \
+        benchmarks/bench_balance_fsdp.py --out "$OUT/balance_fsdp2_h200.json" 2>&1 | grep -v -i warn | tail -30 ;;
+    recompute)  # issue 11: the tree_recompute default, MFU, regional compile (Qwen3-1.7B shape)
+      for ckpt in auto all; do
+        timeout 160 python3 benchmarks/bench_tree_vs_flat.py --models qwen3-1.7b --scale 0.5 --repeats 2 \
+          --workloads grpo_G16_P4096_C512 --compile-layers --checkpointing $ckpt \
+          --out "$OUT/tree_vs_flat_h200_qwen3-1.7b_compile_ckpt-$ckpt.json" 2>&1 | grep -v -i warn
+      done ;;
+    generation)  # issue 10: one GRPO step per generation mode, tree vs TRL flat
+      timeout 300 python3 benchmarks/bench_generation_modes.py --modes generate static_cache continuous_batching \
+        --out "$OUT/generation_modes_h200.json" 2>&1 | grep -v -i warn | tail -25 ;;
+    s2-a)
+      CUDA_VISIBLE_DEVICES=1 bash "$0" hybrid-a > "$OUT/gpu1.log" 2>&1 &
+      CUDA_VISIBLE_DEVICES=0 bash "$0" tests gemma3
+      wait
+      tail -40 "$OUT/gpu1.log" ;;
+    s2-b)
+      bash "$0" balance-fsdp
+      CUDA_VISIBLE_DEVICES=1 bash "$0" generation > "$OUT/gpu1.log" 2>&1 &
+      CUDA_VISIBLE_DEVICES=0 bash "$0" recompute
+      wait
+      tail -40 "$OUT/gpu1.log" ;;
+    pack)  # the device tool brings back at most 8 files: everything in one archive
+      (cd "$OUT" && tar czf results.tgz --exclude results.tgz ./*.json ./*.log 2>/dev/null; ls) ;;
     parallel)
       CUDA_VISIBLE_DEVICES=1 bash "$0" bench-small > "$OUT/bench_small.log" 2>&1 &
       CUDA_VISIBLE_DEVICES=0 bash "$0" tests bench-large

@@ -461,7 +461,11 @@ def tree_support_error(model: torch.nn.Module) -> str | None:
 
 
 def _state_layer_error(model: torch.nn.Module) -> str | None:
-    refused = unsupported_recurrent_layers(model)
+    # Only the decoder layers run on a tree: a vision or audio tower (Phi-4-multimodal's depthwise convolutions)
+    # sees only multimodal inputs, which the trainer keeps on the flat path.
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    layers = getattr(decoder, "layers", None)
+    refused = unsupported_recurrent_layers(layers if isinstance(layers, torch.nn.ModuleList) else model)
     if not refused:
         return None
     reasons = "; ".join(f"{name}: {why}" for name, why in refused.items())

@@ -231,7 +231,7 @@ def _run_rank(model_path: str, out_dir: str) -> None:
             self.grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
 
     rank = int(os.environ["RANK"])
-    report = {}
+    report, trainers = {}, []
     for loss_type in LOSS_TYPES:
         for balance in (False, None):
             args = TreeGRPOConfig(
@@ -268,6 +268,7 @@ def _run_rank(model_path: str, out_dir: str) -> None:
                 callbacks=[grads],
             )  # fmt: skip
             trainer.train()
+            trainers.append(trainer)  # freed only by os._exit below (see there)
             (loss,) = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
             metrics = [entry for entry in trainer.state.log_history if "balance/imbalance_before" in entry]
             report[f"{loss_type}_{balance}"] = {
@@ -278,6 +279,11 @@ def _run_rank(model_path: str, out_dir: str) -> None:
                 else None,
             }
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report))
+    # Never free a trainer: freeing DDP's reducer joins gloo's worker thread while holding the GIL, and that thread
+    # may still need the GIL to free its last allgather's tensors — an intermittent deadlock in PyTorch's CPU (gloo)
+    # teardown. Exit once the report is written.
+    sys.stdout.flush(), sys.stderr.flush()
+    os._exit(0)
 
 
 def test_balanced_trainer_matches_unbalanced_for_every_loss_type(tmp_path):

@@ -106,6 +106,7 @@ OVERRIDES = {
     **dict.fromkeys(_DRAFTERS, dict(text_config=_DRAFTER_TEXT)),
     "reformer": dict(is_decoder=True, axial_pos_shape=[16, 16], axial_pos_embds_dim=[32, 32]),
     "zaya": dict(num_experts_per_tok=1),
+    "mamba2": dict(num_heads=8, head_dim=16, n_groups=1),  # hidden 64 x expand 2 = heads x head_dim
 }  # fmt: skip
 
 

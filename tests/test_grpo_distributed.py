@@ -42,6 +42,11 @@ def _run_rank() -> None:
     report["world"] = trainer.accelerator.num_processes
     out = Path(trainer.args.output_dir) / f"rank{report['rank']}.json"
     out.write_text(json.dumps(report))
+    # Exit while the trainer is alive: freeing DDP's reducer joins gloo's worker thread while holding the GIL, and
+    # that thread may still need the GIL to free its last allgather's tensors — an intermittent deadlock in
+    # PyTorch's CPU (gloo) teardown, after every result is written.
+    sys.stdout.flush(), sys.stderr.flush()
+    os._exit(0)
 
 
 def test_unequal_forest_counts_across_ranks_do_not_hang(tmp_path):

@@ -451,9 +451,17 @@ def _refused(model_type: str, **overrides):
     ],
     ids=["jamba-mamba1", "minimax-lightning"],
 )  # fmt: skip
-def test_gate_refuses_unimplemented_state_with_the_reason(model_type, overrides, layer):
+def test_gate_refuses_unimplemented_state_with_the_reason(model_type, overrides, layer, monkeypatch):
+    """Refused by its family; and were the family listed as exact, by its layer class (the config's kind name,
+    "linear_attention" for MiniMax as for Qwen3.5, proves nothing)."""
+    import hf_tree_attn.support as support
+
     model = _refused(model_type, **overrides)
-    with pytest.raises(NotImplementedError, match=rf"{layer}: .*(Mamba-1|lightning).*without tree packing"):
+    with pytest.raises(NotImplementedError, match=rf"model_type '{model_type}': layers that carry state"):
+        check_tree_model(model)
+    monkeypatch.setitem(support.EXACT_FAMILIES, model_type, "")
+    monkeypatch.delitem(support.REFUSED_FAMILIES, model_type)
+    with pytest.raises(NotImplementedError, match=rf"{layer}: .*(Mamba-1|lightning).*tree_packing=False"):
         check_tree_model(model)
 
 
