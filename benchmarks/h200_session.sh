@@ -95,6 +95,35 @@ for stage in "$@"; do
       CUDA_VISIBLE_DEVICES=0 bash "$0" recompute
       wait
       tail -40 "$OUT/gpu1.log" ;;
+    nofla)  # flash-linear-attention 0.6 refuses its gated-delta-rule backward on Hopper with Triton < 3.7.1 (this
+      # image has 3.6): without it transformers' torch kernels run, in the tree and in flat alike
+      rm -rf /tmp/site/fla /tmp/site/fla_core* /tmp/site/flash_linear_attention* ;;
+    tests-dense)
+      timeout 200 python3 -m pytest -q -rf -m gpu -p no:cacheprovider --timeout 100 tests/test_gpu.py \
+        > "$OUT/gpu_tests_dense.log" 2>&1; tail -12 "$OUT/gpu_tests_dense.log" ;;
+    tests-rest)
+      timeout 150 python3 -m pytest -q -rf -m gpu -p no:cacheprovider --timeout 100 --ignore tests/test_gpu.py tests/ \
+        > "$OUT/gpu_tests_rest.log" 2>&1; tail -12 "$OUT/gpu_tests_rest.log" ;;
+    balance-fsdp-short)
+      timeout 200 python3 -m accelerate.commands.launch --config_file trainers/configs/fsdp2.yaml \
+        benchmarks/bench_balance_fsdp.py --length-scale 0.5 --steps 3 --out "$OUT/balance_fsdp2_h200.json" 2>&1 \
+        | grep -v -i warn | tail -20 ;;
+    recompute-short)
+      for ckpt in auto all; do
+        timeout 90 python3 benchmarks/bench_tree_vs_flat.py --models qwen3-1.7b --scale 0.5 --repeats 1 \
+          --workloads grpo_G16_P4096_C512 --checkpointing $ckpt \
+          --out "$OUT/tree_vs_flat_h200_qwen3-1.7b_ckpt-$ckpt.json" 2>&1 | grep -v -i warn | tail -3
+      done ;;
+    hybrid-grpo-short)
+      timeout 180 python3 benchmarks/bench_tree_vs_flat.py --models qwen3.5-0.8b --scale 0.5 --repeats 1 \
+        --workloads grpo_G16_P4096_C512 --out "$OUT/tree_vs_flat_h200_qwen3.5-0.8b.json" 2>&1 | grep -v -i warn \
+        | tail -4 ;;
+    s2-c)
+      bash "$0" nofla balance-fsdp-short
+      CUDA_VISIBLE_DEVICES=1 bash "$0" tests-rest hybrid-grpo-short > "$OUT/gpu1.log" 2>&1 &
+      CUDA_VISIBLE_DEVICES=0 bash "$0" tests-dense recompute-short
+      wait
+      grep -v -i warn "$OUT/gpu1.log" | tail -30 ;;
     pack)  # the device tool brings back at most 8 files: everything in one archive
       (cd "$OUT" && tar czf results.tgz --exclude results.tgz ./*.json ./*.log 2>/dev/null; ls) ;;
     parallel)
