@@ -170,6 +170,26 @@ def run(mode: str, tree: bool, model_dir: str, tokenizer, dataset, args) -> dict
     return result
 
 
+def write_results(path: str | None, args: argparse.Namespace, results: dict) -> None:
+    """The results so far, with the command, device and versions (rewritten after every run: a time limit that
+    stops the script keeps what finished)."""
+    if not path:
+        return
+    meta = {
+        "command": "python " + " ".join(sys.argv),
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor() or "cpu",
+        "versions": {
+            "torch": torch.__version__, "transformers": transformers.__version__,
+            "trl": importlib.import_module("trl").__version__, "hf_tree_attn": hf_tree_attn.__version__,
+            "python": platform.python_version(),
+        },
+        "model": f"random-weight {args.model} shape, bf16 on CUDA, gradient checkpointing",
+        "workload": vars(args),
+    }  # fmt: skip
+    with open(path, "w") as f:
+        json.dump({"meta": meta, "results": results}, f, indent=1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen3-0.6b", choices=list(SHAPES), help="random-weight model shape")
@@ -212,6 +232,7 @@ def main() -> None:
                 f"({100 * mean['trainer_share']:.0f}%)"
             )  # fmt: skip
             print(f"{mode:20s} {name:5s} {summary}", flush=True)
+            write_results(args.out, args, results)
 
     print("\n| mode | flat step (s) | trainer phase share, flat | tree step (s) | trainer phase share, tree | "
           "trainer phase tree vs flat | step tree vs flat |")  # fmt: skip
@@ -227,20 +248,8 @@ def main() -> None:
         else:
             print(f"| {mode} | {json.dumps(pair)[:100]} |")
 
+    write_results(args.out, args, results)
     if args.out:
-        meta = {
-            "command": "python " + " ".join(sys.argv),
-            "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor() or "cpu",
-            "versions": {
-                "torch": torch.__version__, "transformers": transformers.__version__,
-                "trl": importlib.import_module("trl").__version__, "hf_tree_attn": hf_tree_attn.__version__,
-                "python": platform.python_version(),
-            },
-            "model": f"random-weight {args.model} shape, bf16 on CUDA, gradient checkpointing",
-            "workload": vars(args),
-        }  # fmt: skip
-        with open(args.out, "w") as f:
-            json.dump({"meta": meta, "results": results}, f, indent=1)
         print(f"wrote {args.out}")
 
 

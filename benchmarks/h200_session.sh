@@ -124,6 +124,35 @@ for stage in "$@"; do
       CUDA_VISIBLE_DEVICES=0 bash "$0" tests-dense recompute-short
       wait
       grep -v -i warn "$OUT/gpu1.log" | tail -30 ;;
+    balance-fsdp-tiny)  # the FSDP2 path of the balance benchmark on a tiny shape, whole log kept (a quick check)
+      timeout 150 python3 -m accelerate.commands.launch --config_file trainers/configs/fsdp2.yaml \
+        benchmarks/bench_balance_fsdp.py --model tiny --length-scale 0.05 --steps 2 --accumulation 1 \
+        --configs flat tree_balanced --out "$OUT/balance_fsdp2_tiny.json" > "$OUT/balance_fsdp2_tiny.log" 2>&1
+      rc=$?; grep -E "^(flat|tree)|Error|error:" "$OUT/balance_fsdp2_tiny.log" | grep -v -i warn | tail -12; return $rc 2>/dev/null
+      [ $rc -eq 0 ] ;;
+    balance-fsdp-log)
+      timeout 220 python3 -m accelerate.commands.launch --config_file trainers/configs/fsdp2.yaml \
+        benchmarks/bench_balance_fsdp.py --length-scale 0.5 --steps 3 --out "$OUT/balance_fsdp2_h200.json" \
+        > "$OUT/balance_fsdp2_h200.log" 2>&1; grep -E "^(flat|tree)|Error" "$OUT/balance_fsdp2_h200.log" | tail -12 ;;
+    tests-fixed)  # the GPU tests changed after session 2's run
+      timeout 150 python3 -m pytest -q -rf -m gpu -p no:cacheprovider --timeout 100 tests/test_kernels.py \
+        tests/test_grpo_trainer.py > "$OUT/gpu_tests_fixed.log" 2>&1; tail -8 "$OUT/gpu_tests_fixed.log" ;;
+    recompute-auto)
+      timeout 170 python3 benchmarks/bench_tree_vs_flat.py --models qwen3-1.7b --scale 0.5 --repeats 1 \
+        --workloads grpo_G16_P4096_C512 --checkpointing auto \
+        --out "$OUT/tree_vs_flat_h200_qwen3-1.7b_ckpt-auto.json" 2>&1 | grep -v -i warn | tail -3 ;;
+    generation-short)
+      timeout 230 python3 benchmarks/bench_generation_modes.py --modes generate continuous_batching static_cache \
+        --steps 3 --out "$OUT/generation_modes_h200.json" 2>&1 | grep -v -i warn | grep -E "^\||step|skipped" ;;
+    s2-d)
+      bash "$0" nofla
+      CUDA_VISIBLE_DEVICES=1 bash "$0" tests-fixed > "$OUT/gpu1.log" 2>&1 &
+      if bash "$0" balance-fsdp-tiny; then wait; bash "$0" balance-fsdp-log; fi
+      wait
+      CUDA_VISIBLE_DEVICES=1 bash "$0" generation-short >> "$OUT/gpu1.log" 2>&1 &
+      CUDA_VISIBLE_DEVICES=0 bash "$0" recompute-auto
+      wait
+      grep -v -i warn "$OUT/gpu1.log" | tail -30 ;;
     pack)  # the device tool brings back at most 8 files: everything in one archive
       (cd "$OUT" && tar czf results.tgz --exclude results.tgz ./*.json ./*.log 2>/dev/null; ls) ;;
     parallel)

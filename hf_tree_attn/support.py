@@ -494,6 +494,8 @@ def _lm_head_error(model: torch.nn.Module) -> str | None:
     # PEFT `modules_to_save=["lm_head"]` wraps a plain copy per adapter and resolves `.weight` to the active one
     # (the original with adapters disabled), so it is exact; a LoRA layer's `.weight` would miss its delta.
     base = getattr(head, "original_module", head)
+    # `torch.compile` of the head (accelerate's `compile_regions` compiles it whole) computes the same linear map.
+    base = getattr(base, "_orig_mod", base)
     if hasattr(head, "lora_A"):
         return (
             f"The output embedding is a {type(head).__name__} (a LoRA on `lm_head`), not a plain nn.Linear. The tree "

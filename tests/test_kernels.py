@@ -161,14 +161,19 @@ def test_regional_inductor_compile_on_the_tree_path():
 
 @pytest.mark.gpu
 def test_tree_trainer_with_liger_kernels_matches_flat_trainer(tiny, tmp_path, monkeypatch):  # noqa: F811
-    """`use_liger_kernel=True` on both trainers (TRL applies the layer kernels at init): TreeGRPOTrainer's loss and
-    gradients equal TRL's flat ones on CUDA (fp32 weights, the CUDA tolerance of tests/test_grpo_trainer.py)."""
+    """`use_liger_kernel=True` on both trainers (TRL sets the Liger config, `Trainer.train` applies the layer kernels
+    when training starts: done here the same way): TreeGRPOTrainer's loss and gradients equal TRL's flat ones on CUDA
+    (fp32 weights, the CUDA tolerance of tests/test_grpo_trainer.py)."""
     pytest.importorskip("liger_kernel")
     from test_grpo_trainer import TOLERANCE_CUDA, _assert_same, _inputs, _loss_and_grads, _pair
+    from transformers.integrations.liger import apply_liger_kernel
     from transformers.models.qwen3 import modeling_qwen3
 
     monkeypatch.setattr(modeling_qwen3, "apply_rotary_pos_emb", modeling_qwen3.apply_rotary_pos_emb)
     tree, flat = _pair(tiny, tmp_path, use_cpu=False, use_liger_kernel=True, beta=0.04, num_iterations=2)
+    for trainer in (tree, flat):
+        assert trainer.args.liger_kernel_config["fused_linear_cross_entropy"] is False
+        apply_liger_kernel(trainer.model, trainer.args.liger_kernel_config)  # as `Trainer.train` does
     assert modeling_qwen3.apply_rotary_pos_emb.__module__.startswith("liger_kernel")
     inputs = _inputs(tree, flat, tiny[1], beta=0.04, num_iterations=2, device="cuda")
     _assert_same(_loss_and_grads(tree, inputs), _loss_and_grads(flat, inputs), TOLERANCE_CUDA[torch.float32])

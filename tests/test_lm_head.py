@@ -95,3 +95,19 @@ def test_peft_modules_to_save_lm_head_is_exact_and_lora_on_lm_head_raises():
     )
     with pytest.raises(NotImplementedError, match="modules_to_save"):
         hf_tree_attn.check_tree_model(lora_head)
+
+
+def test_compiled_lm_head_is_accepted_and_exact():
+    """`torch.compile` of the LM head (accelerate's `compile_regions` compiles it as a whole region): the tree LM head
+    reads the same weight, so the model is accepted and gives the uncompiled model's log-probs."""
+    import hf_tree_attn
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(copy.deepcopy(CONFIGS["qwen3"]), attn_implementation="tree_flex").float()
+    seqs = [[1, 2, 3, 4], [1, 2, 5], [6, 7]]
+    expected = hf_tree_attn.sequence_logprobs(model, seqs)
+    model.lm_head = torch.compile(model.lm_head)
+    assert type(model.get_output_embeddings()).__name__ == "OptimizedModule"
+    hf_tree_attn.check_tree_model(model)
+    for got, ref in zip(hf_tree_attn.sequence_logprobs(model, seqs), expected):
+        torch.testing.assert_close(got, ref, atol=0, rtol=0)
