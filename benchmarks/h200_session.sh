@@ -128,7 +128,7 @@ for stage in "$@"; do
       timeout 150 python3 -m accelerate.commands.launch --config_file trainers/configs/fsdp2.yaml \
         benchmarks/bench_balance_fsdp.py --model tiny --length-scale 0.05 --steps 2 --accumulation 1 \
         --configs flat tree_balanced --out "$OUT/balance_fsdp2_tiny.json" > "$OUT/balance_fsdp2_tiny.log" 2>&1
-      rc=$?; grep -E "^(flat|tree)|Error|error:" "$OUT/balance_fsdp2_tiny.log" | grep -v -i warn | tail -12; return $rc 2>/dev/null
+      rc=$?; grep -E "^(flat|tree)|Error|error:" "$OUT/balance_fsdp2_tiny.log" | grep -v -i warn | tail -12
       [ $rc -eq 0 ] ;;
     balance-fsdp-log)
       timeout 220 python3 -m accelerate.commands.launch --config_file trainers/configs/fsdp2.yaml \
