@@ -125,13 +125,13 @@ for stage in "$@"; do
       wait
       grep -v -i warn "$OUT/gpu1.log" | tail -30 ;;
     balance-fsdp-tiny)  # the FSDP2 path of the balance benchmark on a tiny shape, whole log kept (a quick check)
-      timeout 150 python3 -m accelerate.commands.launch --config_file trainers/configs/fsdp2.yaml \
+      timeout 120 python3 -m accelerate.commands.launch --config_file trainers/configs/fsdp2.yaml \
         benchmarks/bench_balance_fsdp.py --model tiny --length-scale 0.05 --steps 2 --accumulation 1 \
         --configs flat tree_balanced --out "$OUT/balance_fsdp2_tiny.json" > "$OUT/balance_fsdp2_tiny.log" 2>&1
       rc=$?; grep -E "^(flat|tree)|Error|error:" "$OUT/balance_fsdp2_tiny.log" | grep -v -i warn | tail -12
       [ $rc -eq 0 ] ;;
     balance-fsdp-log)
-      timeout 220 python3 -m accelerate.commands.launch --config_file trainers/configs/fsdp2.yaml \
+      timeout 200 python3 -m accelerate.commands.launch --config_file trainers/configs/fsdp2.yaml \
         benchmarks/bench_balance_fsdp.py --length-scale 0.5 --steps 3 --out "$OUT/balance_fsdp2_h200.json" \
         > "$OUT/balance_fsdp2_h200.log" 2>&1; grep -E "^(flat|tree)|Error" "$OUT/balance_fsdp2_h200.log" | tail -12 ;;
     tests-fixed)  # the GPU tests changed after session 2's run
@@ -142,7 +142,7 @@ for stage in "$@"; do
         --workloads grpo_G16_P4096_C512 --checkpointing auto \
         --out "$OUT/tree_vs_flat_h200_qwen3-1.7b_ckpt-auto.json" 2>&1 | grep -v -i warn | tail -3 ;;
     generation-short)
-      timeout 230 python3 benchmarks/bench_generation_modes.py --modes generate continuous_batching static_cache \
+      timeout 200 python3 benchmarks/bench_generation_modes.py --modes generate continuous_batching static_cache \
         --steps 3 --out "$OUT/generation_modes_h200.json" 2>&1 | grep -v -i warn | grep -E "^\||step|skipped" ;;
     s2-d)
       bash "$0" nofla
