@@ -153,6 +153,8 @@ for stage in "$@"; do
       CUDA_VISIBLE_DEVICES=0 bash "$0" recompute-auto
       wait
       grep -v -i warn "$OUT/gpu1.log" | tail -30 ;;
+    s2-e)  # nvidia-h200-x2 was no longer lent: the single-GPU part of s2-d
+      bash "$0" nofla tests-fixed recompute-auto generation-short ;;
     pack)  # the device tool brings back at most 8 files: everything in one archive
       (cd "$OUT" && tar czf results.tgz --exclude results.tgz ./*.json ./*.log 2>/dev/null; ls) ;;
     parallel)
