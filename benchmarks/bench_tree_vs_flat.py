@@ -20,7 +20,8 @@ Every method processes the whole logical batch in micro-batches of at most `--ma
 Kernels and recompute apply to every method alike: `--liger` (Liger's RMSNorm / SwiGLU / RoPE, as TRL's
 `use_liger_kernel=True`), `--compile-layers` (regional torch.compile of the decoder layers, as accelerate's
 `dynamo_use_regional_compilation`), `--checkpointing all|none|auto` (auto: the tree recomputes only the layers
-`TreeGRPOConfig.tree_recompute="auto"` would, flat keeps every layer). Each method's `mfu` = its model FLOPs
+`TreeGRPOConfig.tree_recompute="auto"` would, bounded by flat_padded's largest micro-batch with every layer
+checkpointed; flat keeps every layer). Each method's `mfu` = its model FLOPs
 (`estimate_flops`: the tree's unique tokens for the tree, the unpadded sequences for flat; x4 for the old-logprob
 forward, the policy forward and the backward; recompute not counted) / time / `PEAK_FLOPS`.
 
@@ -303,6 +304,14 @@ def flat_padded_tokens(wl: Workload, budget: int) -> int:
     return sum(len(b) * max(lengths[i] for i in b) for b in _token_budget_batches(lengths, budget, padded=True))
 
 
+def flat_padded_forward_tokens(wl: Workload, budget: int) -> int:
+    """Positions of flat_padded's largest micro-batch (rows x padded width): the forward whose activations, every
+    layer checkpointed, bound a tree forward's under `recompute="auto"` (the trainer's rule, with TRL's flat forward
+    of the same rows as the bound; here flat runs its rows in token-budgeted micro-batches)."""
+    lengths = [len(s) for s in wl.sequences]
+    return max(len(b) * max(lengths[i] for i in b) for b in _token_budget_batches(lengths, budget, padded=True))
+
+
 def _one_level(forest: PackedForest) -> PackedForest:
     """The forest with every segment made a root: one recurrent call per layer (wrong states; timing only)."""
     roots = torch.full_like(forest.segment_parent, -1)
@@ -344,14 +353,14 @@ def tree_step(
         prepared.append((forest, rows.to(device), row_weights[rows].to(device)))
     config = model.config
     whole, kept = activation_bytes(config)
+    flat_forward = flat_padded_forward_tokens(wl, budget)
     checkpointed = []
     for train in (False, True):  # each layer kind's mask: built in the first forward, reused by the rest
         for forest, rows, weights in prepared:
             count = None
             if train and recompute == "auto":
-                count = layers_to_checkpoint(
-                    config.num_hidden_layers, forest.seq_len, forest.num_original_tokens, whole, kept
-                )
+                bound = min(forest.num_original_tokens, flat_forward)
+                count = layers_to_checkpoint(config.num_hidden_layers, forest.seq_len, bound, whole, kept)
                 checkpointed.append(count / config.num_hidden_layers)
             with torch.set_grad_enabled(train), recompute_only(model, count):
                 table, _ = forest_logprobs(model, forest, rows=rows)

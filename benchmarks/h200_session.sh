@@ -138,7 +138,7 @@ for stage in "$@"; do
       timeout 150 python3 -m pytest -q -rf -m gpu -p no:cacheprovider --timeout 100 tests/test_kernels.py \
         tests/test_grpo_trainer.py > "$OUT/gpu_tests_fixed.log" 2>&1; tail -8 "$OUT/gpu_tests_fixed.log" ;;
     recompute-auto)
-      timeout 170 python3 benchmarks/bench_tree_vs_flat.py --models qwen3-1.7b --scale 0.5 --repeats 1 \
+      timeout 150 python3 benchmarks/bench_tree_vs_flat.py --models qwen3-1.7b --scale 0.5 --repeats 1 \
         --workloads grpo_G16_P4096_C512 --checkpointing auto \
         --out "$OUT/tree_vs_flat_h200_qwen3-1.7b_ckpt-auto.json" 2>&1 | grep -v -i warn | tail -3 ;;
     generation-short)
@@ -155,6 +155,19 @@ for stage in "$@"; do
       grep -v -i warn "$OUT/gpu1.log" | tail -30 ;;
     s2-e)  # nvidia-h200-x2 was no longer lent: the single-GPU part of s2-d
       bash "$0" nofla tests-fixed recompute-auto generation-short ;;
+    hybrid-grpo-q)  # one prompt group (scale 0.25): transformers' torch kernels for the GDN / conv layers (nofla)
+      timeout 230 python3 benchmarks/bench_tree_vs_flat.py --models qwen3.5-0.8b --scale 0.25 --repeats 1 \
+        --workloads grpo_G16_P4096_C512 --out "$OUT/tree_vs_flat_h200_qwen3.5-0.8b.json" 2>&1 | grep -v -i warn \
+        | grep -v "^\[transformers\]" | tail -3 ;;
+    levels)
+      timeout 80 python3 benchmarks/bench_levels.py --device cuda --heads 16 --dim 128 --scale 1 \
+        --out "$OUT/levels_h200.json" 2>&1 | grep -v -i warn | tail -8 ;;
+    hybrid-agent-q)
+      timeout 110 python3 benchmarks/bench_tree_vs_flat.py --models qwen3.5-0.8b --scale 0.25 --repeats 1 \
+        --workloads agent_20_turns --out "$OUT/tree_vs_flat_h200_qwen3.5-0.8b_agent20.json" 2>&1 \
+        | grep -v -i warn | grep -v "^\[transformers\]" | tail -3 ;;
+    s2-f)  # one GPU, the rest of session 2
+      bash "$0" nofla hybrid-grpo-q levels recompute-auto hybrid-agent-q ;;
     pack)  # the device tool brings back at most 8 files: everything in one archive
       (cd "$OUT" && tar czf results.tgz --exclude results.tgz ./*.json ./*.log 2>/dev/null; ls) ;;
     parallel)
