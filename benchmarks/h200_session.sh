@@ -163,7 +163,7 @@ for stage in "$@"; do
       timeout 80 python3 benchmarks/bench_levels.py --device cuda --heads 16 --dim 128 --scale 1 \
         --out "$OUT/levels_h200.json" 2>&1 | grep -v -i warn | tail -8 ;;
     hybrid-agent-q)
-      timeout 110 python3 benchmarks/bench_tree_vs_flat.py --models qwen3.5-0.8b --scale 0.25 --repeats 1 \
+      timeout 270 python3 benchmarks/bench_tree_vs_flat.py --models qwen3.5-0.8b --scale 0.25 --repeats 1 \
         --workloads agent_20_turns --out "$OUT/tree_vs_flat_h200_qwen3.5-0.8b_agent20.json" 2>&1 \
         | grep -v -i warn | grep -v "^\[transformers\]" | tail -3 ;;
     s2-f)  # one GPU, the rest of session 2
