@@ -161,7 +161,8 @@ def main():
 
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
         out = {
-            "command": "accelerate launch ... " + " ".join(sys.argv),
+            "command": " ".join(sys.argv),  # under `accelerate launch` / `torchrun`: see `world_size`
+            "world_size": torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1,
             "devices": [torch.cuda.get_device_name() if cuda else "cpu"] * max(1, len(results[name]["per_rank"])),
             "versions": {
                 "torch": torch.__version__,
