@@ -29,7 +29,8 @@ forward, the policy forward and the backward; recompute not counted) / time / `P
 
 For hybrids each tree run is also timed with every segment made a root ("tree_one_level": the same tokens and
 kernels in one call per layer, wrong states — timing only): `level_overhead` = the share of the tree's time that
-going level by level costs.
+going level by level costs. Only with flash-linear-attention installed: without a varlen kernel one call pads
+every segment to the longest, which is no level cost (benchmarks/bench_levels.py measures it kernel by kernel).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import importlib.util
 import json
 import platform
 import random
@@ -539,7 +541,8 @@ def main():
                 run[method] = time_method(fn, model, wl, args.max_tokens_per_mb, device, args.repeats)
                 probes[method] = grad_probe(model, fn, wl, args.max_tokens_per_mb, device)
                 run[method]["mfu"] = model_flops(method, run[method], flops) / run[method]["time_s"] / PEAK_FLOPS
-            if hybrid:  # the cost of going level by level: same tokens and kernels, one call per layer
+            if hybrid and importlib.util.find_spec("fla") is not None:  # the cost of going level by level: same
+                # tokens and kernels, one varlen call per layer
                 one_level = functools.partial(tree_step, one_level=True)
                 run["tree_one_level"] = time_method(one_level, model, wl, args.max_tokens_per_mb, device, args.repeats)
                 run["level_overhead"] = 1 - run["tree_one_level"]["time_s"] / run["tree"]["time_s"]
@@ -565,7 +568,8 @@ def main():
                   f"{run['peak_memory_ratio']:>8.2f} "
                   f"{100 * run['pack_and_mask_share']:>8.1f}% {tree['grad_cos_vs_flat_padded']:>8.5f} "
                   f"{100 * tree['mfu']:>7.1f}% {100 * best_flat_mfu:>5.1f}%"
-                  + (f"  levels {tree.get('levels')}, by level +{100 * run['level_overhead']:.1f}%" if hybrid else ""),
+                  + (f"  levels {tree.get('levels')}" if hybrid else "")
+                  + (f", by level +{100 * run['level_overhead']:.1f}%" if "level_overhead" in run else ""),
                   flush=True)  # fmt: skip
             with open(args.out, "w") as f:
                 json.dump(results, f, indent=1)
