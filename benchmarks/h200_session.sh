@@ -168,6 +168,15 @@ for stage in "$@"; do
         | grep -v -i warn | grep -v "^\[transformers\]" | tail -3 ;;
     s2-f)  # one GPU, the rest of session 2
       bash "$0" nofla hybrid-grpo-q levels recompute-auto hybrid-agent-q ;;
+    # ---- still to run (issues 9-11): on nvidia-h200-x2 `s3-x2`, on one H200 `s3-one`
+    s3-x2)
+      bash "$0" nofla
+      if bash "$0" balance-fsdp-tiny; then bash "$0" balance-fsdp-log; fi ;;
+    s3-one)
+      bash "$0" nofla
+      timeout 280 python3 benchmarks/bench_generation_modes.py --modes continuous_batching static_cache compiled \
+        --steps 3 --out "$OUT/generation_modes_h200_more.json" 2>&1 | grep -v -i warn | grep -E "^\||step|skipped"
+      bash "$0" hybrid-agent-q ;;
     pack)  # the device tool brings back at most 8 files: everything in one archive
       (cd "$OUT" && tar czf results.tgz --exclude results.tgz ./*.json ./*.log 2>/dev/null; ls) ;;
     parallel)
