@@ -300,18 +300,12 @@ def flat_packed_forest_step(model, wl: Workload, budget: int, device) -> dict:
     return {"mask_s": MaskTimer.take()}
 
 
-def flat_padded_tokens(wl: Workload, budget: int) -> int:
-    """Positions flat_padded computes: rows x padded width, summed over its micro-batches."""
+def flat_padded_positions(wl: Workload, budget: int) -> list[int]:
+    """Positions each flat_padded micro-batch computes: rows x padded width. Their sum is flat's work; their max
+    bounds a tree forward's activations under `recompute="auto"` (the trainer's rule, with TRL's flat forward of the
+    same rows as the bound; here flat runs its rows in token-budgeted micro-batches)."""
     lengths = [len(s) for s in wl.sequences]
-    return sum(len(b) * max(lengths[i] for i in b) for b in _token_budget_batches(lengths, budget, padded=True))
-
-
-def flat_padded_forward_tokens(wl: Workload, budget: int) -> int:
-    """Positions of flat_padded's largest micro-batch (rows x padded width): the forward whose activations, every
-    layer checkpointed, bound a tree forward's under `recompute="auto"` (the trainer's rule, with TRL's flat forward
-    of the same rows as the bound; here flat runs its rows in token-budgeted micro-batches)."""
-    lengths = [len(s) for s in wl.sequences]
-    return max(len(b) * max(lengths[i] for i in b) for b in _token_budget_batches(lengths, budget, padded=True))
+    return [len(b) * max(lengths[i] for i in b) for b in _token_budget_batches(lengths, budget, padded=True)]
 
 
 def _one_level(forest: PackedForest) -> PackedForest:
@@ -339,7 +333,7 @@ def tree_step(
         forests = [_one_level(f) for f in forests]
     pack_time = time.perf_counter() - t0
     tree_tokens = sum(f.num_tree_tokens for f in forests)
-    if fallback_ratio is not None and tree_tokens > fallback_ratio * flat_padded_tokens(wl, budget):
+    if fallback_ratio is not None and tree_tokens > fallback_ratio * sum(flat_padded_positions(wl, budget)):
         decided = time.perf_counter() - t0
         return {**flat_padded_step(model, wl, budget, device), "pack_s": decided, "mask_s": 0.0, "micro_batches": 0}
     prepared = []
@@ -355,7 +349,7 @@ def tree_step(
         prepared.append((forest, rows.to(device), row_weights[rows].to(device)))
     config = model.config
     whole, kept = activation_bytes(config)
-    flat_forward = flat_padded_forward_tokens(wl, budget)
+    flat_forward = max(flat_padded_positions(wl, budget)) if recompute == "auto" else None
     checkpointed = []
     for train in (False, True):  # each layer kind's mask: built in the first forward, reused by the rest
         for forest, rows, weights in prepared:

@@ -10,7 +10,9 @@
 from __future__ import annotations
 
 import copy
+import os
 import random
+import sys
 
 import torch
 from transformers import (
@@ -453,3 +455,14 @@ def flat_logprobs(model, seq, temperature: float = 1.0) -> tuple[torch.Tensor, t
     logps = logp.gather(-1, ids[0, 1:, None])[:, 0]
     entropy = -(logp.exp() * logp).sum(-1)
     return logps, entropy
+
+
+def exit_distributed_worker() -> None:
+    """End a CPU (gloo) DDP worker once its results are written, without freeing its trainers.
+
+    Freeing DDP's reducer joins gloo's worker thread while holding the GIL, and that thread may still need the GIL
+    to free its last allgather's tensors: an intermittent deadlock in PyTorch's CPU teardown, after every result is
+    written.
+    """
+    sys.stdout.flush(), sys.stderr.flush()
+    os._exit(0)

@@ -214,6 +214,7 @@ def _run_rank(model_path: str, out_dir: str) -> None:
     """The torchrun worker: for every loss type, one optimizer step unbalanced and one balanced; record both."""
     sys.path.insert(0, str(REPO))
     from datasets import Dataset
+    from helpers import exit_distributed_worker
     from transformers import AutoTokenizer, TrainerCallback
 
     from hf_tree_attn.trainer import TreeGRPOConfig, TreeGRPOTrainer
@@ -268,7 +269,7 @@ def _run_rank(model_path: str, out_dir: str) -> None:
                 callbacks=[grads],
             )  # fmt: skip
             trainer.train()
-            trainers.append(trainer)  # freed only by os._exit below (see there)
+            trainers.append(trainer)  # never freed: see exit_distributed_worker
             (loss,) = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
             metrics = [entry for entry in trainer.state.log_history if "balance/imbalance_before" in entry]
             report[f"{loss_type}_{balance}"] = {
@@ -279,11 +280,7 @@ def _run_rank(model_path: str, out_dir: str) -> None:
                 else None,
             }
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report))
-    # Never free a trainer: freeing DDP's reducer joins gloo's worker thread while holding the GIL, and that thread
-    # may still need the GIL to free its last allgather's tensors — an intermittent deadlock in PyTorch's CPU (gloo)
-    # teardown. Exit once the report is written.
-    sys.stdout.flush(), sys.stderr.flush()
-    os._exit(0)
+    exit_distributed_worker()  # never free a trainer (see there)
 
 
 def test_balanced_trainer_matches_unbalanced_for_every_loss_type(tmp_path):

@@ -17,6 +17,8 @@ REPO = Path(__file__).resolve().parent.parent
 def _run_rank() -> None:
     """The torchrun worker: the main job with rank 1 packing each chunk into fewer forests than rank 0."""
     sys.path.insert(0, str(REPO))
+    from helpers import exit_distributed_worker
+
     from trainers import grpo_tree
 
     missing_forwards = []
@@ -42,11 +44,7 @@ def _run_rank() -> None:
     report["world"] = trainer.accelerator.num_processes
     out = Path(trainer.args.output_dir) / f"rank{report['rank']}.json"
     out.write_text(json.dumps(report))
-    # Exit while the trainer is alive: freeing DDP's reducer joins gloo's worker thread while holding the GIL, and
-    # that thread may still need the GIL to free its last allgather's tensors — an intermittent deadlock in
-    # PyTorch's CPU (gloo) teardown, after every result is written.
-    sys.stdout.flush(), sys.stderr.flush()
-    os._exit(0)
+    exit_distributed_worker()  # while the trainer is alive (see there)
 
 
 def test_unequal_forest_counts_across_ranks_do_not_hang(tmp_path):
