@@ -177,6 +177,17 @@ for stage in "$@"; do
       timeout 280 python3 benchmarks/bench_generation_modes.py --modes continuous_batching static_cache compiled \
         --steps 3 --out "$OUT/generation_modes_h200_more.json" 2>&1 | grep -v -i warn | grep -E "^\||step|skipped"
       bash "$0" hybrid-agent-q ;;
+    # ---- session 3 (issue 11): where the trainer phase's time goes, and MFU with the layer kernels
+    profile)
+      for variant in "tree" "tree --liger --compile-layers" "flat_padded"; do
+        set -- $variant; method=$1; shift; tag=$(echo "$method $*" | tr -d '-' | tr ' ' '_')
+        timeout 150 python3 benchmarks/profile_step.py --model qwen3-1.7b --method $method "$@" \
+          --out "$OUT/profile_qwen3-1.7b_$tag.json" 2>&1 | grep -v -i warn | grep -v "^\[transformers\]" | head -30
+      done ;;
+    mfu-1.7b)
+      timeout 240 python3 benchmarks/bench_tree_vs_flat.py --models qwen3-1.7b --scale 0.5 --repeats 1 \
+        --workloads grpo_G16_P4096_C512 --checkpointing auto --liger --compile-layers \
+        --out "$OUT/tree_vs_flat_h200_qwen3-1.7b_liger_compile.json" 2>&1 | grep -v -i warn | tail -3 ;;
     pack)  # the device tool brings back at most 8 files: everything in one archive
       (cd "$OUT" && tar czf results.tgz --exclude results.tgz ./*.json ./*.log 2>/dev/null; ls) ;;
     parallel)
