@@ -188,6 +188,16 @@ for stage in "$@"; do
       timeout 240 python3 benchmarks/bench_tree_vs_flat.py --models qwen3-1.7b --scale 0.5 --repeats 1 \
         --workloads grpo_G16_P4096_C512 --checkpointing auto --liger --compile-layers \
         --out "$OUT/tree_vs_flat_h200_qwen3-1.7b_liger_compile.json" 2>&1 | grep -v -i warn | tail -3 ;;
+    profile-lc)  # the tree with Liger + compiled layers, recompute auto and none (whole logs kept)
+      for ckpt in auto none; do
+        TORCH_LOGS=recompiles timeout 240 python3 benchmarks/profile_step.py --model qwen3-1.7b --method tree --liger \
+          --compile-layers --checkpointing $ckpt --out "$OUT/profile_qwen3-1.7b_tree_liger_compile_ckpt-$ckpt.json" \
+          > "$OUT/profile_lc_$ckpt.log" 2>&1; grep -A12 "^qwen3" "$OUT/profile_lc_$ckpt.log" || tail -5 "$OUT/profile_lc_$ckpt.log"
+      done ;;
+    mfu-8b)
+      timeout 300 python3 benchmarks/bench_tree_vs_flat.py --models qwen3-8b --scale 0.25 --repeats 1 \
+        --workloads grpo_G16_P4096_C512 --checkpointing auto --liger --compile-layers \
+        --out "$OUT/tree_vs_flat_h200_qwen3-8b_liger_compile.json" 2>&1 | grep -v -i warn | tail -3 ;;
     pack)  # the device tool brings back at most 8 files: everything in one archive
       (cd "$OUT" && tar czf results.tgz --exclude results.tgz ./*.json ./*.log 2>/dev/null; ls) ;;
     parallel)

@@ -113,6 +113,7 @@ def main():
         "spec": wl.spec,
         "method": args.method,
         "kernels": {"liger": args.liger, "compile_layers": args.compile_layers, "checkpointing": args.checkpointing},
+        "compiled_graphs": int(torch._dynamo.utils.counters["stats"]["unique_graphs"]),
         "wall_s": wall_unprofiled,
         "wall_profiled_s": wall,
         "busy": busy / wall,
@@ -126,7 +127,7 @@ def main():
     }
     print(f"{args.model} {wl.name} {args.method} liger={args.liger} compile={args.compile_layers} "
           f"ckpt={args.checkpointing}: wall {wall_unprofiled:.3f} s, mfu {100 * result['mfu']:.1f}%, "
-          f"GPU busy {100 * result['busy']:.0f}%")  # fmt: skip
+          f"GPU busy {100 * result['busy']:.0f}%, {result['compiled_graphs']} compiled graphs")  # fmt: skip
     for k, v in result["by_kind"].items():
         print(f"  {k:<20} {v['s']:8.3f} s  {100 * v['share']:5.1f}%")
     for k in result["top_kernels"]:
