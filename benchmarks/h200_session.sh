@@ -198,6 +198,13 @@ for stage in "$@"; do
       timeout 300 python3 benchmarks/bench_tree_vs_flat.py --models qwen3-8b --scale 0.25 --repeats 1 \
         --workloads grpo_G16_P4096_C512 --checkpointing auto --liger --compile-layers \
         --out "$OUT/tree_vs_flat_h200_qwen3-8b_liger_compile.json" 2>&1 | grep -v -i warn | tail -3 ;;
+    grad-check)  # the 8B liger+compile row's tree gradients disagreed with flat's (cos 0.0): which method, which group
+      timeout 260 python3 benchmarks/grad_check.py --model qwen3-8b --layers 12 --variants compile liger_compile \
+        --out "$OUT/grad_check_qwen3-8b-L12.json" > "$OUT/grad_check.log" 2>&1; grep -E "^(eager|compile|liger)" \
+        "$OUT/grad_check.log" || tail -20 "$OUT/grad_check.log" ;;
+    generation-more)
+      timeout 280 python3 benchmarks/bench_generation_modes.py --modes continuous_batching static_cache compiled \
+        --steps 3 --out "$OUT/generation_modes_h200_more.json" 2>&1 | grep -v -i warn | grep -E "^\||step|skipped" ;;
     pack)  # the device tool brings back at most 8 files: everything in one archive
       (cd "$OUT" && tar czf results.tgz --exclude results.tgz ./*.json ./*.log 2>/dev/null; ls) ;;
     parallel)
