@@ -42,6 +42,7 @@ def main():
     parser.add_argument("--scale", type=float, default=0.25)
     parser.add_argument("--checkpointing", default="auto")
     parser.add_argument("--variants", nargs="+", default=["compile", "liger", "liger_compile"])
+    parser.add_argument("--methods", nargs="+", default=["flat_padded", "flat_packed", "tree", "tree_ckpt_all"])
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     device = torch.device("cuda")
@@ -56,6 +57,7 @@ def main():
         "tree": functools.partial(tree_step, recompute=args.checkpointing),
         "tree_ckpt_all": functools.partial(tree_step, recompute="all"),
     }
+    methods = {m: methods[m] for m in args.methods}
     budget = 65536
 
     # Eager first: Liger patches transformers' module functions for every model built afterwards.
@@ -66,10 +68,10 @@ def main():
     results = {"command": "python " + " ".join(__import__("sys").argv), "eager": {}}
     for m in methods:
         results["eager"][m] = {
-            g: torch.nn.functional.cosine_similarity(reference[m][g], reference["flat_padded"][g], dim=0).item()
+            g: torch.nn.functional.cosine_similarity(reference[m][g], reference[args.methods[0]][g], dim=0).item()
             for g in GROUPS
         }
-        print(f"eager {m:<14} cos vs eager flat_padded", {g: round(c, 5) for g, c in results["eager"][m].items()})
+        print(f"eager {m:<14} cos vs eager", args.methods[0], {g: round(c, 5) for g, c in results["eager"][m].items()})
     for variant in args.variants:
         torch._dynamo.reset()
         model = build_model(name, device, "liger" in variant, "compile" in variant, args.checkpointing)

@@ -202,6 +202,10 @@ for stage in "$@"; do
       timeout 260 python3 benchmarks/grad_check.py --model qwen3-8b --layers 12 --variants compile liger_compile \
         --out "$OUT/grad_check_qwen3-8b-L12.json" > "$OUT/grad_check.log" 2>&1; grep -E "^(eager|compile|liger)" \
         "$OUT/grad_check.log" || tail -20 "$OUT/grad_check.log" ;;
+    grad-check-8b)
+      timeout 330 python3 benchmarks/grad_check.py --model qwen3-8b --variants liger liger_compile \
+        --methods tree tree_ckpt_all flat_packed --out "$OUT/grad_check_qwen3-8b.json" > "$OUT/grad_check_8b.log" 2>&1
+      grep -E "^(eager|compile|liger)" "$OUT/grad_check_8b.log" || tail -20 "$OUT/grad_check_8b.log" ;;
     generation-more)
       timeout 280 python3 benchmarks/bench_generation_modes.py --modes continuous_batching static_cache compiled \
         --steps 3 --out "$OUT/generation_modes_h200_more.json" 2>&1 | grep -v -i warn | grep -E "^\||step|skipped" ;;
