@@ -178,3 +178,25 @@ def test_tree_trainer_with_liger_kernels_matches_flat_trainer(tiny, tmp_path, mo
     inputs = _inputs(tree, flat, tiny[1], beta=0.04, num_iterations=2, device="cuda")
     _assert_same(_loss_and_grads(tree, inputs), _loss_and_grads(flat, inputs), TOLERANCE_CUDA[torch.float32])
     assert tree._metrics["train"]["tree_fallback"] == [0.0]
+
+
+@pytest.mark.parametrize(
+    "liger, torch_compile, backend, warned",
+    [(True, True, "NO", True), (True, False, "INDUCTOR", True), (True, False, "NO", False),
+     (False, True, "INDUCTOR", False), (True, False, None, False)],
+)  # fmt: skip
+def test_liger_with_compiled_layers_is_warned(liger, torch_compile, backend, warned):
+    """Liger + compiled layers gave wrong gradients at the Qwen3-8B shape on the H200 (flat and tree alike): the
+    trainer says so at init; either alone says nothing."""
+    from types import SimpleNamespace
+
+    from accelerate.utils import DynamoBackend
+
+    from hf_tree_attn.trainer.grpo_trainer import liger_with_compile_warning
+
+    args = SimpleNamespace(use_liger_kernel=liger, torch_compile=torch_compile)
+    plugin = None if backend is None else SimpleNamespace(backend=DynamoBackend(backend))
+    message = liger_with_compile_warning(args, plugin)
+    assert (message is not None) == warned
+    if warned:
+        assert "use_liger_kernel=True" in message and "gradients" in message and "one of the two off" in message
