@@ -27,8 +27,8 @@ import hf_tree_attn
 
 # First match wins; names as CUDA / Triton / inductor print them.
 KINDS = [
-    ("attention_backward", r"flex_attention_backward|flash_bwd|fmha.*bwd|attention_backward|_bwd_kernel"),
-    ("attention_forward", r"flex_attention|flash_fwd|fmha|efficient_attention|_fwd_kernel|attention"),
+    ("attention_backward", r"flex_attention_backward|flash_bwd|bprop|fmha.*bwd|attention_backward|_bwd_kernel"),
+    ("attention_forward", r"flex_attention|flash_fwd|fprop|sdpa|fmha|efficient_attention|_fwd_kernel|attention"),
     ("matmul", r"gemm|cutlass|nvjet|xmma|cublas|splitk|sm90_|sm80_"),
     ("lm_head_softmax", r"softmax|logsumexp|cross_entropy|entropy|chunk"),
     ("liger", r"liger|_rms_norm|_swiglu|_rope|_geglu"),
