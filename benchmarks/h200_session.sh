@@ -215,6 +215,10 @@ for stage in "$@"; do
         --variants liger_compile --methods tree flat_packed --out "$OUT/grad_check_qwen3-8b_no-mix-order.json" \
         > "$OUT/grad_check_8b_mor.log" 2>&1
       grep -E "^(eager|liger)" "$OUT/grad_check_8b_mor.log" || tail -20 "$OUT/grad_check_8b_mor.log" ;;
+    grad-check-8b-compile)  # compiled layers without Liger were checked on a 12-layer cut only: the full 36 layers
+      timeout 300 python3 benchmarks/grad_check.py --model qwen3-8b --variants compile --methods tree flat_packed \
+        --out "$OUT/grad_check_qwen3-8b_compile.json" > "$OUT/grad_check_8b_compile.log" 2>&1
+      grep -E "^(eager|compile)" "$OUT/grad_check_8b_compile.log" || tail -20 "$OUT/grad_check_8b_compile.log" ;;
     mfu-8b-compile)  # compiled layers without Liger (exact at 8B in grad_check)
       timeout 300 python3 benchmarks/bench_tree_vs_flat.py --models qwen3-8b --scale 0.25 --repeats 1 \
         --workloads grpo_G16_P4096_C512 --checkpointing auto --compile-layers \
@@ -223,7 +227,9 @@ for stage in "$@"; do
       timeout 280 python3 benchmarks/bench_generation_modes.py --modes static_cache compiled --steps 2 \
         --out "$OUT/generation_modes_h200_static.json" 2>&1 | grep -v -i warn | grep -E "^\||step|skipped" ;;
     s4-a)
-      bash "$0" mfu-1.7b mfu-8b-compile ;;
+      bash "$0" mfu-1.7b grad-check-8b-compile ;;
+    s4-d)  # after s4-a shows compiled layers exact at 36 layers
+      bash "$0" mfu-8b-compile ;;
     s4-b)
       bash "$0" grad-check-8b-mor nofla generation-static ;;
     s4-c)

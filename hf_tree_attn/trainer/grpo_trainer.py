@@ -553,10 +553,11 @@ def liger_with_compile_warning(args, dynamo_plugin) -> str | None:
     """The warning for `use_liger_kernel=True` together with compiled layers (`torch_compile`, or an accelerate
     dynamo backend such as regional compilation), or None.
 
-    Measured on an H200 (torch 2.11, liger-kernel 0.8.5, transformers 5.24; `benchmarks/grad_check.py`): Liger alone
-    and inductor-compiled layers alone gave the eager model's gradients, both together gave wrong ones (cosine ~0 to
-    eager, norms up to 21x) at the Qwen3-8B shape, for TRL's flat forward and the tree alike; at the Qwen3-1.7B shape
-    the three methods agreed. Not a tree matter, so not a refusal: the user is told, with the way out.
+    Measured on an H200 (torch 2.11, liger-kernel 0.8.5, transformers 5.24; `benchmarks/grad_check.py`), Qwen3-8B
+    shape: Liger alone gave the eager model's gradients, Liger with inductor-compiled layers gave wrong ones (cosine
+    ~0 to eager, norms up to 21x) for TRL's flat forward and the tree alike; on a 12-layer cut of the shape, and at
+    the Qwen3-1.7B shape, the results were right. Not a tree matter, so not a refusal: the user is told, with the
+    way out.
     """
     backend = getattr(dynamo_plugin, "backend", None)
     compiled = getattr(args, "torch_compile", False) or (backend is not None and backend != "NO")
@@ -565,7 +566,7 @@ def liger_with_compile_warning(args, dynamo_plugin) -> str | None:
     return (
         f"use_liger_kernel=True with compiled layers (torch_compile={getattr(args, 'torch_compile', False)}, dynamo "
         f"backend {backend}): on an H200 with torch 2.11 and liger-kernel 0.8.5 this combination gave wrong "
-        "gradients at the Qwen3-8B shape, on TRL's flat path and the tree alike (each alone was exact). Check your "
+        "gradients at the Qwen3-8B shape, on TRL's flat path and the tree alike (Liger alone was exact). Check your "
         "model's gradients against an eager run (benchmarks/grad_check.py in the hf_tree_attn repository), or turn "
         "one of the two off."
     )
