@@ -53,7 +53,13 @@ from transformers import AutoModelForCausalLM, Gemma3TextConfig, Qwen3_5TextConf
 import hf_tree_attn
 from hf_tree_attn.logprobs import _final_hidden_states, forest_logprobs, lm_head_logprobs
 from hf_tree_attn.masks import TreeMaskSource
-from hf_tree_attn.recompute import activation_bytes, layers_to_checkpoint, recompute_only
+from hf_tree_attn.recompute import (
+    _checkpointed_layers,
+    activation_bytes,
+    layers_to_checkpoint,
+    recompute_only,
+    unpriced_reason,
+)
 from hf_tree_attn.recurrent import tree_layer_types
 from hf_tree_attn.tree import PackedForest
 
@@ -348,7 +354,9 @@ def tree_step(
         rows = torch.unique(rows)
         prepared.append((forest, rows.to(device), row_weights[rows].to(device)))
     config = model.config
-    whole, kept = activation_bytes(config)
+    if recompute == "auto" and unpriced_reason(config, _checkpointed_layers(model)[0]) is not None:
+        recompute = "all"  # as the trainer: layers the activation model does not price recompute every layer
+    whole, kept = activation_bytes(config) if recompute == "auto" else (None, None)
     flat_forward = max(flat_padded_positions(wl, budget)) if recompute == "auto" else None
     checkpointed = []
     for train in (False, True):  # each layer kind's mask: built in the first forward, reused by the rest

@@ -19,6 +19,14 @@ Per token, bytes kept until the backward (bf16 activations `b = 2`, RMSNorm's fl
 
 plus, while the backward recomputes a checkpointed layer, one whole layer. Fused kernels (Liger, inductor) keep
 less than "whole", so the estimate errs toward recomputing more, never toward using more memory than flat.
+
+The formula prices one kind of layer: attention (any mask kind) with at most two layer norms (plus q / k norms)
+and one MLP of `intermediate_size`. Other layers keep more, up to several times more: mixture-of-experts layers
+(router, `top_k` expert inputs), multi-head latent attention, state-carrying mixers (Gated DeltaNet, Mamba-2,
+short convolutions), layers with four norms (Gemma 2 / 3, GLM-4). For those `activation_bytes` raises and
+`tree_recompute="auto"` recomputes every layer, as `"all"` does: no saving, and never more memory than flat.
+`tests/test_recompute.py` measures what autograd saves per layer in every family the trees accept and checks the
+formula is an upper bound wherever it prices the layers.
 """
 
 from __future__ import annotations
@@ -27,13 +35,49 @@ import contextlib
 
 import torch
 
-__all__ = ["activation_bytes", "layers_to_checkpoint", "recompute_only", "spread"]
+__all__ = ["activation_bytes", "layers_to_checkpoint", "recompute_only", "spread", "unpriced_reason"]
 
 
-def activation_bytes(config, dtype_bytes: int = 2) -> tuple[int, int]:
+_EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "moe_intermediate_size")
+_ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "attention")
+
+
+def unpriced_reason(config, decoder_layer: torch.nn.Module | None = None) -> str | None:
+    """Why `activation_bytes` cannot bound the layers of this decoder config (and, if given, of one of its decoder
+    layer modules), or None when it can (see the module docstring)."""
+    for name in ("hidden_size", "intermediate_size", "num_attention_heads"):
+        if not isinstance(getattr(config, name, None), int):
+            return f"its config has no integer `{name}`"
+    experts = [f for f in _EXPERT_FIELDS if getattr(config, f, None)]
+    if experts:
+        return f"mixture-of-experts layers (`{experts[0]}`)"
+    if getattr(config, "kv_lora_rank", None):
+        return "multi-head latent attention (`kv_lora_rank`)"
+    kinds = sorted(set(getattr(config, "layer_types", None) or ()) - set(_ATTENTION_LAYER_TYPES))
+    if kinds:
+        return f"layer types {kinds}"
+    if decoder_layer is not None:
+        from .recurrent import _owns_state
+
+        if any(_owns_state(m) for m in decoder_layer.modules()):
+            return "state-carrying layers"
+        norms = [n for n, m in decoder_layer.named_children() if "norm" in type(m).__name__.lower()]
+        if len(norms) > 2:
+            return f"{len(norms)} layer norms per layer ({', '.join(norms)})"
+    return None
+
+
+def activation_bytes(config, dtype_bytes: int = 2, decoder_layer: torch.nn.Module | None = None) -> tuple[int, int]:
     """`(whole, checkpointed)`: bytes per token one decoder layer keeps for the backward without and with
     checkpointing (see the module docstring), for a decoder config (`hidden_size`, `intermediate_size`,
-    `num_attention_heads`, `num_key_value_heads`, `head_dim`)."""
+    `num_attention_heads`, `num_key_value_heads`, `head_dim`) and, if given, one of its decoder layer modules.
+
+    Raises:
+        NotImplementedError: for layers the formula does not price (`unpriced_reason`).
+    """
+    reason = unpriced_reason(config, decoder_layer)
+    if reason is not None:
+        raise NotImplementedError(f"activation_bytes does not price {reason}.")
     d, inter = config.hidden_size, config.intermediate_size
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or d // heads

@@ -7,12 +7,15 @@ import copy
 
 import pytest
 import torch
+from test_coverage import FAMILIES, tiny_config
 from test_grpo_trainer import _inputs, _loss_and_grads, _pair, tiny  # noqa: F401  (tiny: the model fixture)
 from transformers import AutoModelForCausalLM, Qwen3Config
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 import hf_tree_attn
 from hf_tree_attn.logprobs import _final_hidden_states, forest_forward_kwargs, forest_logprobs
-from hf_tree_attn.recompute import activation_bytes, layers_to_checkpoint, recompute_only, spread
+from hf_tree_attn.recompute import activation_bytes, layers_to_checkpoint, recompute_only, spread, unpriced_reason
+from hf_tree_attn.support import EXACT_FAMILIES
 
 
 def _qwen3(layers: int, **overrides) -> torch.nn.Module:
@@ -128,3 +131,97 @@ def test_trainer_auto_recompute_matches_all(tiny, tmp_path):  # noqa: F811
     torch.testing.assert_close(results["auto"][0], results["all"][0], rtol=0, atol=0)
     for name, grad in results["all"][1].items():
         torch.testing.assert_close(results["auto"][1][name], grad, rtol=0, atol=0, msg=name)
+
+
+def _saved_bytes_per_layer(model, forest) -> list[float]:
+    """Bytes per tree token each decoder layer saves for the backward in a tree forward: storages first saved inside
+    that layer, without the parameters, without what the layer was handed (its input, the rotary tables, the masks:
+    counted once per forward, not per layer) and without the dense `(S, S)` masks SDPA copies on the CPU."""
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    seen = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    square, current, totals = forest.seq_len**2, [], dict.fromkeys(layers, 0)
+
+    def handed(args, kwargs):
+        for value in [*args, *kwargs.values()]:
+            for t in value if isinstance(value, (tuple, list)) else [value]:
+                if isinstance(t, torch.Tensor):
+                    seen.add(t.untyped_storage().data_ptr())
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if current and storage.data_ptr() not in seen and tensor.numel() % square:
+            seen.add(storage.data_ptr())
+            totals[current[-1]] += storage.nbytes()
+        return tensor
+
+    def enter(module, args, kwargs):
+        handed(args, kwargs)
+        current.append(module)
+
+    hooks = [m.register_forward_pre_hook(enter, with_kwargs=True) for m in layers]
+
+    def leave(*_):
+        current.pop()
+
+    hooks += [m.register_forward_hook(leave) for m in layers]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            _final_hidden_states(model, forest_forward_kwargs(forest, "cpu"))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return [totals[m] / forest.seq_len for m in layers]
+
+
+@pytest.mark.parametrize("model_type", [f for f in FAMILIES if f in EXACT_FAMILIES])
+def test_activation_bytes_bound_every_layer_it_prices(model_type):
+    """For every family trees accept (tiny bf16 configs of the coverage matrix): where `activation_bytes` prices the
+    layers, no layer saves more per token than its `whole`; where it does not (experts, latent attention, recurrent
+    mixers, four norms), it raises and the trainer recomputes every layer. Before the check existed, Gemma 3,
+    the MLA and MoE families and the hybrids saved up to 15x the formula."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(
+        tiny_config(model_type), attn_implementation="tree_flex", dtype=torch.bfloat16
+    ).train()
+    text_config = model.config.get_text_config()
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    unpriced = [m for m in layers or [None] if unpriced_reason(text_config, m) is not None]
+    if unpriced:
+        with pytest.raises(NotImplementedError, match="does not price"):
+            activation_bytes(text_config, decoder_layer=unpriced[0])
+        return
+    vocab = text_config.vocab_size
+    sequences = [[3 + i % 50 for i in range(96)], [3 + i % 50 for i in range(40)] + [9 % vocab] * 30]
+    (forest,) = hf_tree_attn.pack_forest(sequences)
+    whole, _ = activation_bytes(text_config, dtype_bytes=2)
+    saved = _saved_bytes_per_layer(model, forest)
+    assert max(saved) <= whole, f"{model_type}: a layer saves {max(saved):.0f} B/token, activation_bytes says {whole}"
+
+
+@pytest.mark.parametrize("model_type, priced", [("qwen3", True), ("gpt2", False), ("qwen3_moe", False)])
+def test_trainer_auto_recompute_on_unpriced_layers_recomputes_all(model_type, priced):
+    """`TreeGRPOTrainer`'s `tree_recompute="auto"` on a model whose layers `activation_bytes` does not price (GPT-2
+    has no `intermediate_size`: this crashed at the first policy forward; Qwen3-MoE's experts keep more than the
+    formula) leaves every layer checkpointed and logs `tree_checkpointed_layers` = 1; priced layers get a count."""
+    from collections import defaultdict
+    from types import SimpleNamespace
+
+    from hf_tree_attn.trainer import TreeGRPOTrainer
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(model_type), attn_implementation="tree_flex").train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    (forest,) = hf_tree_attn.pack_forest([[1, 2, 3, 4] * 8 + [5], [1, 2, 3, 4] * 8 + [6, 7]])
+    trainer = SimpleNamespace(
+        args=SimpleNamespace(tree_recompute="auto", gradient_checkpointing=True, bf16=False, fp16=False),
+        model=model,
+        accelerator=SimpleNamespace(unwrap_model=lambda m: m),
+        _metrics={"train": defaultdict(list)},
+        _unpriced=None,
+    )
+    count = TreeGRPOTrainer._layers_to_checkpoint(trainer, [(SimpleNamespace(forest=forest),)])
+    logged = trainer._metrics["train"]["tree_checkpointed_layers"]
+    if priced:
+        assert isinstance(count, int) and logged == [count / model.config.num_hidden_layers]
+    else:
+        assert count is None and logged == [1.0] and trainer._unpriced

@@ -62,7 +62,9 @@ class TreeGRPOConfig(GRPOConfig):
             "help": "Activation recompute of tree policy forwards, with gradient_checkpointing on. 'all': every "
             "checkpointed layer recomputes (TRL's behaviour). 'auto': recompute only as many layers (evenly spaced) "
             "as keep the forests' estimated activations within what TRL's flat forward of the same rows holds with "
-            "every layer checkpointed: a tree shares its prompt, so most layers need no recompute.",
+            "every layer checkpointed: a tree shares its prompt, so most layers need no recompute. Layers whose "
+            "activations the estimate does not bound (experts, latent attention, recurrent mixers, four norms) "
+            "recompute every layer under 'auto' too.",
             "choices": ["auto", "all"],
         },
     )

@@ -37,7 +37,7 @@ from ..attention import ATTN_IMPLEMENTATION
 from ..collator import TreeDataCollator
 from ..logprobs import forest_logprobs, tree_router_aux_loss
 from ..metrics import estimate_flops
-from ..recompute import activation_bytes, layers_to_checkpoint, recompute_only
+from ..recompute import _checkpointed_layers, activation_bytes, layers_to_checkpoint, recompute_only, unpriced_reason
 from ..support import (
     check_tree_model,
     config_support_error,
@@ -116,6 +116,7 @@ class TreeGRPOTrainer(GRPOTrainer):
         if message is not None:
             warnings.warn(message, stacklevel=2)
         self._tree_cache: dict[str, list | None] = {}
+        self._unpriced: str | None = None  # why tree_recompute='auto' recomputes every layer ('' = it need not)
         self._tree_collator = TreeDataCollator(
             args.max_tokens_per_mb,
             device=self.accelerator.device,
@@ -540,7 +541,21 @@ class TreeGRPOTrainer(GRPOTrainer):
             return None
         if not (self.model.training and torch.is_grad_enabled()):
             return None
-        config = self.accelerator.unwrap_model(self.model).config.get_text_config()
+        model = self.accelerator.unwrap_model(self.model)
+        config = model.config.get_text_config()
+        if self._unpriced is None:  # once per run: the layers do not change
+            layers = {type(m): m for m in _checkpointed_layers(model)}.values()
+            reasons = [r for r in (unpriced_reason(config, m) for m in layers or [None]) if r is not None]
+            self._unpriced = reasons[0] if reasons else ""
+            if reasons:
+                _log_once(
+                    logging.INFO,
+                    f"tree_recompute='auto' cannot bound this model's activations ({reasons[0]}): every checkpointed "
+                    "layer recomputes, as with tree_recompute='all' (logged as tree_checkpointed_layers=1).",
+                )
+        if self._unpriced:
+            self._metrics["train"]["tree_checkpointed_layers"].append(1.0)
+            return None
         whole, kept = activation_bytes(config, dtype_bytes=2 if self.args.bf16 or self.args.fp16 else 4)
         tree_tokens = sum(mb.forest.seq_len for mb, *_ in packed)
         flat_tokens = sum(mb.forest.num_original_tokens for mb, *_ in packed)
