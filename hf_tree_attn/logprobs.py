@@ -41,9 +41,20 @@ def forest_forward_kwargs(forest: PackedForest, device: torch.device | str) -> d
     """`model(**kwargs)` inputs for one forest on `device`: ids, depth position ids, the forest's attention mask
     (which the model's own mask functions turn into one tree mask per layer kind, see `PackedForest.attention_mask`)
     and the forest itself as `tree_forest` (it reaches every attention call through transformers' kwargs, which
-    check that they got the forest's masks)."""
+    check that they got the forest's masks).
+
+    Padding rows (after `num_tree_tokens`) are fed the forest's first token, not the forest's 0: each padding row
+    attends only to itself at depth 0, so it repeats the computation of a sequence's first position, which flat
+    does too. Token 0 is often the embedding's `padding_idx` (a zero vector): a padding row would then stay zero
+    through every layer, and a model that divides by a norm of it (Gemma 3n's `mean(h**2) ** 0.5`) gets 0 * inf =
+    NaN in the backward, which its weight gradients sum over all rows. The padding rows' outputs are never read.
+    """
+    ids = forest.input_ids
+    if 0 < forest.num_tree_tokens < ids.shape[1]:
+        ids = ids.clone()
+        ids[:, forest.num_tree_tokens :] = ids[:, :1]
     return {
-        "input_ids": forest.input_ids.to(device),
+        "input_ids": ids.to(device),
         "position_ids": forest.position_ids.to(device),
         "attention_mask": forest.attention_mask(device),
         "tree_forest": forest,
@@ -221,7 +232,9 @@ def tree_router_aux_loss(
     transformers' (Mixtral's) `load_balancing_loss_func` averages router statistics over the real tokens of a flat
     batch, each token of each row once. A tree routes a shared token once, so its statistics are weighted by the
     number of packed sequences that contain it (padding rows weigh 0); all forests of one flat batch are pooled.
-    The expert count and top-k are read as TRL's fused LM head reads them.
+    The expert count and top-k are read as TRL's fused LM head reads them (`num_experts`, `num_experts_per_tok`),
+    or, where the config names them otherwise (Llama 4, Granite-MoE, PhiMoE: `num_local_experts`), as the model's
+    own load-balancing loss does.
 
     Args:
         model: the MoE causal LM.
@@ -242,7 +255,8 @@ def tree_router_aux_loss(
         ]
     )
     layers = tuple(torch.cat(per_layer, dim=0) for per_layer in zip(*router_logits))
-    return load_balancing_loss_func(layers, config.num_experts, config.num_experts_per_tok, weights)
+    experts = next(getattr(config, k) for k in ("num_experts", "num_local_experts") if getattr(config, k, None))
+    return load_balancing_loss_func(layers, experts, config.num_experts_per_tok, weights)
 
 
 def lm_head_logprobs(

@@ -24,25 +24,69 @@ _GDN_CHUNK = (
 )
 
 
-def _layer_costs(config) -> tuple[int, int]:
+def _field(config, *names, default=None):
+    """The first of `names` the config has set (not None), else `default`; never raises (a config with per-layer
+    values refuses a global read of them)."""
+    for name in names:
+        try:
+            value = getattr(config, name, None)
+        except Exception:  # transformers' AmbiguousGlobalPerLayerAttributeError (Gemma 4's head_dim)
+            value = None
+        if value is not None:
+            return value
+    return default
+
+
+def _layer_configs(config) -> list:
+    """One config per decoder layer: `per_layer_config` where the model has one (Gemma 4), else the config itself."""
+    per_layer = _field(config, "per_layer_config")
+    n = config.num_hidden_layers
+    return [per_layer[i] for i in range(n)] if per_layer is not None else [config] * n
+
+
+def _mlp_width(config) -> int:
+    """Active MLP width per token: `intermediate_size` (GPT-2's `n_inner`, 4x hidden when unset; OPT's `ffn_dim`;
+    DBRX's `ffn_config`); mixture-of-experts layers count `top_k` experts plus the shared ones. An estimate: a gated
+    MLP (three matrices) is assumed everywhere."""
+    top_k = _field(config, "num_experts_per_tok", "moe_topk", "top_k", default=1)
+    moe = _field(config, "moe_intermediate_size", "expert_ffn_hidden_size")
+    if moe:
+        shared = _field(config, "shared_expert_intermediate_size", default=0) or (
+            _field(config, "n_shared_experts", default=0) * moe
+        )
+        return top_k * moe + shared
+    width = _field(config, "intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size")
+    ffn = _field(config, "ffn_config")
+    if width is None and ffn is not None:  # DBRX
+        width, top_k = _field(ffn, "ffn_hidden_size"), _field(ffn, "moe_top_k", default=top_k)
+    width = max(width) if isinstance(width, (list, tuple)) else (width or 4 * config.hidden_size)
+    experts = _field(config, "num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+    return width * (top_k if experts else 1)
+
+
+def _layer_costs(config) -> tuple[int, list[int]]:
     """`(per_token, per_pair)`: forward FLOPs of all decoder layers per token (projections, MLP, recurrent scans),
-    and of one attended (query, key) pair (QK^T and PV) in one attention layer (`_attention_spans` says which layers
-    attend to how many keys)."""
+    and, per attention layer (in `_attention_spans`' order), of one attended (query, key) pair (QK^T and PV)."""
     d = config.hidden_size
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or d // heads
-    mlp = 3 * d * config.intermediate_size
-    layer_types = list(getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers)
+    layer_types = list(_field(config, "layer_types") or ["full_attention"] * config.num_hidden_layers)
     # Gated DeltaNet layers are counted exactly below; other state-carrying layers (short convs, Mamba-2, Kimi's
     # delta rule) are estimated as attention layers' projections without (query, key) pairs.
-    gdn = [t for t in layer_types if t == "linear_attention"] if hasattr(config, "linear_num_value_heads") else []
+    gdn = hasattr(config, "linear_num_value_heads")
     # Qwen3.5 / Qwen3-Next attention also projects a sigmoid output gate with q_proj (twice its width).
     gated = getattr(config, "model_type", "") in ("qwen3_5_text", "qwen3_next")
-    attention = (2 + gated) * d * heads * head_dim + 2 * d * kv_heads * head_dim + mlp
-    per_token = 2 * (len(layer_types) - len(gdn)) * attention
-    per_pair = 4 * heads * head_dim
-    if gdn:
+    mlp = 3 * d * _mlp_width(config)
+    per_token, per_pair, gdn_layers = 0, [], 0
+    for kind, layer in zip(layer_types, _layer_configs(config)):
+        if gdn and kind == "linear_attention":
+            gdn_layers += 1
+            continue
+        heads = _field(layer, "num_attention_heads", default=1)
+        kv_heads = _field(layer, "num_key_value_heads", default=heads)
+        head_dim = _field(layer, "head_dim", default=d // heads)
+        per_token += 2 * ((2 + gated) * d * heads * head_dim + 2 * d * kv_heads * head_dim + mlp)
+        if kind in _ATTENTION_KINDS:
+            per_pair.append(4 * heads * head_dim)
+    if gdn_layers:
         k_heads, v_heads = config.linear_num_key_heads, config.linear_num_value_heads
         k_dim, v_dim = config.linear_key_head_dim, config.linear_value_head_dim
         conv_dim = 2 * k_heads * k_dim + v_heads * v_dim
@@ -51,7 +95,7 @@ def _layer_costs(config) -> tuple[int, int]:
         # Chunked delta rule per head: in-chunk q·k, k·k and attention·v products, the triangular solve, and three
         # (k_dim x v_dim) state reads / updates per token.
         scan = v_heads * (_GDN_CHUNK * (2 * k_dim + v_dim) + _GDN_CHUNK * (k_dim + v_dim) // 2 + 3 * k_dim * v_dim)
-        per_token += 2 * len(gdn) * (projections + conv + scan)
+        per_token += 2 * gdn_layers * (projections + conv + scan)
     return per_token, per_pair
 
 
@@ -70,7 +114,7 @@ def estimate_flops(config, sequences: Sequence[TokenSequence], prompt_lengths: S
     Returns:
         `{"flat_flops", "tree_flops", "flops_ratio" (tree / flat), "flops_saved" (1 - ratio), "token_ratio"}`.
     """
-    linear, attn_pair = _layer_costs(config)
+    linear, pair_costs = _layer_costs(config)
     head = 2 * config.hidden_size * config.vocab_size
     spans = _attention_spans(config)
 
@@ -104,8 +148,8 @@ def estimate_flops(config, sequences: Sequence[TokenSequence], prompt_lengths: S
         tree_scored += int((~scored_path[first:length]).sum())
         scored_path[first:length] = True
 
-    flat = flat_tokens * linear + _pairs(flat_depths, spans) * attn_pair + flat_scored * head
-    tree = tree_tokens * linear + _pairs(tree_depths, spans) * attn_pair + tree_scored * head
+    flat = flat_tokens * linear + _pairs(flat_depths, spans, pair_costs) + flat_scored * head
+    tree = tree_tokens * linear + _pairs(tree_depths, spans, pair_costs) + tree_scored * head
     return {
         "flat_flops": float(flat),
         "tree_flops": float(tree),
@@ -119,10 +163,10 @@ _ATTENTION_KINDS = ("full_attention", "sliding_attention", "chunked_attention", 
 
 
 def _attention_spans(config) -> list[tuple[str, int | None]]:
-    """Per layer: ("full", None), ("window", W) or ("chunk", C), from `layer_types` and the window fields."""
-    window = getattr(config, "sliding_window", None)
-    chunk = getattr(config, "attention_chunk_size", None)
-    kinds = getattr(config, "layer_types", None)
+    """Per attention layer: ("full", None), ("window", W) or ("chunk", C), from `layer_types` and the window fields."""
+    window = _field(config, "sliding_window")
+    chunk = _field(config, "attention_chunk_size")
+    kinds = _field(config, "layer_types")
     if not kinds:  # no per-layer kinds (Mistral, Mixtral, Phi-3, …): the window, if any, is on every layer
         kinds = ["sliding_attention" if window else "full_attention"] * config.num_hidden_layers
     spans = []
@@ -138,12 +182,13 @@ def _attention_spans(config) -> list[tuple[str, int | None]]:
     return spans
 
 
-def _pairs(depths: np.ndarray, spans: list[tuple[str, int | None]]) -> int:
-    """(query, key) pairs summed over layers for queries at `depths` (a query at depth t sees its t + 1 ancestors-or-
-    self, at most W of them in a window, those of its own chunk in a chunked layer)."""
+def _pairs(depths: np.ndarray, spans: list[tuple[str, int | None]], costs: list[int]) -> int:
+    """FLOPs of the (query, key) pairs of queries at `depths`, summed over the attention layers at each layer's cost
+    per pair (a query at depth t sees its t + 1 ancestors-or-self, at most W of them in a window, those of its own
+    chunk in a chunked layer)."""
     seen = {
         "full": lambda size: depths + 1,
         "window": lambda size: np.minimum(depths + 1, size),
         "chunk": lambda size: depths % size + 1,
     }
-    return int(sum(int(seen[kind](size).sum()) for kind, size in spans))
+    return int(sum(cost * int(seen[kind](size).sum()) for (kind, size), cost in zip(spans, costs, strict=True)))

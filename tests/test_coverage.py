@@ -18,7 +18,9 @@ For each entry of transformers' `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`:
 from __future__ import annotations
 
 import copy
+import os
 import random
+import traceback
 import warnings
 from pathlib import Path
 
@@ -371,6 +373,60 @@ def test_gradients_match_flat(model_type):
     for name, want in flat_grads.items():
         worst = (tree_grads[name] - want).abs().max().item()
         assert worst <= TOLERANCES["grad_max_rel"] * want.abs().max().item() + 1e-9, f"{name}: {worst}"
+
+
+def _one_grpo_step(model_type: str, tmp_path: Path, tree_packing) -> tuple[dict, bool]:
+    """One `TreeGRPOTrainer` step with TRL's defaults (gradient checkpointing where the model supports it,
+    `tree_recompute="auto"`) on the family's tiny model, seeded: `(logged metrics, gradient checkpointing on)`."""
+    from datasets import Dataset
+
+    from hf_tree_attn.trainer import TreeGRPOConfig, TreeGRPOTrainer
+    from trainers import toy_task
+
+    tokenizer = toy_task.build_tokenizer()
+    dataset = Dataset.from_dict({"prompt": ["a shared prefix, letter: a", "a shared prefix, letter: b"] * 2,
+                                 "target": ["a", "b"] * 2})  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(model_type), attn_implementation="tree_flex")
+    args = TreeGRPOConfig(
+        output_dir=str(tmp_path / str(tree_packing)), use_cpu=True, bf16=False, per_device_train_batch_size=4,
+        num_generations=4, max_completion_length=4, max_steps=1, logging_steps=1, report_to="none",
+        save_strategy="no", disable_tqdm=True, gradient_checkpointing=model.supports_gradient_checkpointing,
+        tree_packing=tree_packing, seed=0,
+    )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = TreeGRPOTrainer(model, toy_task.copy_letter_reward, args, train_dataset=dataset,
+                                  processing_class=tokenizer)  # fmt: skip
+        trainer.train()
+    return trainer.state.log_history[0], model.supports_gradient_checkpointing
+
+
+@pytest.mark.parametrize("model_type", [f for f in FAMILIES if f in EXACT_FAMILIES])
+def test_tree_trainer_step_matches_flat(model_type, tmp_path):
+    """Every accepted family trains one GRPO step on the tree (`tree_fallback` 0) with TRL's flat step's loss and
+    gradient norm (`tree_packing=False`, same seed, same completions). 26 accepted families crashed here before
+    (the FLOP estimate read `intermediate_size` — GPT-2, OPT, DBRX, Qwen3.5-MoE, … — and a global `head_dim` —
+    Gemma 4 —, the MoE loss `num_experts` — Llama 4, Granite-MoE), and Gemma 3n's gradients were NaN (zero
+    padding rows)."""
+    tree, checkpointing = _one_grpo_step(model_type, tmp_path, True)
+    assert tree["tree_fallback"] == 0, tree
+    assert torch.isfinite(torch.tensor([tree["loss"], tree["grad_norm"]])).all(), tree
+    if checkpointing:
+        assert 0 <= tree["tree_checkpointed_layers"] <= 1, tree
+    try:
+        flat, _ = _one_grpo_step(model_type, tmp_path, False)
+    except AttributeError as error:  # TRL's own flat path cannot run the family: nothing to compare with (its
+        # fused LM head reads `num_experts`, which Llama 4 / Granite-MoE / PhiMoE call `num_local_experts`, and a
+        # backbone's `last_hidden_state`, which Llama 4's and Mllama's `get_decoder()` does not return)
+        trl, ours = f"{os.sep}trl{os.sep}", f"{os.sep}hf_tree_attn{os.sep}"
+        frames = [
+            f.filename for f in traceback.extract_tb(error.__traceback__) if trl in f.filename or ours in f.filename
+        ]
+        assert trl in frames[-1], error  # raised under TRL's code, not ours
+        return
+    assert tree["loss"] == pytest.approx(flat["loss"], abs=TOLERANCES["logps_atol"])
+    assert tree["grad_norm"] == pytest.approx(flat["grad_norm"], rel=TOLERANCES["grad_max_rel"])
 
 
 def _forced_tree_error(tree, ref, monkeypatch) -> float:
