@@ -56,7 +56,8 @@ class PackedForest:
     """One micro-batch: a forest of tries in one padded row.
 
     Attributes:
-        input_ids: `(1, S)` long — tokens in DFS preorder, then padding (token 0).
+        input_ids: `(1, S)` long — tokens in DFS preorder, then padding (token 0; `forest_forward_kwargs` feeds the
+            model the first token there instead).
         position_ids: `(1, S)` long — depth of each token inside its own sequence; 0 for padding.
         subtree_end: `(S,)` int32 — one past the last row of each token's subtree; `r + 1` for padding row `r`.
         parent: `(S,)` long — row whose hidden state predicts this token; -1 for roots and padding.
