@@ -68,6 +68,8 @@ def _decoder(model: torch.nn.Module) -> torch.nn.Module:
     from transformers import PreTrainedModel
 
     model = unwrap_model(model)
+    if hasattr(model, "get_base_model"):  # PEFT: the causal LM with its adapters injected
+        model = model.get_base_model()
     decoder = model.get_decoder()
     if decoder is model or not isinstance(decoder, PreTrainedModel) or decoder.get_output_embeddings() is not None:
         backbones = [m for m in model.children() if isinstance(m, PreTrainedModel)]

@@ -92,3 +92,26 @@ def test_lora_moves_only_adapters_and_the_reference_is_the_base_model(tiny, tmp_
         policy_tree, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, 3)
     torch.testing.assert_close(ref_tree, ref_flat, atol=1e-5, rtol=1e-5)
     assert not torch.allclose(policy_tree, ref_flat, atol=1e-4)  # the adapter did change the policy
+
+
+@pytest.mark.parametrize("model_type", ["mllama", "llama4_text", "qwen3"])
+def test_trees_through_a_peft_model(model_type):
+    """The tree finds the backbone behind a `PeftModel` too: Mllama's and Llama 4's `get_decoder()` is the causal LM
+    itself, and through PEFT the tree found no backbone and refused mid-run. Log-probs (adapters initialised
+    non-zero, so they count) equal the PEFT model's own per-sequence forward."""
+    from helpers import TOLERANCES
+    from peft import get_peft_model
+    from test_coverage import tiny_config
+    from transformers import AutoModelForCausalLM
+
+    import hf_tree_attn
+
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(tiny_config(model_type), attn_implementation="tree_flex").eval()
+    model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    sequences = [[5, 6, 7, 8, 9, 10], [5, 6, 7, 11], [5, 12]]
+    with torch.no_grad():
+        for seq, logps in zip(sequences, hf_tree_attn.sequence_logprobs(model, sequences)):
+            logits = model(input_ids=torch.tensor([seq])).logits[0, :-1].float()
+            expected = logits.log_softmax(-1).gather(-1, torch.tensor(seq[1:])[:, None])[:, 0]
+            torch.testing.assert_close(logps, expected, atol=TOLERANCES["logps_atol"], rtol=0)
