@@ -226,6 +226,9 @@ for stage in "$@"; do
     generation-static)
       timeout 280 python3 benchmarks/bench_generation_modes.py --modes static_cache compiled --steps 2 \
         --out "$OUT/generation_modes_h200_static.json" 2>&1 | grep -v -i warn | grep -E "^\||step|skipped" ;;
+    tests-coverage-gpu)  # every accepted family on the FlexAttention path (tests/test_gpu_coverage.py)
+      timeout 400 python3 -m pytest -q -rf -m gpu -p no:cacheprovider tests/test_gpu_coverage.py \
+        > "$OUT/gpu_coverage.log" 2>&1; tail -12 "$OUT/gpu_coverage.log" ;;
     s4-a)
       bash "$0" mfu-1.7b grad-check-8b-compile ;;
     s4-d)  # after s4-a shows compiled layers exact at 36 layers
@@ -234,6 +237,8 @@ for stage in "$@"; do
       bash "$0" grad-check-8b-mor nofla generation-static ;;
     s4-c)
       bash "$0" nofla hybrid-agent-q ;;
+    s4-e)
+      bash "$0" nofla tests-coverage-gpu ;;
     pack)  # the device tool brings back at most 8 files: everything in one archive
       (cd "$OUT" && tar czf results.tgz --exclude results.tgz ./*.json ./*.log 2>/dev/null; ls) ;;
     parallel)
