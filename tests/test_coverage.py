@@ -429,6 +429,16 @@ def test_tree_trainer_step_matches_flat(model_type, tmp_path):
     assert tree["grad_norm"] == pytest.approx(flat["grad_norm"], rel=TOLERANCES["grad_max_rel"])
 
 
+def test_refused_model_given_on_tree_flex_falls_back_or_fails_at_init(tmp_path):
+    """`tree_packing="auto"` with a refused model already loaded on `tree_flex`: one that can switch back trains on
+    TRL's flat path (its stock attention); one that cannot (Bloom: its attention bypasses the interface, so its
+    ordinary forwards refuse `tree_flex`) fails at init with the way out, not at the first generation."""
+    logged, _ = _one_grpo_step("bart", tmp_path, "auto")
+    assert logged["tree_fallback"] == 1, logged
+    with pytest.raises(ValueError, match="cannot switch implementation after loading.*attn_implementation='eager'"):
+        _one_grpo_step("bloom", tmp_path, "auto")
+
+
 def _forced_tree_error(tree, ref, monkeypatch) -> float:
     """Worst |tree - flat| log-prob of the tree forward with the gate switched off (inf if it raises)."""
     monkeypatch.setattr(hf_tree_attn.support, "config_support_error", lambda *args, **kwargs: None)

@@ -98,10 +98,19 @@ class TreeGRPOTrainer(GRPOTrainer):
         super().__init__(model, reward_funcs, args, **kwargs)
         if args.tree_packing is not False and reason is None:
             reason = _loaded_model_error(self.model, self.ref_model)  # a model given by path is known only now
-            if reason is not None and args.tree_packing == "auto":
-                for loaded in (self.model, self.ref_model):
-                    if loaded is not None:  # back to the stock implementation tree_flex was standing in for
-                        loaded.set_attn_implementation("sdpa" if unwrap_model(loaded)._supports_sdpa else "eager")
+        if reason is not None and args.tree_packing == "auto":
+            for loaded in (self.model, self.ref_model):
+                # Back to the stock implementation tree_flex was standing in for (loaded by path, or given already
+                # on tree_flex): a model whose attention bypasses the interface refuses ordinary forwards on it.
+                if loaded is not None and unwrap_model(loaded).config._attn_implementation == ATTN_IMPLEMENTATION:
+                    loaded.set_attn_implementation("sdpa" if unwrap_model(loaded)._supports_sdpa else "eager")
+                    if unwrap_model(loaded).config._attn_implementation == ATTN_IMPLEMENTATION:  # switch refused
+                        raise ValueError(
+                            f"tree_packing='auto': {reason} The model was given on "
+                            f"attn_implementation={ATTN_IMPLEMENTATION!r}, and {type(unwrap_model(loaded)).__name__} "
+                            "cannot switch implementation after loading, so TRL's flat path cannot run it either. "
+                            "Load it with attn_implementation='eager' (or 'sdpa')."
+                        )
         if reason is not None and args.tree_packing is True:
             raise ValueError(f"tree_packing=True, but this model cannot run packed trees exactly: {reason}")
         # The decision for this run: trees, or TRL's flat path (tree_packing=False, or 'auto' on a model trees
