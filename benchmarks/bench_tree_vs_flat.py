@@ -250,6 +250,8 @@ def flat_packed_step(model, wl: Workload, budget: int, device) -> dict:
         for ids, pos, mask, sources, targets, weights in prepared:
             with torch.set_grad_enabled(train):
                 inputs = {"input_ids": ids, "position_ids": pos, "attention_mask": mask, "use_cache": False}
+                if FLEX_KERNEL_OPTIONS is not None:
+                    inputs["kernel_options"] = dict(FLEX_KERNEL_OPTIONS)
                 hidden = _final_hidden_states(model, inputs)[0][0]
                 logps, _ = lm_head_logprobs(model, hidden, sources, targets)
                 if train:
@@ -433,6 +435,29 @@ def build_model(name: str, device, liger: bool = False, compile_layers: bool = F
     return model
 
 
+FLEX_KERNEL_OPTIONS: dict | None = None
+
+
+def set_flex_kernel_options(options: dict | None) -> None:
+    """FlexAttention `kernel_options` (block sizes, warps, stages; forward and backward) for every tree and packed
+    forward from here on: `tree_flex` passes the model kwarg `kernel_options` to FlexAttention, and the forests'
+    forward kwargs (and flat_packed's) carry it. None: FlexAttention's defaults."""
+    import hf_tree_attn.logprobs as logprobs
+
+    global FLEX_KERNEL_OPTIONS
+    FLEX_KERNEL_OPTIONS = dict(options) if options is not None else None
+    original = getattr(logprobs.forest_forward_kwargs, "original", logprobs.forest_forward_kwargs)
+    if options is None:
+        logprobs.forest_forward_kwargs = original
+        return
+
+    def with_options(forest, device):
+        return {**original(forest, device), "kernel_options": dict(options)}
+
+    with_options.original = original
+    logprobs.forest_forward_kwargs = with_options
+
+
 def model_flops(method: str, timing: dict, flops: dict) -> float:
     """Model FLOPs of one trainer phase (old-logprob forward + policy forward + backward = 4 forwards): the tree's
     unique work, or the unpadded sequences' for flat methods and a tree step that fell back to flat."""
@@ -501,11 +526,14 @@ def main():
     parser.add_argument("--liger", action="store_true", help="Liger layer kernels on every method")
     parser.add_argument("--compile-layers", action="store_true", help="regional compile of the decoder layers")
     parser.add_argument("--checkpointing", choices=["all", "none", "auto"], default="all")
+    parser.add_argument("--flex-kernel-options", type=json.loads, default=None,
+                        help='FlexAttention kernel_options as JSON, e.g. {"BLOCK_M": 128, "BLOCK_N": 64}')  # fmt: skip
     parser.add_argument("--out", default="benchmarks/results/tree_vs_flat.json")
     args = parser.parse_args()
 
     device = torch.device("cuda")
     MaskTimer.install()
+    set_flex_kernel_options(args.flex_kernel_options)
     vocab = MODELS["qwen3-0.6b"]["vocab_size"]  # token ids of the workloads (below every model's vocab)
     workloads = build_workloads(args.scale, vocab)
     if args.workloads:
@@ -520,7 +548,12 @@ def main():
             "python": platform.python_version(),
         },  # fmt: skip
         "max_tokens_per_mb": args.max_tokens_per_mb,
-        "kernels": {"liger": args.liger, "compile_layers": args.compile_layers, "checkpointing": args.checkpointing},
+        "kernels": {
+            "liger": args.liger,
+            "compile_layers": args.compile_layers,
+            "checkpointing": args.checkpointing,
+            "flex_kernel_options": args.flex_kernel_options,
+        },
         "peak_flops": PEAK_FLOPS,
         "runs": [],
     }

@@ -229,6 +229,15 @@ for stage in "$@"; do
     tests-coverage-gpu)  # every accepted family on the FlexAttention path (tests/test_gpu_coverage.py)
       timeout 400 python3 -m pytest -q -rf -m gpu -p no:cacheprovider tests/test_gpu_coverage.py \
         > "$OUT/gpu_coverage.log" 2>&1; tail -12 "$OUT/gpu_coverage.log" ;;
+    flex-tune)  # FlexAttention kernel options on the 1.7B tree step (eager layers: each run ~40 s); attention fwd / bwd
+      # times are in each profile's by_kind. ROWS_GUARANTEED_SAFE holds for trees: every row attends at least to itself.
+      i=0
+      for opts in '{}' '{"USE_TMA": true}' '{"ROWS_GUARANTEED_SAFE": true}' \
+          '{"USE_TMA": true, "ROWS_GUARANTEED_SAFE": true}' '{"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2}'; do
+        i=$((i + 1))
+        timeout 110 python3 benchmarks/profile_step.py --model qwen3-1.7b --method tree --flex-kernel-options "$opts" \
+          --out "$OUT/profile_qwen3-1.7b_tree_flex$i.json" 2>&1 | grep -E "^qwen3|attention" | head -3
+      done ;;
     s4-a)
       bash "$0" mfu-1.7b grad-check-8b-compile ;;
     s4-d)  # after s4-a shows compiled layers exact at 36 layers
@@ -238,7 +247,7 @@ for stage in "$@"; do
     s4-c)
       bash "$0" nofla hybrid-agent-q ;;
     s4-e)
-      bash "$0" nofla tests-coverage-gpu ;;
+      bash "$0" nofla tests-coverage-gpu flex-tune ;;
     pack)  # the device tool brings back at most 8 files: everything in one archive
       (cd "$OUT" && tar czf results.tgz --exclude results.tgz ./*.json ./*.log 2>/dev/null; ls) ;;
     parallel)

@@ -20,7 +20,16 @@ import time
 
 import torch
 import transformers
-from bench_tree_vs_flat import METHODS, MODELS, PEAK_FLOPS, build_model, build_workloads, model_flops, tree_step
+from bench_tree_vs_flat import (
+    METHODS,
+    MODELS,
+    PEAK_FLOPS,
+    build_model,
+    build_workloads,
+    model_flops,
+    set_flex_kernel_options,
+    tree_step,
+)
 from torch.profiler import ProfilerActivity, profile
 
 import hf_tree_attn
@@ -66,11 +75,13 @@ def main():
     parser.add_argument("--liger", action="store_true")
     parser.add_argument("--compile-layers", action="store_true")
     parser.add_argument("--checkpointing", choices=["all", "none", "auto"], default="auto")
+    parser.add_argument("--flex-kernel-options", type=json.loads, default=None, help="as bench_tree_vs_flat.py's")
     parser.add_argument("--top", type=int, default=20)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
     device = torch.device("cuda")
+    set_flex_kernel_options(args.flex_kernel_options)
     model = build_model(args.model, device, args.liger, args.compile_layers, args.checkpointing)
     wl = next(w for w in build_workloads(args.scale, MODELS["qwen3-0.6b"]["vocab_size"]) if w.name == args.workload)
     fn = METHODS[args.method]
@@ -112,7 +123,12 @@ def main():
         "workload": wl.name,
         "spec": wl.spec,
         "method": args.method,
-        "kernels": {"liger": args.liger, "compile_layers": args.compile_layers, "checkpointing": args.checkpointing},
+        "kernels": {
+            "liger": args.liger,
+            "compile_layers": args.compile_layers,
+            "checkpointing": args.checkpointing,
+            "flex_kernel_options": args.flex_kernel_options,
+        },
         "compiled_graphs": int(torch._dynamo.utils.counters["stats"]["unique_graphs"]),
         "wall_s": wall_unprofiled,
         "wall_profiled_s": wall,
