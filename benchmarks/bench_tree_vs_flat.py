@@ -436,26 +436,21 @@ def build_model(name: str, device, liger: bool = False, compile_layers: bool = F
 
 
 FLEX_KERNEL_OPTIONS: dict | None = None
+_FOREST_FORWARD_KWARGS = hf_tree_attn.logprobs.forest_forward_kwargs
+
+
+def _forest_forward_kwargs_with_options(forest, device) -> dict:
+    kwargs = _FOREST_FORWARD_KWARGS(forest, device)
+    return kwargs if FLEX_KERNEL_OPTIONS is None else {**kwargs, "kernel_options": dict(FLEX_KERNEL_OPTIONS)}
 
 
 def set_flex_kernel_options(options: dict | None) -> None:
     """FlexAttention `kernel_options` (block sizes, warps, stages; forward and backward) for every tree and packed
     forward from here on: `tree_flex` passes the model kwarg `kernel_options` to FlexAttention, and the forests'
     forward kwargs (and flat_packed's) carry it. None: FlexAttention's defaults."""
-    import hf_tree_attn.logprobs as logprobs
-
     global FLEX_KERNEL_OPTIONS
     FLEX_KERNEL_OPTIONS = dict(options) if options is not None else None
-    original = getattr(logprobs.forest_forward_kwargs, "original", logprobs.forest_forward_kwargs)
-    if options is None:
-        logprobs.forest_forward_kwargs = original
-        return
-
-    def with_options(forest, device):
-        return {**original(forest, device), "kernel_options": dict(options)}
-
-    with_options.original = original
-    logprobs.forest_forward_kwargs = with_options
+    hf_tree_attn.logprobs.forest_forward_kwargs = _forest_forward_kwargs_with_options
 
 
 def model_flops(method: str, timing: dict, flops: dict) -> float:

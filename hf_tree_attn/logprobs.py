@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from .model_inputs import check_forest_inputs, lm_head_weight_and_bias
-from .support import check_forest, check_tree_model, logit_scale, rope_split_lengths, unwrap_model
+from .support import check_forest, check_tree_model, config_field, logit_scale, rope_split_lengths, unwrap_model
 from .tree import PackedForest, TokenSequence, pack_forest
 
 __all__ = [
@@ -257,7 +257,7 @@ def tree_router_aux_loss(
         ]
     )
     layers = tuple(torch.cat(per_layer, dim=0) for per_layer in zip(*router_logits))
-    experts = next(getattr(config, k) for k in ("num_experts", "num_local_experts") if getattr(config, k, None))
+    experts = config_field(config, "num_experts", "num_local_experts")
     return load_balancing_loss_func(layers, experts, config.num_experts_per_tok, weights)
 
 

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from .support import config_field
 from .tree import TokenSequence, _as_array, _check_not_tensor, _sorted_with_lcp
 
 __all__ = ["estimate_flops"]
@@ -24,22 +25,9 @@ _GDN_CHUNK = (
 )
 
 
-def _field(config, *names, default=None):
-    """The first of `names` the config has set (not None), else `default`; never raises (a config with per-layer
-    values refuses a global read of them)."""
-    for name in names:
-        try:
-            value = getattr(config, name, None)
-        except Exception:  # transformers' AmbiguousGlobalPerLayerAttributeError (Gemma 4's head_dim)
-            value = None
-        if value is not None:
-            return value
-    return default
-
-
 def _layer_configs(config) -> list:
     """One config per decoder layer: `per_layer_config` where the model has one (Gemma 4), else the config itself."""
-    per_layer = _field(config, "per_layer_config")
+    per_layer = config_field(config, "per_layer_config")
     n = config.num_hidden_layers
     return [per_layer[i] for i in range(n)] if per_layer is not None else [config] * n
 
@@ -48,19 +36,19 @@ def _mlp_width(config) -> int:
     """Active MLP width per token: `intermediate_size` (GPT-2's `n_inner`, 4x hidden when unset; OPT's `ffn_dim`;
     DBRX's `ffn_config`); mixture-of-experts layers count `top_k` experts plus the shared ones. An estimate: a gated
     MLP (three matrices) is assumed everywhere."""
-    top_k = _field(config, "num_experts_per_tok", "moe_topk", "top_k", default=1)
-    moe = _field(config, "moe_intermediate_size", "expert_ffn_hidden_size")
+    top_k = config_field(config, "num_experts_per_tok", "moe_topk", "top_k", default=1)
+    moe = config_field(config, "moe_intermediate_size", "expert_ffn_hidden_size")
     if moe:
-        shared = _field(config, "shared_expert_intermediate_size", default=0) or (
-            _field(config, "n_shared_experts", default=0) * moe
+        shared = config_field(config, "shared_expert_intermediate_size", default=0) or (
+            config_field(config, "n_shared_experts", default=0) * moe
         )
         return top_k * moe + shared
-    width = _field(config, "intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size")
-    ffn = _field(config, "ffn_config")
+    width = config_field(config, "intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size")
+    ffn = config_field(config, "ffn_config")
     if width is None and ffn is not None:  # DBRX
-        width, top_k = _field(ffn, "ffn_hidden_size"), _field(ffn, "moe_top_k", default=top_k)
+        width, top_k = config_field(ffn, "ffn_hidden_size"), config_field(ffn, "moe_top_k", default=top_k)
     width = max(width) if isinstance(width, (list, tuple)) else (width or 4 * config.hidden_size)
-    experts = _field(config, "num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+    experts = config_field(config, "num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
     return width * (top_k if experts else 1)
 
 
@@ -68,7 +56,7 @@ def _layer_costs(config) -> tuple[int, list[int]]:
     """`(per_token, per_pair)`: forward FLOPs of all decoder layers per token (projections, MLP, recurrent scans),
     and, per attention layer (in `_attention_spans`' order), of one attended (query, key) pair (QK^T and PV)."""
     d = config.hidden_size
-    layer_types = list(_field(config, "layer_types") or ["full_attention"] * config.num_hidden_layers)
+    layer_types = list(config_field(config, "layer_types") or ["full_attention"] * config.num_hidden_layers)
     # Gated DeltaNet layers are counted exactly below; other state-carrying layers (short convs, Mamba-2, Kimi's
     # delta rule) are estimated as attention layers' projections without (query, key) pairs.
     gdn = hasattr(config, "linear_num_value_heads")
@@ -80,9 +68,9 @@ def _layer_costs(config) -> tuple[int, list[int]]:
         if gdn and kind == "linear_attention":
             gdn_layers += 1
             continue
-        heads = _field(layer, "num_attention_heads", default=1)
-        kv_heads = _field(layer, "num_key_value_heads", default=heads)
-        head_dim = _field(layer, "head_dim", default=d // heads)
+        heads = config_field(layer, "num_attention_heads", default=1)
+        kv_heads = config_field(layer, "num_key_value_heads", default=heads)
+        head_dim = config_field(layer, "head_dim", default=d // heads)
         per_token += 2 * ((2 + gated) * d * heads * head_dim + 2 * d * kv_heads * head_dim + mlp)
         if kind in _ATTENTION_KINDS:
             per_pair.append(4 * heads * head_dim)
@@ -164,9 +152,9 @@ _ATTENTION_KINDS = ("full_attention", "sliding_attention", "chunked_attention", 
 
 def _attention_spans(config) -> list[tuple[str, int | None]]:
     """Per attention layer: ("full", None), ("window", W) or ("chunk", C), from `layer_types` and the window fields."""
-    window = _field(config, "sliding_window")
-    chunk = _field(config, "attention_chunk_size")
-    kinds = _field(config, "layer_types")
+    window = config_field(config, "sliding_window")
+    chunk = config_field(config, "attention_chunk_size")
+    kinds = config_field(config, "layer_types")
     if not kinds:  # no per-layer kinds (Mistral, Mixtral, Phi-3, …): the window, if any, is on every layer
         kinds = ["sliding_attention" if window else "full_attention"] * config.num_hidden_layers
     spans = []

@@ -45,15 +45,17 @@ _ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attent
 def unpriced_reason(config, decoder_layer: torch.nn.Module | None = None) -> str | None:
     """Why `activation_bytes` cannot bound the layers of this decoder config (and, if given, of one of its decoder
     layer modules), or None when it can (see the module docstring)."""
+    from .support import config_field
+
     for name in ("hidden_size", "intermediate_size", "num_attention_heads"):
-        if not isinstance(getattr(config, name, None), int):
+        if not isinstance(config_field(config, name), int):
             return f"its config has no integer `{name}`"
-    experts = [f for f in _EXPERT_FIELDS if getattr(config, f, None)]
+    experts = [f for f in _EXPERT_FIELDS if config_field(config, f)]
     if experts:
         return f"mixture-of-experts layers (`{experts[0]}`)"
-    if getattr(config, "kv_lora_rank", None):
+    if config_field(config, "kv_lora_rank"):
         return "multi-head latent attention (`kv_lora_rank`)"
-    kinds = sorted(set(getattr(config, "layer_types", None) or ()) - set(_ATTENTION_LAYER_TYPES))
+    kinds = sorted(set(config_field(config, "layer_types") or ()) - set(_ATTENTION_LAYER_TYPES))
     if kinds:
         return f"layer types {kinds}"
     if decoder_layer is not None:

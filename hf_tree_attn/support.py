@@ -290,6 +290,19 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def config_field(config, *names, default=None):
+    """The first of `names` the config has set (not None), else `default`; never raises (a config with per-layer
+    values, Gemma 4's `head_dim`, refuses a global read of them with its own exception type)."""
+    for name in names:
+        try:
+            value = getattr(config, name, None)
+        except Exception:  # transformers' AmbiguousGlobalPerLayerAttributeError
+            value = None
+        if value is not None:
+            return value
+    return default
+
+
 def logit_scale(config) -> float:
     """What the model multiplies its LM head's output by, before any final softcap (1.0 for most models)."""
     config = config.get_text_config()

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from helpers import HYBRID_FAMILIES, TOLERANCES, tiny_hybrid_config
+from helpers import HYBRID_FAMILIES, TOLERANCES, tiny_hybrid_config, token_reward
 from transformers import AutoModelForCausalLM
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -375,11 +375,6 @@ def test_gradients_match_flat(model_type):
         assert worst <= TOLERANCES["grad_max_rel"] * want.abs().max().item() + 1e-9, f"{name}: {worst}"
 
 
-def _token_reward(completions, completion_ids, **kwargs) -> list[float]:
-    """Varies with the sampled tokens, so the groups' advantages (and the gradients compared) are not zero."""
-    return [float(sum(ids) % 5) for ids in completion_ids]
-
-
 def _one_grpo_step(model_type: str, tmp_path: Path, tree_packing) -> tuple[dict, bool]:
     """One `TreeGRPOTrainer` step with TRL's defaults (gradient checkpointing where the model supports it,
     `tree_recompute="auto"`) on the family's tiny model, seeded: `(logged metrics, gradient checkpointing on)`."""
@@ -401,7 +396,7 @@ def _one_grpo_step(model_type: str, tmp_path: Path, tree_packing) -> tuple[dict,
     )  # fmt: skip
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer = TreeGRPOTrainer(model, _token_reward, args, train_dataset=dataset,
+        trainer = TreeGRPOTrainer(model, token_reward, args, train_dataset=dataset,
                                   processing_class=tokenizer)  # fmt: skip
         trainer.train()
     return trainer.state.log_history[0], model.supports_gradient_checkpointing

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from helpers import token_reward
 from peft import LoraConfig
 from peft.tuners.lora import LoraLayer
 from trl import GRPOConfig, GRPOTrainer
@@ -18,12 +19,6 @@ def tiny(tmp_path_factory):
     toy_task.build_model(tokenizer, seed=0).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path), tokenizer
-
-
-def token_reward(completions, completion_ids, **kwargs) -> list[float]:
-    """Varies with the sampled tokens, so every group has a non-zero advantage and the adapters get a gradient
-    (a random tiny model almost never copies the letter: copy_letter_reward is 0 for whole runs)."""
-    return [float(sum(ids) % 5) for ids in completion_ids]
 
 
 def _args(cls, tmp_path, **overrides):

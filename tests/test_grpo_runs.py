@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from helpers import TOLERANCES
+from helpers import TOLERANCES, token_reward
 from trl import GRPOConfig, GRPOTrainer
 from trl.generation.vllm_generation import VLLMGeneration
 
@@ -34,11 +34,6 @@ MODES = {
     },
     "compiled": {"torch_compile": True, "torch_compile_backend": "aot_eager"},  # no C++ toolchain needed
 }
-
-
-def token_reward(completions, completion_ids, **kwargs) -> list[float]:
-    """Depends on every sampled token, so two runs that sample differently log different rewards and losses."""
-    return [float(sum(ids) % 5) for ids in completion_ids]
 
 
 @pytest.fixture(scope="module")

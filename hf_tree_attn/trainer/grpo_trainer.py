@@ -102,15 +102,17 @@ class TreeGRPOTrainer(GRPOTrainer):
             for loaded in (self.model, self.ref_model):
                 # Back to the stock implementation tree_flex was standing in for (loaded by path, or given already
                 # on tree_flex): a model whose attention bypasses the interface refuses ordinary forwards on it.
-                if loaded is not None and unwrap_model(loaded).config._attn_implementation == ATTN_IMPLEMENTATION:
-                    loaded.set_attn_implementation("sdpa" if unwrap_model(loaded)._supports_sdpa else "eager")
-                    if unwrap_model(loaded).config._attn_implementation == ATTN_IMPLEMENTATION:  # switch refused
-                        raise ValueError(
-                            f"tree_packing='auto': {reason} The model was given on "
-                            f"attn_implementation={ATTN_IMPLEMENTATION!r}, and {type(unwrap_model(loaded)).__name__} "
-                            "cannot switch implementation after loading, so TRL's flat path cannot run it either. "
-                            "Load it with attn_implementation='eager' (or 'sdpa')."
-                        )
+                inner = unwrap_model(loaded) if loaded is not None else None
+                if inner is None or inner.config._attn_implementation != ATTN_IMPLEMENTATION:
+                    continue
+                loaded.set_attn_implementation("sdpa" if inner._supports_sdpa else "eager")
+                if inner.config._attn_implementation == ATTN_IMPLEMENTATION:  # transformers refused the switch
+                    raise ValueError(
+                        f"tree_packing='auto': {reason} The model was given on "
+                        f"attn_implementation={ATTN_IMPLEMENTATION!r}, and {type(inner).__name__} cannot switch "
+                        "implementation after loading, so TRL's flat path cannot run it either. Load it with "
+                        "attn_implementation='eager' (or 'sdpa')."
+                    )
         if reason is not None and args.tree_packing is True:
             raise ValueError(f"tree_packing=True, but this model cannot run packed trees exactly: {reason}")
         # The decision for this run: trees, or TRL's flat path (tree_packing=False, or 'auto' on a model trees
