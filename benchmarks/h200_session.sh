@@ -227,8 +227,9 @@ for stage in "$@"; do
       timeout 280 python3 benchmarks/bench_generation_modes.py --modes static_cache compiled --steps 2 \
         --out "$OUT/generation_modes_h200_static.json" 2>&1 | grep -v -i warn | grep -E "^\||step|skipped" ;;
     tests-coverage-gpu)  # every accepted family on the FlexAttention path (tests/test_gpu_coverage.py)
-      timeout 400 python3 -m pytest -q -rf -m gpu -p no:cacheprovider tests/test_gpu_coverage.py \
-        > "$OUT/gpu_coverage.log" 2>&1; tail -12 "$OUT/gpu_coverage.log" ;;
+      # 8 processes share the GPU (each family compiles its own kernels; pytest-xdist's wheel travels in .whl/)
+      timeout 380 python3 -m pytest -v -rf -n 8 --durations=5 -m gpu -p no:cacheprovider tests/test_gpu_coverage.py \
+        > "$OUT/gpu_coverage.log" 2>&1; grep -E "FAILED|ERROR|passed|failed" "$OUT/gpu_coverage.log" | tail -30 ;;
     flex-tune)  # FlexAttention kernel options on the 1.7B tree step (eager layers: each run ~40 s); attention fwd / bwd
       # times are in each profile's by_kind. ROWS_GUARANTEED_SAFE holds for trees: every row attends at least to itself.
       i=0
