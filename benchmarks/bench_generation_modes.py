@@ -200,6 +200,13 @@ def main() -> None:
     parser.add_argument("--shared-prompt", type=int, default=2048, help="system-prompt tokens shared by all")
     parser.add_argument("--own-prompt", type=int, default=64, help="tokens of each prompt's own part")
     parser.add_argument("--completion", type=int, default=256, help="max_completion_length")
+    parser.add_argument(
+        "--sides",
+        nargs="+",
+        default=["tree", "flat"],
+        choices=["tree", "flat"],
+        help="which trainers to run (a run cut short can be completed side by side in parts)",
+    )
     parser.add_argument("--out", default=None, help="JSON file for the results")
     args = parser.parse_args()
     shape = SHAPES[args.model]
@@ -221,6 +228,8 @@ def main() -> None:
             continue
         results[mode] = {}
         for name, tree in (("tree", True), ("flat", False)):
+            if name not in args.sides:
+                continue
             try:
                 results[mode][name] = run(mode, tree, model_dir, tokenizer, dataset, args)
             except Exception as error:  # one mode failing must not lose the others' numbers

@@ -226,6 +226,11 @@ for stage in "$@"; do
     generation-static)
       timeout 280 python3 benchmarks/bench_generation_modes.py --modes static_cache compiled --steps 2 \
         --out "$OUT/generation_modes_h200_static.json" 2>&1 | grep -v -i warn | grep -E "^\||step|skipped" ;;
+    generation-flat)  # the flat sides generation-static / generation-more did not reach in their time
+      timeout 300 python3 benchmarks/bench_generation_modes.py --modes compiled continuous_batching --sides flat \
+        --steps 2 --out "$OUT/generation_modes_h200_flat.json" 2>&1 | grep -v -i warn | grep -E "^\||step|skipped" ;;
+    s5)
+      bash "$0" generation-flat grad-check-8b-compile ;;
     tests-coverage-gpu)  # every accepted family on the FlexAttention path (tests/test_gpu_coverage.py)
       # 8 processes share the GPU (each family compiles its own kernels; pytest-xdist's wheel travels in .whl/)
       timeout 380 python3 -m pytest -v -rf -n 8 --durations=5 -m gpu -p no:cacheprovider tests/test_gpu_coverage.py \
