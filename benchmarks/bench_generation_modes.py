@@ -227,11 +227,9 @@ def main() -> None:
             print(f"{mode}: skipped (vllm is not installed)", flush=True)
             continue
         results[mode] = {}
-        for name, tree in (("tree", True), ("flat", False)):
-            if name not in args.sides:
-                continue
+        for name in args.sides:
             try:
-                results[mode][name] = run(mode, tree, model_dir, tokenizer, dataset, args)
+                results[mode][name] = run(mode, name == "tree", model_dir, tokenizer, dataset, args)
             except Exception as error:  # one mode failing must not lose the others' numbers
                 results[mode][name] = {"error": f"{type(error).__name__}: {error}"[:2000]}
             mean = results[mode][name].get("mean")

@@ -2,7 +2,8 @@
 # The GPU runs behind the committed results, stage by stage, as sent to the H200 machines (device tool):
 #   bash benchmarks/h200_session.sh fsdp parallel     # on nvidia-h200-x2: FSDP2 on both GPUs, then
 #       GPU 1: bench-small | GPU 0: tests, bench-large (separate GPUs; each ratio is measured within one process)
-# trl/datasets are not on that image: their wheels travel in .whl/ (see README "GPU machine").
+# trl, datasets, liger-kernel, pytest-xdist are not on that image: their wheels travel in .whl/ (git-ignored), filled
+# with `pip download --no-deps -d .whl trl datasets liger-kernel pytest-xdist execnet ...` and carried with each run.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 TOKENIZERS_PARALLELISM=false NCCL_NVLS_ENABLE=0
 if [ -d .whl ] && [ ! -d /tmp/site/trl ]; then
