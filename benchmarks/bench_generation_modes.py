@@ -122,6 +122,9 @@ class PhaseTimer(TrainerCallback):
         step = {phase: self.totals[phase] - before.get(phase, 0.0) for phase in self.totals}
         step["step"] = time.perf_counter() - start
         self.steps.append(step)
+        # each step as it ends: a run stopped by a time limit still shows the steps it finished
+        phases = ", ".join(f"{phase} {seconds:.2f} s" for phase, seconds in sorted(step.items()))
+        print(f"  step {state.global_step}: {phases}", flush=True)
 
 
 def run(mode: str, tree: bool, model_dir: str, tokenizer, dataset, args) -> dict:

@@ -3,7 +3,9 @@
 #   bash benchmarks/h200_session.sh fsdp parallel     # on nvidia-h200-x2: FSDP2 on both GPUs, then
 #       GPU 1: bench-small | GPU 0: tests, bench-large (separate GPUs; each ratio is measured within one process)
 # trl, datasets, liger-kernel, pytest-xdist are not on that image: their wheels travel in .whl/ (git-ignored), filled
-# with `pip download --no-deps -d .whl trl datasets liger-kernel pytest-xdist execnet ...` and carried with each run.
+# with `pip download --no-deps -d .whl trl datasets dill multiprocess liger-kernel` (plus the platform flags of the
+# device README) and carried with each run. Sessions 2-4 also carried transformers==5.24.0; session 5 used the
+# image's 5.17.0 (each result JSON records its versions).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 TOKENIZERS_PARALLELISM=false NCCL_NVLS_ENABLE=0
 if [ -d .whl ] && [ ! -d /tmp/site/trl ]; then
@@ -164,7 +166,7 @@ for stage in "$@"; do
       timeout 80 python3 benchmarks/bench_levels.py --device cuda --heads 16 --dim 128 --scale 1 \
         --out "$OUT/levels_h200.json" 2>&1 | grep -v -i warn | tail -8 ;;
     hybrid-agent-q)
-      timeout 270 python3 benchmarks/bench_tree_vs_flat.py --models qwen3.5-0.8b --scale 0.25 --repeats 1 \
+      timeout 540 python3 benchmarks/bench_tree_vs_flat.py --models qwen3.5-0.8b --scale 0.25 --repeats 1 \
         --workloads agent_20_turns --out "$OUT/tree_vs_flat_h200_qwen3.5-0.8b_agent20.json" 2>&1 \
         | grep -v -i warn | grep -v "^\[transformers\]" | tail -3 ;;
     s2-f)  # one GPU, the rest of session 2
@@ -227,10 +229,16 @@ for stage in "$@"; do
     generation-static)
       timeout 280 python3 benchmarks/bench_generation_modes.py --modes static_cache compiled --steps 2 \
         --out "$OUT/generation_modes_h200_static.json" 2>&1 | grep -v -i warn | grep -E "^\||step|skipped" ;;
-    generation-flat)  # the flat sides generation-static / generation-more did not reach in their time
-      timeout 300 python3 benchmarks/bench_generation_modes.py --modes compiled continuous_batching --sides flat \
-        --steps 2 --out "$OUT/generation_modes_h200_flat.json" 2>&1 | grep -v -i warn | grep -E "^\||step|skipped" ;;
-    s5)
+    generation-flat)  # the flat sides generation-static / generation-more did not reach in their time; one process
+      # per mode, so that a mode cut short by its time limit leaves the other's numbers
+      for mode in continuous_batching compiled; do
+        timeout 250 python3 benchmarks/bench_generation_modes.py --modes $mode --sides flat --steps 2 \
+          --out "$OUT/generation_modes_h200_flat_$mode.json" 2>&1 | grep -v -i warn | grep -E "^\||step|skipped"
+      done ;;
+    generation-flat-compiled)  # session 5: TRL flat with torch_compile=True alone, 3 steps (it recompiles per length)
+      timeout 500 python3 benchmarks/bench_generation_modes.py --modes compiled --sides flat --steps 3 \
+        --out "$OUT/generation_modes_h200_flat_compiled.json" 2>&1 | grep -v -i warn | grep -E "^\||step [0-9]|skipped" ;;
+    s5)  # session 5 ran, one call each: generation-flat, hybrid-agent-q, mfu-8b-compile, generation-flat-compiled
       bash "$0" generation-flat grad-check-8b-compile ;;
     tests-coverage-gpu)  # every accepted family on the FlexAttention path (tests/test_gpu_coverage.py)
       # 8 processes share the GPU (each family compiles its own kernels; pytest-xdist's wheel travels in .whl/)
