@@ -70,6 +70,10 @@ TREE_LAYERS: dict[str, str] = {
     f"{_TF}.kimi_linear.modeling_kimi_linear.KimiLinearDeltaAttention": "kimi_delta_rule",
     f"{_TF}.lfm2.modeling_lfm2.Lfm2ShortConv": "short_conv",
     f"{_TF}.lfm2_moe.modeling_lfm2_moe.Lfm2MoeShortConv": "short_conv",
+    f"{_TF}.lfm3.modeling_lfm3.Lfm3ShortConv": "short_conv",
+    f"{_TF}.lara_mini.modeling_lara_mini.LaraMiniGatedDeltaNet": "gated_delta_rule",
+    f"{_TF}.bailing_hybrid.modeling_bailing_hybrid.BailingHybridDeltaAttention": "kimi_delta_rule",
+    f"{_TF}.zamba2.modeling_zamba2.Zamba2MambaMixer": "mamba2",
     f"{_TF}.nemotron_h.modeling_nemotron_h.NemotronHMamba2Mixer": "mamba2",
     f"{_TF}.bamba.modeling_bamba.BambaMixer": "mamba2",
     f"{_TF}.granitemoehybrid.modeling_granitemoehybrid.GraniteMoeHybridMambaLayer": "mamba2",
@@ -98,10 +102,9 @@ REFUSED_LAYERS: dict[str, str] = {
     f"{_TF}.mamba.modeling_mamba.MambaMixer": _MAMBA1,
     f"{_TF}.falcon_mamba.modeling_falcon_mamba.FalconMambaMixer": _MAMBA1,
     f"{_TF}.mamba2.modeling_mamba2.Mamba2Mixer": (
-        "a pure Mamba-2 model (no attention layers); its mixer is not wired to the tree kernels or tested"
-    ),
-    f"{_TF}.zamba2.modeling_zamba2.Zamba2MambaMixer": (
-        "Zamba2's Mamba-2 mixer with shared attention blocks, not wired to the tree kernels or tested"
+        "a pure Mamba-2 model: Mamba2ForCausalLM.forward does not pass the model's keyword arguments on to its "
+        "backbone, so `tree_forest` never reaches the mixers (the Mamba-2 hybrids, whose forwards pass them, are "
+        "exact)"
     ),
     f"{_TF}.minimax.modeling_minimax.MiniMaxLightningAttention": (
         "lightning attention (linear attention with decay) computed by its own block loop, not through a kernel "
@@ -114,6 +117,8 @@ REFUSED_LAYERS: dict[str, str] = {
 _STATEFUL_NAME = re.compile(
     r"Mamba|Mixer|DeltaNet|DeltaAttention|ShortConv|LightningAttention|Recurrent|SSM|Rwkv|RWKV|Retention|Hyena"
 )
+# ... except a normalization named after its model (`Mamba2RMSNorm`, `MambaRMSNormGated`): one token at a time.
+_PER_TOKEN_NORM = re.compile(r"(RMS|Layer)Norm(Gated)?$")
 
 
 def _class_path(cls: type) -> str:
@@ -475,6 +480,7 @@ def unsupported_recurrent_layers(model: torch.nn.Module) -> dict[str, str]:
             continue
         stateful = _owns_state(module) or (
             _STATEFUL_NAME.search(cls.__name__) is not None
+            and _PER_TOKEN_NORM.search(cls.__name__) is None
             and not any(_owns_state(inner) for inner in module.modules() if inner is not module)
         )
         if stateful:

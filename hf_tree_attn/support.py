@@ -86,6 +86,7 @@ EXACT_FAMILIES: dict[str, str] = {
     "aria_text": "MoE",
     "axk1": "MoE, MLA",
     "bamba": "Mamba-2",
+    "bailing_hybrid": "Kimi delta rule, MoE, MLA",
     "beam": "sliding window, MoE, final softcap",
     "biogpt": "",
     "bitnet": "",
@@ -149,9 +150,11 @@ EXACT_FAMILIES: dict[str, str] = {
     "jetmoe": "MoE",
     "kimi_linear": "Kimi delta rule, MoE, MLA",
     "kolibri1": "sliding window, MoE",
+    "lara_mini": "gated delta rule, sliding window, MoE",
     "laguna": "MoE",
     "lfm2": "short conv",
     "lfm2_moe": "short conv, MoE",
+    "lfm3": "short conv, sliding window",
     "llama": "",
     "llama4": "chunked attention, MoE",
     "llama4_text": "chunked attention, MoE",
@@ -200,6 +203,7 @@ EXACT_FAMILIES: dict[str, str] = {
     "starcoder2": "sliding window",
     "vaultgemma": "sliding window, attention softcap, final softcap",
     "youtu": "MLA",
+    "zamba2": "Mamba-2",
 }
 
 # Every other causal-LM family of transformers 5.24, with the reason it is refused.
@@ -244,16 +248,16 @@ REFUSED_FAMILIES: dict[str, str] = {
     **dict.fromkeys(["falcon", "git", "gpt_neo"], _LOAD_FAILS),
     **dict.fromkeys(["axk2", "deepseek_v32", "dots3_note", "dots3_note_text", "glm_moe_dsa", "hy_v4"], _INDEXED),
     **dict.fromkeys(["gemma4_assistant", "gemma4_unified_assistant"], _DRAFTER),
-    "bailing_hybrid": _state("linear attention"),
     "falcon_mamba": _state("Mamba"),
     "inkling2_loop_text": _state("`hybrid` recurrent layers"),
     "inkling2_text": _state("`hybrid` recurrent layers"),
     "inkling_text": _state("`hybrid` recurrent layers"),
     "jamba": _state("Mamba"),
-    "lara_mini": _state("linear attention"),
-    "lfm3": _state("short convolutions"),
     "mamba": _state("Mamba"),
-    "mamba2": _state("Mamba-2"),
+    "mamba2": (
+        "Mamba2ForCausalLM.forward does not pass the model's keyword arguments on to its backbone, so a tree forward "
+        "cannot reach its Mamba-2 layers (the Mamba-2 hybrids, Zamba2 among them, are exact)."
+    ),
     "minimax": _state("lightning linear attention"),
     "qwen4_exp": _state("linear attention"),
     "qwen4_exp_text": _state("linear attention"),
@@ -261,7 +265,6 @@ REFUSED_FAMILIES: dict[str, str] = {
     "rwkv": _state("RWKV time mixing"),
     "xlstm": _state("mLSTM"),
     "zamba": _state("Mamba"),
-    "zamba2": _state("Mamba-2"),
     "zaya": _state("`hybrid` recurrent layers"),
     "blt": "its byte-to-patch cross-attention builds masks outside transformers' mask functions.",
     "deepseek_v4": (

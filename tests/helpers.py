@@ -17,6 +17,7 @@ import sys
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    BailingHybridConfig,
     BambaConfig,
     FalconH1Config,
     Gemma2Config,
@@ -24,8 +25,10 @@ from transformers import (
     GraniteConfig,
     GraniteMoeHybridConfig,
     KimiLinearConfig,
+    LaraMiniConfig,
     Lfm2Config,
     Lfm2MoeConfig,
+    Lfm3Config,
     LlamaConfig,
     NemotronHConfig,
     OlmoHybridConfig,
@@ -34,6 +37,7 @@ from transformers import (
     Qwen3_5TextConfig,
     Qwen3Config,
     Qwen3NextConfig,
+    Zamba2Config,
 )
 
 import hf_tree_attn  # noqa: F401  (registers "tree_flex")
@@ -155,6 +159,10 @@ HYBRID_FAMILIES = (
     "bamba",
     "granitemoehybrid",
     "falcon_h1",
+    "lara_mini",
+    "bailing_hybrid",
+    "lfm3",
+    "zamba2",
 )
 
 _HYBRID_COMMON = {**_COMMON, "initializer_range": 0.05, "tie_word_embeddings": False}
@@ -232,6 +240,31 @@ def tiny_hybrid_config(family: str):
         )  # fmt: skip
     if family == "falcon_h1":  # attention and Mamba-2 side by side in every layer
         return FalconH1Config(**c, **_MAMBA2, intermediate_size=128, num_hidden_layers=2, head_dim=16, mamba_d_ssm=128)
+    if family == "lara_mini":  # gated delta rule, sliding and full attention, MoE MLPs
+        return LaraMiniConfig(
+            **c, **_GDN, **_MOE, num_hidden_layers=4, head_dim=16, moe_intermediate_size=32,
+            shared_expert_intermediate_size=32, sliding_window=4,
+            layer_types=["linear_attention", "sliding_attention", "linear_attention", "full_attention"],
+        )  # fmt: skip
+    if family == "bailing_hybrid":  # Kimi delta rule + MLA full attention, a dense then an MoE MLP
+        return BailingHybridConfig(
+            **{**c, "num_key_value_heads": 4}, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
+            layer_types=["linear_attention", "full_attention", "linear_attention"],
+            mlp_layer_types=["dense", "sparse", "dense"], num_local_experts=4, num_experts_per_tok=2, n_group=1,
+            topk_group=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
+            qk_nope_head_dim=8, v_head_dim=16, head_dim=16,
+        )  # fmt: skip
+    if family == "lfm3":  # short convs, full and sliding attention
+        return Lfm3Config(
+            **c, intermediate_size=128, num_hidden_layers=4, head_dim=16, conv_L_cache=3, sliding_window=4,
+            layer_types=["conv", "full_attention", "conv", "sliding_attention"],
+        )  # fmt: skip
+    if family == "zamba2":  # Mamba-2 layers and a hybrid layer (the shared attention block, then Mamba-2)
+        return Zamba2Config(
+            **c, intermediate_size=128, num_hidden_layers=3, layers_block_type=["mamba", "hybrid", "mamba"],
+            mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_ngroups=2, n_mamba_heads=4, chunk_size=16,
+            attention_head_dim=16, use_mem_rope=True,
+        )  # fmt: skip
     raise ValueError(f"unknown hybrid family {family!r}; use one of {HYBRID_FAMILIES}")
 
 

@@ -309,7 +309,9 @@ def test_logprobs_and_entropies_match_flat(family, case):
         _assert_matches_flat(ref, sequences, logps, entropies)
 
 
-@pytest.mark.parametrize("family", (*ONE_PER_KIND, "qwen3_5_moe", "qwen3_next"))
+@pytest.mark.parametrize(
+    "family", (*ONE_PER_KIND, "qwen3_5_moe", "qwen3_next", "lara_mini", "bailing_hybrid", "lfm3", "zamba2")
+)
 def test_deep_multiturn_tree_matches_flat(family):
     """A 20-turn agent tree (20+ levels): the states are handed down through every branch point."""
     tree, ref = hybrid_twin_models(family)
