@@ -55,6 +55,7 @@ __all__ = [
     "tree_causal_conv1d",
     "tree_delta_rule",
     "tree_layer_types",
+    "kwargs_breaks",
     "tree_mamba2_chunk_scan",
     "unsupported_recurrent_layers",
 ]
@@ -488,6 +489,56 @@ def unsupported_recurrent_layers(model: torch.nn.Module) -> dict[str, str]:
                 path, "a state-carrying layer the tree does not know; its state would leak across tree branches"
             )
     return reasons
+
+
+@functools.cache
+def _forward_source(cls: type) -> str:
+    try:
+        return inspect.getsource(inspect.unwrap(cls.forward))
+    except (OSError, TypeError):
+        return ""
+
+
+def _calls_with_kwargs(source: str, callee: str) -> bool:
+    """Whether `source` calls `callee(...)` (a regex) with a `**...kwargs` argument."""
+    return re.search(rf"{callee}\((?:[^()]|\((?:[^()]|\([^()]*\))*\))*\*\*\w*kwargs", source) is not None
+
+
+def _kwargs_break(root: torch.nn.Module, path: str) -> str | None:
+    """Where the model kwargs stop on their way from `root.forward` to the submodule at `path` (which then never
+    sees `tree_forest`), or None when every forward on the way passes them on: `self.<child>(..., **kwargs)`, or,
+    for a child in a ModuleList, `for <x> in self.<list>...` and `<x>(..., **kwargs)`."""
+    parts = path.split(".")
+    module = root
+    for i, name in enumerate(parts):
+        child = getattr(module, name)
+        if isinstance(module, (torch.nn.ModuleList, torch.nn.ModuleDict)):
+            module = child
+            continue
+        source = _forward_source(type(module))
+        if isinstance(child, (torch.nn.ModuleList, torch.nn.ModuleDict)):
+            loop = re.search(rf"for\s+(?:\w+\s*,\s*)?(\w+)\s+in\s+(?:enumerate\()?self\.{name}\b", source)
+            ok = loop is not None and _calls_with_kwargs(source, rf"\b{loop.group(1)}")
+        else:
+            ok = _calls_with_kwargs(source, rf"self\.{name}")
+        if not ok:
+            return f"{type(module).__name__}.forward does not pass the model kwargs on to `{'.'.join(parts[: i + 1])}`"
+        module = child
+    return None
+
+
+def kwargs_breaks(model: torch.nn.Module) -> dict[str, str]:
+    """`{layer class name: where the kwargs stop}` for the implemented state-carrying layers of `model` that a
+    forward's `tree_forest` would not reach (their state would then run over the DFS row: silently wrong). Checked
+    on the source of each forward between the model and the layer, so a transformers version that stops passing
+    the kwargs somewhere on the way makes the gate refuse the model rather than run it."""
+    breaks = {}
+    for path, module in model.named_modules():
+        if _class_path(type(module)) in TREE_LAYERS and type(module).__name__ not in breaks:
+            where = _kwargs_break(model, path)
+            if where is not None:
+                breaks[type(module).__name__] = where
+    return breaks
 
 
 def tree_layer_types(model: torch.nn.Module) -> set[str]:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from .recurrent import STATE_LAYER_TYPES, unsupported_recurrent_layers
+from .recurrent import STATE_LAYER_TYPES, kwargs_breaks, unsupported_recurrent_layers
 
 __all__ = [
     "EXACT_FAMILIES",
@@ -482,6 +482,12 @@ def _state_layer_error(model: torch.nn.Module) -> str | None:
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
     layers = getattr(decoder, "layers", None)
     refused = unsupported_recurrent_layers(layers if isinstance(layers, torch.nn.ModuleList) else model)
+    if not refused:
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT passes kwargs on
+        refused = {
+            name: f"{where}, so a tree forward's `tree_forest` cannot reach it and its state would run across branches"
+            for name, where in kwargs_breaks(base).items()
+        }
     if not refused:
         return None
     reasons = "; ".join(f"{name}: {why}" for name, why in refused.items())

@@ -493,6 +493,44 @@ def test_a_layer_that_does_not_pass_the_kwargs_on_is_refused(monkeypatch):
         check_tree_model(tree)
 
 
+def _layer_dropping_kwargs(layer_class: type) -> type:
+    """A Qwen3.5 decoder layer that calls its Gated DeltaNet without the model kwargs (as a transformers version
+    could): `tree_forest` stops there."""
+
+    class DropsKwargs(layer_class):
+        def forward(self, hidden_states, position_embeddings, attention_mask=None, position_ids=None, **kwargs):
+            if self.block_type != "linear_attention":
+                return super().forward(hidden_states, position_embeddings, attention_mask, position_ids, **kwargs)
+            residual = hidden_states
+            hidden_states = residual + self.linear_attn(hidden_states=self.input_layernorm(hidden_states))
+            return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+    return DropsKwargs
+
+
+def test_a_model_whose_forwards_drop_the_kwargs_before_the_layer_is_refused(monkeypatch):
+    """The gate reads every forward between the model and each state-carrying layer: where one does not pass the
+    kwargs on, `tree_forest` never reaches the layer, which then runs over the DFS row — silently wrong (shown
+    here with the gate bypassed), so it is refused."""
+    tree, ref = hybrid_twin_models("qwen3_5")
+    assert recurrent.kwargs_breaks(tree) == {}
+    layer = tree.model.layers[0]
+    assert layer.block_type == "linear_attention"
+    layer.__class__ = _layer_dropping_kwargs(type(layer))
+    assert recurrent.kwargs_breaks(tree) == {
+        "Qwen3_5GatedDeltaNet": "DropsKwargs.forward does not pass the model kwargs on to `model.layers.0.linear_attn`"
+    }
+    with pytest.raises(NotImplementedError, match=r"Qwen3_5GatedDeltaNet: DropsKwargs.forward does not pass"):
+        check_tree_model(tree)
+    monkeypatch.setattr(sys.modules["hf_tree_attn.logprobs"], "check_tree_model", lambda model: None)
+    ref.model.layers[0].__class__ = tree.model.layers[0].__class__  # the same math, flat
+    sequences = forest_case("grpo", seed=0)
+    with torch.no_grad():
+        leaked = sequence_logprobs(tree, sequences)
+        worst = max((leaked[i] - flat_logprobs(ref, s)[0]).abs().max().item() for i, s in enumerate(sequences))
+    assert worst > 100 * ATOL
+
+
 def test_register_is_idempotent_and_wraps_once():
     before = {
         name: getattr(_modeling("qwen3_5"), name) for name in ("causal_conv1d_fn", "torch_chunk_gated_delta_rule")
