@@ -491,6 +491,10 @@ def unsupported_recurrent_layers(model: torch.nn.Module) -> dict[str, str]:
     return reasons
 
 
+# Wrappers that hand every argument to the module they wrap (torch.compile, FSDP1, activation checkpointing).
+_PASS_THROUGH = ("_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")
+
+
 @functools.cache
 def _forward_source(cls: type) -> str:
     try:
@@ -512,7 +516,7 @@ def _kwargs_break(root: torch.nn.Module, path: str) -> str | None:
     module = root
     for i, name in enumerate(parts):
         child = getattr(module, name)
-        if isinstance(module, (torch.nn.ModuleList, torch.nn.ModuleDict)):
+        if isinstance(module, (torch.nn.ModuleList, torch.nn.ModuleDict)) or name in _PASS_THROUGH:
             module = child
             continue
         source = _forward_source(type(module))

@@ -16,6 +16,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from accelerate.utils import compile_regions
 from helpers import (
     FOREST_CASES,
     HYBRID_FAMILIES,
@@ -514,6 +515,7 @@ def test_a_model_whose_forwards_drop_the_kwargs_before_the_layer_is_refused(monk
     here with the gate bypassed), so it is refused."""
     tree, ref = hybrid_twin_models("qwen3_5")
     assert recurrent.kwargs_breaks(tree) == {}
+    assert recurrent.kwargs_breaks(compile_regions(copy.deepcopy(tree))) == {}  # torch.compile passes them on
     layer = tree.model.layers[0]
     assert layer.block_type == "linear_attention"
     layer.__class__ = _layer_dropping_kwargs(type(layer))
