@@ -253,6 +253,10 @@ for stage in "$@"; do
         timeout 110 python3 benchmarks/profile_step.py --model qwen3-1.7b --method tree --flex-kernel-options "$opts" \
           --out "$OUT/profile_qwen3-1.7b_tree_flex$i.json" 2>&1 | grep -E "^qwen3|attention" | head -3
       done ;;
+    # ---- still to run (issues 9-11): on one H200 `s6` (the GPU coverage test now has 125 families: Lara-mini,
+    # Bailing hybrid, LFM3 and Zamba2 are new), on nvidia-h200-x2 `s3-x2`
+    s6)
+      bash "$0" nofla tests-coverage-gpu ;;
     s4-a)
       bash "$0" mfu-1.7b grad-check-8b-compile ;;
     s4-d)  # after s4-a shows compiled layers exact at 36 layers
