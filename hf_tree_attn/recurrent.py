@@ -51,11 +51,11 @@ __all__ = [
     "REFUSED_LAYERS",
     "STATE_LAYER_TYPES",
     "TREE_LAYERS",
+    "kwargs_breaks",
     "register",
     "tree_causal_conv1d",
     "tree_delta_rule",
     "tree_layer_types",
-    "kwargs_breaks",
     "tree_mamba2_chunk_scan",
     "unsupported_recurrent_layers",
 ]
