@@ -238,8 +238,7 @@ for stage in "$@"; do
     generation-flat-compiled)  # session 5: TRL flat with torch_compile=True alone, 3 steps (it recompiles per length)
       timeout 500 python3 benchmarks/bench_generation_modes.py --modes compiled --sides flat --steps 3 \
         --out "$OUT/generation_modes_h200_flat_compiled.json" 2>&1 | grep -v -i warn | grep -E "^\||step [0-9]|skipped" ;;
-    s5)  # session 5 ran, one call each: generation-flat, hybrid-agent-q, mfu-8b-compile, generation-flat-compiled
-      bash "$0" generation-flat grad-check-8b-compile ;;
+    # session 5 ran generation-flat, hybrid-agent-q, mfu-8b-compile and generation-flat-compiled, one call each
     tests-coverage-gpu)  # every accepted family on the FlexAttention path (tests/test_gpu_coverage.py)
       # 8 processes share the GPU (each family compiles its own kernels; pytest-xdist's wheel travels in .whl/)
       timeout 380 python3 -m pytest -v -rf -n 8 --durations=5 -m gpu -p no:cacheprovider tests/test_gpu_coverage.py \

@@ -413,14 +413,23 @@ def _recurrent_mask_dispatch(original):
 _UNAVAILABLE: dict[str, str] = {}  # TREE_LAYERS entries this transformers cannot serve → why
 
 
+@functools.cache
+def _forward_source(cls: type) -> str:
+    try:
+        return inspect.getsource(inspect.unwrap(cls.forward))
+    except (OSError, TypeError):
+        return ""
+
+
+def _calls_with_kwargs(source: str, callee: str) -> bool:
+    """Whether `source` calls `callee(...)` (a regex) with a `**...kwargs` argument."""
+    return re.search(rf"{callee}\((?:[^()]|\((?:[^()]|\([^()]*\))*\))*\*\*\w*kwargs", source) is not None
+
+
 def _passes_kwargs(cls: type, name: str) -> bool:
     """Whether `cls.forward` calls `name(...)` with the model's `**kwargs` (so `tree_forest` reaches it): a
     transformers version that stops forwarding them must make the gate refuse the layer, not run it silently."""
-    try:
-        source = inspect.getsource(inspect.unwrap(cls.forward))
-    except (OSError, TypeError):
-        return False
-    return re.search(rf"\b{name}\((?:[^()]|\([^()]*\))*\*\*\w*kwargs", source) is not None
+    return _calls_with_kwargs(_forward_source(cls), rf"\b{name}")
 
 
 def register() -> None:
@@ -493,19 +502,6 @@ def unsupported_recurrent_layers(model: torch.nn.Module) -> dict[str, str]:
 
 # Wrappers that hand every argument to the module they wrap (torch.compile, FSDP1, activation checkpointing).
 _PASS_THROUGH = ("_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")
-
-
-@functools.cache
-def _forward_source(cls: type) -> str:
-    try:
-        return inspect.getsource(inspect.unwrap(cls.forward))
-    except (OSError, TypeError):
-        return ""
-
-
-def _calls_with_kwargs(source: str, callee: str) -> bool:
-    """Whether `source` calls `callee(...)` (a regex) with a `**...kwargs` argument."""
-    return re.search(rf"{callee}\((?:[^()]|\((?:[^()]|\([^()]*\))*\))*\*\*\w*kwargs", source) is not None
 
 
 def _kwargs_break(root: torch.nn.Module, path: str) -> str | None:
