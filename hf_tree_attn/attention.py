@@ -27,7 +27,10 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.masking_utils import eager_mask, sdpa_mask
 
-from .masks import mask_tag
+from . import prefix_attention as _prefix
+from .masks import is_tree_mask_mod, mask_tag
+from .prefix_attention import prefix_attention
+from .prefix_attention import supports as prefix_supports
 
 __all__ = ["ATTN_IMPLEMENTATION", "bypasses_attention_interface", "register", "tree_flex_attention", "tree_flex_mask"]
 
@@ -162,6 +165,28 @@ def _depth_temperature(module: torch.nn.Module, query: torch.Tensor, depth: torc
     return (query * ratio.view(1, 1, -1, 1)).to(query.dtype)
 
 
+def _plain_tree_mask(attention_mask, forest) -> bool:
+    """Whether `attention_mask` is `forest`'s ancestor-or-self mask itself (its causal layer kind: no window, no
+    chunk). Eagerly by its tag; inside a compiled layer, where tags are not seen, by its `BlockMask`'s mask_mod."""
+    if torch.compiler.is_compiling():
+        return isinstance(attention_mask, BlockMask) and is_tree_mask_mod(attention_mask.mask_mod)
+    tag = mask_tag(attention_mask)
+    return tag is not None and tag.role == "layer" and tag.causal and tag.source.cache is forest._mask_cache
+
+
+def _prefix_attention(query, key, value, attention_mask, forest, scaling: float) -> torch.Tensor | None:
+    """`hf_tree_attn.prefix_attention` `(1, q_heads, S, head_dim)` for a layer whose mask is `forest`'s plain tree
+    mask, when the forest is two-level and the kernels serve these tensors; else None (FlexAttention / SDPA)."""
+    if not prefix_supports(query) or query.shape[1] % key.shape[1] or not _plain_tree_mask(attention_mask, forest):
+        return None
+    size = forest.input_ids.shape[1]
+    if forest.prefix_plan is None or query.shape[2] != size or key.shape[2] != size:
+        return None
+    if query.device.type == "cuda" and _prefix.MODE == "auto" and not forest.prefix_fast_on_cuda:
+        return None  # FlexAttention is the faster kernel for this forest
+    return prefix_attention(query, key, value, forest.prefix_plan, scaling)
+
+
 def tree_flex_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -219,6 +244,10 @@ def tree_flex_attention(
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
 
+    if forest is not None and softcap is None and sinks is None:
+        out = _prefix_attention(query, key, value, attention_mask, forest, scaling)
+        if out is not None:
+            return out.transpose(1, 2).contiguous(), None
     if isinstance(attention_mask, BlockMask):
         if query.device.type == "cpu" and torch.is_grad_enabled() and query.requires_grad:
             raise RuntimeError(

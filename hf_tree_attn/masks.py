@@ -44,6 +44,7 @@ __all__ = [
     "causal_mask_mod",
     "dense_mask",
     "dense_tree_mask",
+    "is_tree_mask_mod",
     "mask_function_key",
     "mask_tag",
     "tag_mask",
@@ -61,6 +62,12 @@ def tree_mask_mod(subtree_end: torch.Tensor):
         return (kv_idx <= q_idx) & (q_idx < subtree_end[kv_idx])
 
     return tree_mask
+
+
+def is_tree_mask_mod(mask_mod) -> bool:
+    """Whether `mask_mod` is a `tree_mask_mod` closure, the plain ancestor-or-self mask (by its name, which a
+    compiled region can read)."""
+    return getattr(mask_mod, "__name__", None) == "tree_mask"
 
 
 def causal_mask_mod(b, h, q_idx, kv_idx):
@@ -95,11 +102,13 @@ class MaskTag(NamedTuple):
 
     `role`: "carrier" (a forest's `(1, S)` `attention_mask`, see `TreeMaskSource`), "layer" (the tree mask of one
     layer kind, built from the model's own mask function) or "full" (the plain ancestor-or-self mask of
-    `PackedForest.dense_mask()` / `block_mask()`, without any window).
+    `PackedForest.dense_mask()` / `block_mask()`, without any window). `causal`: a "layer" mask built from the plain
+    causal mask function, i.e. exactly the ancestor-or-self mask (`hf_tree_attn.prefix_attention` may then serve it).
     """
 
     role: str
     source: TreeMaskSource | None
+    causal: bool = False
 
 
 # Tensors keep their tag through views (`mask.view(batch, -1)`, `mask[..., :kv_len]`), which models make before
@@ -245,7 +254,7 @@ class TreeMaskSource:
             built = dense_mask(mask_mod, self.size, device, use_vmap=use_vmap).contiguous()
         else:
             built = _block_mask(mask_mod, self.size, device)
-        tag_mask(built, MaskTag("layer", self))
+        tag_mask(built, MaskTag("layer", self, causal))
         if key is not None:
             self.cache[cache_key] = built
         return built

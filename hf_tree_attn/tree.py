@@ -75,6 +75,11 @@ class PackedForest:
             its parent's plus one).
         The three segment arrays are derived from `parent` and `subtree_end` when not given (`pack_forest` computes
         them with the layout).
+        prefix_plan: (set from the segments, not a constructor argument) `(n,)` int64 on the CPU when every branch
+            hangs off a root (a GRPO group: a prompt and its completions; several per forest), else None: the row
+            ranges `hf_tree_attn.prefix_attention` computes such a forest's attention from.
+        prefix_fast_on_cuda: (set likewise) whether those kernels beat FlexAttention on CUDA for this forest
+            (`hf_tree_attn.prefix_attention.fast_on_cuda`).
     """
 
     input_ids: torch.Tensor
@@ -100,6 +105,13 @@ class PackedForest:
             self.segment_starts, self.segment_parent, self.segment_level = (
                 torch.from_numpy(a).to(device) for a in arrays
             )
+        if "prefix_plan" not in self._mask_cache:  # shared with `.to()` copies: computed once per forest
+            from .prefix_attention import decode_plan, fast_on_cuda, prefix_plan
+
+            plan = prefix_plan(self.segment_starts, self.segment_parent, self.num_tree_tokens)
+            fast = plan is not None and fast_on_cuda(decode_plan(plan)[1])
+            self._mask_cache["prefix_plan"] = plan, fast
+        self.prefix_plan, self.prefix_fast_on_cuda = self._mask_cache["prefix_plan"]
 
     @property
     def seq_len(self) -> int:

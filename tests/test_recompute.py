@@ -45,17 +45,21 @@ def _saved_bytes(model, forest) -> int:
     return sum(storages.values())
 
 
+@pytest.mark.parametrize("prefix_kernels", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_activation_bytes_match_what_autograd_saves(dtype):
+def test_activation_bytes_match_what_autograd_saves(dtype, prefix_kernels, monkeypatch):
     """One more decoder layer (eager HF Qwen3, no GQA so SDPA keeps k and v unrepeated, as the GPU kernel does) keeps
-    what `activation_bytes` says per token, less the attention output's contiguous copy: the CPU kernel already
-    returns it in the layout `o_proj` reads (FlexAttention does not)."""
+    what `activation_bytes` says per token. The forest is two-level, so its attention runs through the shared-prefix
+    kernels, which (as FlexAttention) return `(1, heads, S, head_dim)`: `o_proj` reads a contiguous copy. With them
+    off, CPU's SDPA returns the layout `o_proj` reads, and that copy is not kept."""
+    monkeypatch.setattr(hf_tree_attn.prefix_attention, "MODE", "auto" if prefix_kernels else "never")
     sequences = [[3 + i % 120 for i in range(200)], [3 + i % 120 for i in range(90)] + [9] * 60]
     (forest,) = hf_tree_attn.pack_forest(sequences)
+    assert forest.prefix_plan is not None
     one, two = (_saved_bytes(_qwen3(n).to(dtype), forest) for n in (1, 2))
     per_layer = (two - one) / forest.seq_len
     whole, checkpointed = activation_bytes(_qwen3(1).config, dtype_bytes=dtype.itemsize)
-    attention_output_copy = dtype.itemsize * 4 * 16
+    attention_output_copy = 0 if prefix_kernels else dtype.itemsize * 4 * 16
     assert per_layer == pytest.approx(whole - attention_output_copy, rel=0.01)
     assert checkpointed == dtype.itemsize * 64
 

@@ -1,0 +1,364 @@
+"""Shared-prefix attention: a GRPO-shaped forest's causal attention as dense fused-kernel calls, without a mask.
+
+In a forest where every branch hangs off a root (the G completions of one prompt; several prompts per micro-batch),
+each tree is a prompt segment followed by its completion segments, and the ancestor-or-self mask is, per tree:
+
+    prompt rows       the prompt's keys, causal                                   one call
+    completion rows   all the prompt's keys  +  the own completion's keys, causal  two calls, merged
+
+All completions of a tree ask the same prompt keys: one non-causal call with the tree's completion rows as a
+single query block. Their own parts are one batched causal call (completions right-padded to the longest: a padded
+query row is dropped, and causal order hides the padded keys from every real row). The two key sets are disjoint,
+so their softmaxes merge by their log-sum-exps:
+
+    lse = logaddexp(lse_1, lse_2)        out = exp(lse_1 - lse) * out_1 + exp(lse_2 - lse) * out_2
+
+Backward: each call's attention backward, given the *merged* `out` and `lse`, gives its keys' exact dK, dV and its
+exact share of dQ (`dS_ij = P_ij (dO_i . v_j - dO_i . O_i)` with the merged probabilities `P`: the identity ring
+attention rests on); dQ is the sum of the shares. Padding rows (after the forest's tokens) attend to themselves
+only, as in the tree mask: their output is their value.
+
+The calls are cuDNN's fused attention on CUDA (bf16 / fp16, GQA heads as they are) and PyTorch's flash kernel on CPU
+(float32 / float64 / bf16), both through their ATen ops, which return the log-sum-exp and whose backward takes a
+given one; one query over one key, which cuDNN refuses, runs as plain matmuls. `tree_flex_attention` uses this
+for layers whose mask is the plain causal tree mask of a forest with a `prefix_plan`: always on CPU (5-18x the
+dense-mask SDPA on forests of 3k-20k tokens), and on CUDA where `fast_on_cuda` says the kernels beat FlexAttention
+(long prompts, short completions: a GRPO step's usual shape). FlexAttention serves every other case (deeper trees,
+windows, softcap, sinks, fp32 on CUDA). `HF_TREE_ATTN_PREFIX_ATTENTION=never` (or `MODE`) turns it off,
+`always` uses it for every two-level forest.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+__all__ = ["MODE", "PrefixTree", "decode_plan", "fast_on_cuda", "prefix_attention", "prefix_plan", "supports"]
+
+_MODES = {"auto": "auto", "always": "always", "never": "never", "1": "always", "0": "never"}
+# "auto": on CPU for every two-level forest, on CUDA for those `fast_on_cuda` picks; "always": every two-level forest;
+# "never": FlexAttention / SDPA only. From HF_TREE_ATTN_PREFIX_ATTENTION at import; may be set at run time.
+MODE = _MODES.get(os.environ.get("HF_TREE_ATTN_PREFIX_ATTENTION", "auto").strip().lower())
+if MODE is None:
+    raise ValueError(
+        f"HF_TREE_ATTN_PREFIX_ATTENTION={os.environ['HF_TREE_ATTN_PREFIX_ATTENTION']!r}: use auto, always or never."
+    )
+
+# `fast_on_cuda`'s rule, from `benchmarks/results/prefix_attention_h200.json` (H200, torch 2.11, cuDNN; attention
+# alone, forward twice + backward once as in a training step, Qwen3 heads): the kernels won where the prompts' keys
+# make up nearly all of the attention (4,096-token prompts, 512-token completions: 1.06x at 16 q / 8 kv heads, 1.43x
+# at 32 / 8) and lost where completions are as long as prompts (1,024 / 1,024: 0.87-0.95x) or trees are small
+# (32 x 128-token completions of 1,024-token prompts: 0.51x; the per-tree calls and merges cost a fixed time).
+_MIN_PROMPT_SHARE = 0.9
+_MIN_TREE_TOKENS = 8192
+
+_aten = torch.ops.aten
+
+
+class PrefixTree(NamedTuple):
+    """One tree of a two-level forest, as row ranges of the DFS row: the prompt `[start, stop)`, then its
+    completions, completion `g` being `[bounds[g], bounds[g + 1])` (`bounds[0] == stop`; no completions: `(stop,)`)."""
+
+    start: int
+    stop: int
+    bounds: tuple[int, ...]
+
+
+def prefix_plan(segment_starts: torch.Tensor, segment_parent: torch.Tensor, num_tokens: int) -> torch.Tensor | None:
+    """A forest's trees encoded for the kernels, when every non-root segment is a root's child without children of
+    its own (else None): `(n,)` int64 on the CPU, `[num_tokens, then per tree: start, G, bounds[0..G]]` (see
+    `PrefixTree`). A tensor, not a tuple, so that a compiled layer takes each new forest's as an input instead of
+    recompiling for it.
+
+    Args:
+        segment_starts: `(num_segments + 1,)` long (see `PackedForest`).
+        segment_parent: `(num_segments,)` long, -1 for roots.
+        num_tokens: the forest's real rows; the rest are padding.
+    """
+    starts = segment_starts.cpu().numpy()
+    parent = segment_parent.cpu().numpy()
+    is_root = parent < 0
+    if np.any(~is_root & ~is_root[np.maximum(parent, 0)]):  # a segment whose parent is not a root
+        return None
+    plan = [num_tokens]
+    for k in np.flatnonzero(is_root):  # DFS order: a root, then its children, then the next root
+        children = np.flatnonzero(parent == k)
+        plan += [int(starts[k]), len(children), int(starts[k + 1])] + [int(starts[c + 1]) for c in children]
+    plan = torch.tensor(plan, dtype=torch.int64)
+    torch._dynamo.maybe_mark_dynamic(plan, 0)  # its length differs per forest: one graph for all
+    return plan
+
+
+def fast_on_cuda(trees: tuple[PrefixTree, ...]) -> bool:
+    """Whether these trees' attention runs faster through the kernels here than through FlexAttention on CUDA:
+    prompt pairs (the prompt's causal self-attention and every completion row over the prompt) at least 90% of all
+    attention pairs, and at least 8,192 tokens per tree on average (measured, see `_MIN_PROMPT_SHARE`)."""
+    prompt_pairs = own_pairs = tokens = 0
+    for tree in trees:
+        prompt, rows = tree.stop - tree.start, tree.bounds[-1] - tree.bounds[0]
+        prompt_pairs += prompt * (prompt + 1) // 2 + rows * prompt
+        own_pairs += sum((b - a) * (b - a + 1) // 2 for a, b in zip(tree.bounds, tree.bounds[1:]))
+        tokens += tree.bounds[-1] - tree.start
+    total = prompt_pairs + own_pairs
+    return bool(trees) and prompt_pairs >= _MIN_PROMPT_SHARE * total and tokens >= _MIN_TREE_TOKENS * len(trees)
+
+
+def decode_plan(plan: torch.Tensor) -> tuple[int, tuple[PrefixTree, ...]]:
+    """`(num_tokens, trees)` of a `prefix_plan`."""
+    values = plan.tolist()
+    trees, k = [], 1
+    while k < len(values):
+        start, count = values[k], values[k + 1]
+        bounds = tuple(values[k + 2 : k + 3 + count])
+        trees.append(PrefixTree(start, bounds[0], bounds))
+        k += 3 + count
+    return values[0], tuple(trees)
+
+
+def supports(query: torch.Tensor) -> bool:
+    """Whether the kernels here serve `query` `(1, heads, S, head_dim)`: cuDNN attention on CUDA (bf16 / fp16, head
+    dims multiple of 8 up to 128), PyTorch's flash attention on CPU (float32 / float64 / bf16)."""
+    if MODE == "never" or query.shape[0] != 1:
+        return False
+    if query.device.type == "cpu":
+        return query.dtype in (torch.float32, torch.float64, torch.bfloat16)
+    head_dim = query.shape[-1]
+    return (
+        query.device.type == "cuda"
+        and query.dtype in (torch.bfloat16, torch.float16)
+        and head_dim % 8 == 0
+        and head_dim <= 128
+    )
+
+
+def _accumulate(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """`x` `(B, kv_heads, L, D)` with each head repeated for its `heads // kv_heads` query heads (GQA)."""
+    return x.repeat_interleave(heads // x.shape[1], 1)
+
+
+def _scores(q, k, causal: bool, scale: float) -> torch.Tensor:
+    scores = (q.to(_accumulate(q.dtype)) @ _heads(k, q.shape[1]).to(_accumulate(q.dtype)).transpose(-1, -2)) * scale
+    if causal:
+        keep = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~keep, float("-inf"))
+    return scores
+
+
+def _math_forward(q, k, v, causal: bool, scale: float):
+    """`_forward` by plain matmuls (cuDNN refuses one query over one key)."""
+    scores = _scores(q, k, causal, scale)
+    lse = scores.logsumexp(-1)
+    return (torch.exp(scores - lse[..., None]) @ _heads(v, q.shape[1]).to(scores.dtype)).to(q.dtype), lse
+
+
+def _math_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
+    """`_backward` by plain matmuls: `dS = P * (dO V^T - rowsum(dO * O))` with `P = exp(S - lse)`."""
+    acc = _accumulate(q.dtype)
+    probs = torch.exp(_scores(q, k, causal, scale) - lse[..., None].to(acc))
+    dout, out = dout.to(acc), out.to(acc)
+    dscores = probs * (dout @ _heads(v, q.shape[1]).to(acc).transpose(-1, -2) - (dout * out).sum(-1, keepdim=True))
+    dq = (dscores @ _heads(k, q.shape[1]).to(acc)) * scale
+    dk = (dscores.transpose(-1, -2) @ q.to(acc)) * scale
+    dv = probs.transpose(-1, -2) @ dout
+    dk, dv = (x.unflatten(1, (k.shape[1], -1)).sum(2) for x in (dk, dv))  # per kv head: the sum over its q heads
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _forward(q, k, v, causal: bool, scale: float):
+    """`(out, lse)`: attention of `q` `(B, H, Lq, D)` over `k`, `v` `(B, H, Lk, D)` (top-left causal if `causal`),
+    `lse` `(B, H, Lq)` (float32; float64 for float64 inputs)."""
+    if q.device.type == "cuda" and q.shape[2] == k.shape[2] == 1:
+        return _math_forward(q, k, v, causal, scale)
+    if q.device.type == "cpu":
+        out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+        return out, lse.to(_accumulate(q.dtype))
+    res = _aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False, scale=scale)
+    return res[0], res[1].view(q.shape[:3])
+
+
+def _backward(dout, q, k, v, out, lse, causal: bool, scale: float):
+    """`(dq, dk, dv)` of a `_forward` call, given `out` `(B, H, Lq, D)` and `lse` `(B, H, Lq)`: the merged ones, so
+    the result is this call's share of the merged attention's gradients."""
+    if q.device.type == "cuda" and q.shape[2] == k.shape[2] == 1:
+        return _math_backward(dout, q, k, v, out, lse, causal, scale)
+    if q.device.type == "cpu":
+        return _aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse.to(_accumulate(q.dtype)), 0.0, causal, scale=scale
+        )
+    unused = torch.empty((), dtype=torch.long, device=q.device)  # the dropout RNG state: no dropout here
+    return _aten._scaled_dot_product_cudnn_attention_backward(
+        dout, q, k, v, out, lse.float().unsqueeze(-1).contiguous(), unused, unused, None, None, None, q.shape[2],
+        k.shape[2], 0.0, causal, scale=scale,
+    )  # fmt: skip
+
+
+class _Completions(NamedTuple):
+    """Where one tree's completions sit, on the device: `index` `(G * C_max,)` the row of each slot of the padded
+    `(G, C_max)` batch (a completion padded with its last row), `slots` `(M,)` the slot of each completion row in
+    row order; `equal` when all G completions have `C_max` rows (the batch is then a view of the rows)."""
+
+    count: int
+    longest: int
+    index: torch.Tensor
+    slots: torch.Tensor
+    equal: bool
+
+
+def _completions(plan: torch.Tensor, number: int, tree: PrefixTree, device) -> _Completions:
+    """`_Completions` of tree `number` of `plan`, built once per plan, tree and device and kept on the plan tensor:
+    copying them to the GPU at every layer would make the host wait for the GPU's queue."""
+    cache = plan.__dict__.setdefault("_prefix_completions", {})
+    key = (number, torch.device(device))
+    if key not in cache:
+        bounds = torch.tensor(tree.bounds)
+        lengths = bounds.diff()
+        longest = int(lengths.max())
+        cols = torch.arange(longest)
+        index = (bounds[:-1, None] + torch.minimum(cols, lengths[:, None] - 1)).flatten()
+        slots = torch.nonzero((cols < lengths[:, None]).flatten())[:, 0]
+        if key[1].type == "cuda":
+            index, slots = (x.pin_memory().to(device, non_blocking=True) for x in (index, slots))
+        cache[key] = _Completions(len(lengths), longest, index, slots, bool((lengths == longest).all()))
+    return cache[key]
+
+
+def _batch(x: torch.Tensor, first: int, last: int, comp: _Completions) -> torch.Tensor:
+    """Rows `[first, last)` of `x` `(1, H, S, ...)` as the padded completion batch `(G, H, C_max, ...)` (a view
+    when the completions have equal lengths, else a gather)."""
+    rows = x[:, :, first:last] if comp.equal else x.index_select(2, comp.index)
+    return rows.unflatten(2, (comp.count, comp.longest)).transpose(1, 2)[0]
+
+
+def _unbatch(x: torch.Tensor, comp: _Completions) -> torch.Tensor:
+    """Inverse of `_batch`: `(G, H, C_max, ...)` → `(1, H, M, ...)` (the real rows, in row order)."""
+    x = x.transpose(0, 1).flatten(1, 2)[None]
+    return x if comp.equal else x.index_select(2, comp.slots)
+
+
+@torch.library.custom_op("hf_tree_attn::prefix_attention", mutates_args=())
+def _prefix_forward(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(out, lse)` of `prefix_attention` (an opaque op for torch.compile: its loops and shapes follow the plan)."""
+    num_tokens, trees = decode_plan(plan)
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    lse = torch.empty(query.shape[:3], dtype=_accumulate(query.dtype), device=query.device)
+    for number, tree in enumerate(trees):
+        prompt, first, last = slice(tree.start, tree.stop), tree.bounds[0], tree.bounds[-1]
+        k, v = key[:, :, prompt], value[:, :, prompt]
+        out[:, :, prompt], lse[..., prompt] = _forward(query[:, :, prompt], k, v, True, scale)
+        if last == first:
+            continue
+        shared, lse_shared = _forward(query[:, :, first:last], k, v, False, scale)
+        comp = _completions(plan, number, tree, query.device)
+        own, lse_own = _forward(*(_batch(x, first, last, comp) for x in (query, key, value)), True, scale)
+        own, lse_own = _unbatch(own, comp), _unbatch(lse_own[..., None], comp)[..., 0]
+        # softmax over both key sets: out = w * shared + (1 - w) * own, w = exp(lse_shared - lse) = sigmoid(...)
+        weight = torch.sigmoid(lse_shared - lse_own)[..., None]
+        out[:, :, first:last] = torch.lerp(own.to(weight.dtype), shared.to(weight.dtype), weight)
+        lse[..., first:last] = torch.logaddexp(lse_shared, lse_own)
+    if num_tokens < query.shape[2]:  # padding rows: each attends only to itself
+        groups = query.shape[1] // key.shape[1]
+        pad_k, pad_v = (x[:, :, num_tokens:].repeat_interleave(groups, 1) for x in (key, value))
+        out[:, :, num_tokens:] = pad_v
+        lse[..., num_tokens:] = (query[:, :, num_tokens:].to(lse.dtype) * pad_k.to(lse.dtype)).sum(-1) * scale
+    return out, lse
+
+
+@_prefix_forward.register_fake
+def _(query, key, value, plan, scale):
+    return query.new_empty(query.shape), query.new_empty(query.shape[:3], dtype=_accumulate(query.dtype))
+
+
+@torch.library.custom_op("hf_tree_attn::prefix_attention_backward", mutates_args=())
+def _prefix_backward(
+    dout: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    plan: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`(dq, dk, dv)` of `prefix_attention`, from the forward's merged `out` and `lse`; contiguous."""
+    num_tokens, trees = decode_plan(plan)
+    acc = _accumulate(query.dtype)
+    dout = dout.contiguous()  # the layout of `out`, as the kernels' backward expects
+    dq = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    dk = torch.empty(key.shape, dtype=key.dtype, device=key.device)
+    dv = torch.empty(value.shape, dtype=value.dtype, device=value.device)
+    for number, tree in enumerate(trees):
+        prompt, first, last = slice(tree.start, tree.stop), tree.bounds[0], tree.bounds[-1]
+        q, k, v = query[:, :, prompt], key[:, :, prompt], value[:, :, prompt]
+        g_prompt = _backward(dout[:, :, prompt], q, k, v, out[:, :, prompt], lse[..., prompt], True, scale)
+        dq[:, :, prompt] = g_prompt[0]
+        if last == first:
+            dk[:, :, prompt], dv[:, :, prompt] = g_prompt[1:]
+            continue
+        rows = slice(first, last)
+        q_comp = query[:, :, rows]
+        g_shared = _backward(dout[:, :, rows], q_comp, k, v, out[:, :, rows], lse[..., rows], False, scale)
+        dk[:, :, prompt] = g_prompt[1].to(acc) + g_shared[1].to(acc)
+        dv[:, :, prompt] = g_prompt[2].to(acc) + g_shared[2].to(acc)
+        comp = _completions(plan, number, tree, query.device)
+        own = [_batch(x, first, last, comp) for x in (dout, query, key, value, out, lse[..., None])]
+        own[-1] = own[-1][..., 0]
+        if not comp.equal:  # padding slots repeat their completion's last row: they must add no gradient
+            real = torch.zeros(comp.count * comp.longest, dtype=torch.bool, device=dout.device)
+            real[comp.slots] = True
+            own[0] = own[0] * real.view(comp.count, 1, comp.longest, 1)
+        g_own = _backward(*own, True, scale)
+        dq[:, :, rows] = g_shared[0].to(acc) + _unbatch(g_own[0], comp).to(acc)
+        dk[:, :, rows], dv[:, :, rows] = _unbatch(g_own[1], comp), _unbatch(g_own[2], comp)
+    if num_tokens < query.shape[2]:  # padding rows: out = v, so dv = dout (summed over a kv head's query heads)
+        dq[:, :, num_tokens:] = 0
+        dk[:, :, num_tokens:] = 0
+        pad = dout[:, :, num_tokens:]
+        dv[:, :, num_tokens:] = pad.unflatten(1, (key.shape[1], -1)).sum(2, dtype=acc)
+    return dq, dk, dv
+
+
+@_prefix_backward.register_fake
+def _(dout, query, key, value, out, lse, plan, scale):
+    return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape)  # contiguous
+
+
+def _setup_context(ctx, inputs, output):
+    query, key, value, plan, scale = inputs
+    ctx.save_for_backward(query, key, value, *output, plan)  # what FlexAttention saves, and the plan
+    ctx.scale = scale
+
+
+def _grad(ctx, dout, dlse):
+    # `lse` never leaves this module (`prefix_attention` returns `out` only), so `dlse` is always None.
+    query, key, value, out, lse, plan = ctx.saved_tensors
+    return (*_prefix_backward(dout, query, key, value, out, lse, plan, ctx.scale), None, None)
+
+
+_prefix_forward.register_autograd(_grad, setup_context=_setup_context)
+
+
+def prefix_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Ancestor-or-self (tree causal) attention of a two-level forest, through dense kernels (module docstring).
+
+    Args:
+        query: `(1, q_heads, S, head_dim)`.
+        key, value: `(1, kv_heads, S, head_dim)`, `q_heads` a multiple of `kv_heads` (GQA).
+        plan: the forest's `prefix_plan` (`PackedForest.prefix_plan`); rows after its `num_tokens` are padding,
+            each attending only to itself.
+        scale: softmax scale.
+
+    Returns:
+        `(1, q_heads, S, head_dim)`, `query`'s dtype: what FlexAttention with the forest's tree mask returns.
+    """
+    return _prefix_forward(query, key, value, plan, scale)[0]

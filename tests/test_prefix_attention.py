@@ -1,0 +1,321 @@
+"""Shared-prefix attention (`hf_tree_attn.prefix_attention`): two-level forests through dense kernel calls.
+
+- The plan: which forests are two-level (every branch hangs off a root) and their row ranges, against the per-token
+  dict trie oracle.
+- The kernel, against SDPA with the brute-force dense tree mask: forward and gradients of q, k, v in float64
+  (the merge and the backward identity are exact up to rounding) and float32, with GQA, padding rows, several trees,
+  identical sequences, prefixes, 1-token sequences, trees without completions.
+- Models: which layers take it (the causal layers of a two-level forest; never a sliding-window layer, never a
+  deeper forest), the same log-probs as per-sequence forwards, and a regionally compiled model taking it with
+  `BlockMask`s (what CUDA builds) with no graph break and no recompilation for new forests.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import TOLERANCES, flat_logprobs, forest_case, grpo_groups, multiturn, oracle_mask
+from transformers import AutoModelForCausalLM, Qwen3Config
+
+import hf_tree_attn
+import hf_tree_attn.attention
+from hf_tree_attn import pack_forest
+from hf_tree_attn.logprobs import forest_forward_kwargs, forest_logprobs
+from hf_tree_attn.prefix_attention import PrefixTree, decode_plan, fast_on_cuda, prefix_attention
+
+CONFIG = Qwen3Config(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=16, vocab_size=128, initializer_range=0.1,
+)  # fmt: skip
+
+
+def _two_level_groups(rng: random.Random, groups: int, prompt: int = 40, completion: int = 20) -> list[list[int]]:
+    """GRPO groups whose completions share nothing but the prompt (first tokens distinct): two-level tries."""
+    seqs = []
+    for _ in range(groups):
+        p = [rng.randrange(1, 128) for _ in range(rng.randint(1, prompt))]
+        firsts = rng.sample(range(1, 128), rng.randint(1, 6))
+        seqs += [p + [f] + [rng.randrange(1, 128) for _ in range(rng.randint(0, completion))] for f in firsts]
+    return seqs
+
+
+CASES = {
+    "grpo": lambda rng: _two_level_groups(rng, 3),
+    "identical": lambda rng: [[5, 6, 7]] * 3 + [[5, 6, 7, 8], [5, 6, 9]],
+    "prefix_of_another": lambda rng: [[3, 4, 5, 6], [3], [3, 4], [3, 4, 5, 6, 7], [3, 4, 9]],
+    "single_tokens": lambda rng: [[1], [1], [2], [2, 3, 4], [5]],
+    "no_completions": lambda rng: [[rng.randrange(1, 128) for _ in range(rng.randint(1, 9))] for _ in range(4)],
+    "one_completion_each": lambda rng: [[9, 8, 7, 1], [9, 8, 7, 2, 2, 2], [4, 1]],
+}
+
+
+def _real_segments_are_two_level(forest) -> bool:
+    parent = forest.segment_parent.tolist()
+    return all(p < 0 or parent[p] < 0 for p in parent)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_plan_covers_the_forest_in_row_ranges(case):
+    seqs = CASES[case](random.Random(case))
+    (forest,) = pack_forest(seqs, pad_multiple=16)
+    assert forest.prefix_plan is not None
+    num_tokens, trees = decode_plan(forest.prefix_plan)
+    assert num_tokens == forest.num_tree_tokens
+    # The ranges tile [0, num_tokens) in order, and match the oracle mask: a prompt row sees its prompt causally,
+    # a completion row its prompt and its own completion causally.
+    mask = oracle_mask(forest, seqs)[:num_tokens, :num_tokens]
+    expected = torch.zeros_like(mask)
+    edge = 0
+    for tree in trees:
+        assert tree.start == edge and tree.bounds[0] == tree.stop
+        expected[tree.start : tree.stop, tree.start : tree.stop] = (
+            torch.ones(tree.stop - tree.start, tree.stop - tree.start).tril().bool()
+        )
+        for first, last in zip(tree.bounds, tree.bounds[1:]):
+            assert last > first
+            expected[first:last, tree.start : tree.stop] = True
+            expected[first:last, first:last] = torch.ones(last - first, last - first).tril().bool()
+        edge = tree.bounds[-1]
+    assert edge == num_tokens
+    assert torch.equal(mask, expected)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_deeper_forests_have_no_plan(seed):
+    rng = random.Random(seed)
+    for seqs in (multiturn(rng), [[1, 2, 3], [1, 2, 4], [1, 5]]):
+        (forest,) = pack_forest(seqs)
+        assert not _real_segments_are_two_level(forest)
+        assert forest.prefix_plan is None
+    (forest,) = pack_forest(grpo_groups(rng))  # completions branching off each other, at random
+    assert (forest.prefix_plan is None) == (not _real_segments_are_two_level(forest))
+
+
+def _dense_reference(q, k, v, mask, scale):
+    groups = q.shape[1] // k.shape[1]
+    k, v = (x.repeat_interleave(groups, 1) for x in (k, v))
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+# Per entry: a softmax-weighted sum over <= 64 keys of unit-scale values, and its gradient sums over as many rows:
+# rounding errors of ~sqrt(64) * eps, x10 headroom for the log-sum-exp merge (float32: ~1e-5).
+ATOL = {torch.float64: 1e-12, torch.float32: 1e-5}
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2), (6, 1)])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_kernel_matches_the_dense_tree_mask(case, heads, dtype):
+    seqs = CASES[case](random.Random(case))
+    (forest,) = pack_forest(seqs, pad_multiple=16)
+    assert forest.num_tree_tokens < forest.seq_len or case == "grpo"  # padding rows are covered
+    g = torch.Generator().manual_seed(0)
+    size, dim = forest.seq_len, 16
+    q = torch.randn(1, heads[0], size, dim, dtype=dtype, generator=g, requires_grad=True)
+    k = torch.randn(1, heads[1], size, dim, dtype=dtype, generator=g, requires_grad=True)
+    v = torch.randn(1, heads[1], size, dim, dtype=dtype, generator=g, requires_grad=True)
+    out = prefix_attention(q, k, v, forest.prefix_plan, dim**-0.5)
+    ref = _dense_reference(q, k, v, forest.dense_mask(), dim**-0.5)
+    torch.testing.assert_close(out, ref, atol=ATOL[dtype], rtol=0)
+    dout = torch.randn(out.shape, dtype=dtype, generator=g)
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    want = torch.autograd.grad(ref, (q, k, v), dout)
+    for name, a, b in zip("qkv", got, want):
+        torch.testing.assert_close(a, b, atol=ATOL[dtype], rtol=0, msg=f"d{name}")
+
+
+@pytest.mark.parametrize("lengths, causal", [((1, 1), False), ((1, 1), True), ((5, 9), False), ((7, 7), True)])
+def test_math_kernels_match_cpu_flash_kernels(lengths, causal):
+    """The plain-matmul forward / backward (CUDA's path for one query over one key, which cuDNN refuses), with GQA
+    heads and given a merged `out` / `lse` like the kernels: equal to PyTorch's CPU flash kernels in float64."""
+    from hf_tree_attn.prefix_attention import _backward, _forward, _math_backward, _math_forward
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 6, lengths[0], 8, dtype=torch.float64, generator=g)
+    k, v = (torch.randn(2, 2, lengths[1], 8, dtype=torch.float64, generator=g) for _ in "kv")  # GQA: 3 q per kv
+    out, lse = _forward(q, k, v, causal, 0.3)
+    math_out, math_lse = _math_forward(q, k, v, causal, 0.3)
+    torch.testing.assert_close(math_out, out, atol=1e-12, rtol=0)
+    torch.testing.assert_close(math_lse, lse, atol=1e-12, rtol=0)
+    merged_out, merged_lse = torch.randn(out.shape, dtype=torch.float64, generator=g), lse + 0.5  # another part's
+    dout = torch.randn(out.shape, dtype=torch.float64, generator=g)
+    for got, want in zip(
+        _math_backward(dout, q, k, v, merged_out, merged_lse, causal, 0.3),
+        _backward(dout, q, k, v, merged_out, merged_lse, causal, 0.3),
+    ):
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+
+
+def _trees_of(shape: dict):
+    """The trees of `groups` prompts of P tokens, each with G completions of C tokens (DFS layout)."""
+    trees, start = [], 0
+    for _ in range(shape["groups"]):
+        stop = start + shape["P"]
+        trees.append(PrefixTree(start, stop, tuple(stop + g * shape["C"] for g in range(shape["G"] + 1))))
+        start = trees[-1].bounds[-1]
+    return tuple(trees)
+
+
+def test_cuda_rule_picks_the_faster_kernel_where_measured():
+    """`fast_on_cuda` against the committed H200 measurement of both kernels on each shape: it chooses the shared-
+    prefix kernels exactly where they were faster per training step (two forwards and one backward)."""
+    path = Path(__file__).parents[1] / "benchmarks" / "results" / "prefix_attention_h200.json"
+    rows = json.loads(path.read_text())["rows"]
+    assert len(rows) >= 5
+    for name, row in rows.items():
+        assert fast_on_cuda(_trees_of(row["shape"])) == (row["speedup_step"] > 1), name
+    (forest,) = pack_forest(_two_level_groups(random.Random(0), 2))
+    assert forest.prefix_plan is not None and not forest.prefix_fast_on_cuda  # small trees: FlexAttention on CUDA
+
+
+def _count_calls(monkeypatch) -> list[int]:
+    calls = [0]
+    original = hf_tree_attn.attention.prefix_attention
+
+    def counted(*args):
+        calls[0] += 1
+        return original(*args)
+
+    monkeypatch.setattr(hf_tree_attn.attention, "prefix_attention", counted)
+    return calls
+
+
+def test_only_causal_layers_of_two_level_forests_take_it(monkeypatch):
+    """A sliding-window layer keeps its own mask (FlexAttention / SDPA); a deeper forest too; log-probs equal the
+    per-sequence forwards either way."""
+    config = copy.deepcopy(CONFIG)
+    config.layer_types, config.sliding_window, config.use_sliding_window = (
+        ["sliding_attention", "full_attention"],
+        5,
+        True,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="tree_flex").eval()
+    calls = _count_calls(monkeypatch)
+    rng = random.Random(0)
+    for seqs, expected_calls in ((_two_level_groups(rng, 2), 1), (multiturn(rng), 0)):
+        calls[0] = 0
+        with torch.no_grad():
+            got = hf_tree_attn.sequence_logprobs(model, seqs)
+            for tree_lp, seq in zip(got, seqs):
+                torch.testing.assert_close(
+                    tree_lp, flat_logprobs(model, seq)[0], atol=TOLERANCES["logps_atol"], rtol=0
+                )
+        assert calls[0] == expected_calls
+
+
+def test_switched_off_gives_the_same_results(monkeypatch):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(copy.deepcopy(CONFIG), attn_implementation="tree_flex").train()
+    (forest,) = pack_forest(forest_case("identical", 0) + _two_level_groups(random.Random(1), 2))
+    results = []
+    for enabled in (True, False):
+        monkeypatch.setattr(hf_tree_attn.prefix_attention, "MODE", "auto" if enabled else "never")
+        calls = _count_calls(monkeypatch)
+        model.zero_grad(set_to_none=True)
+        table, _ = forest_logprobs(model, forest)
+        table.sum().backward()
+        results.append((table.detach(), [p.grad.clone() for p in model.parameters()]))
+        assert calls[0] == (CONFIG.num_hidden_layers if enabled else 0)
+    torch.testing.assert_close(results[0][0], results[1][0], atol=TOLERANCES["logps_atol"], rtol=0)
+    for a, b in zip(results[0][1], results[1][1]):
+        torch.testing.assert_close(a, b, atol=TOLERANCES["grad_max_rel"] * float(b.abs().max()), rtol=0)
+
+
+def test_regional_compile_with_block_masks_takes_it():
+    """With `BlockMask`s (what CUDA builds), compiled decoder layers call the kernel as one opaque op: the same
+    log-probs and gradients as eager, no graph break, no new graph for new forests once warm. On CPU FlexAttention
+    has no backward, so a training forward that missed this path would raise."""
+    from accelerate.utils import compile_regions
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+
+    def build():
+        torch.manual_seed(0)
+        return AutoModelForCausalLM.from_config(copy.deepcopy(CONFIG), attn_implementation="tree_flex").train()
+
+    eager, compiled = build(), compile_regions(build(), backend="aot_eager")
+    rng = random.Random(0)
+    graphs = []
+    for _ in range(5):
+        (forest,) = pack_forest(_two_level_groups(rng, rng.randint(1, 3)))
+        results = []
+        for model in (eager, compiled):
+            model.zero_grad(set_to_none=True)
+            kwargs = forest_forward_kwargs(forest, "cpu") | {
+                "attention_mask": forest.attention_mask("cpu", dense=False)
+            }
+            logits = model(**kwargs).logits.float()
+            (logits * torch.linspace(-1, 1, logits.shape[1])[None, :, None]).sum().backward()
+            grads = {n.replace("._orig_mod", ""): p.grad.clone() for n, p in model.named_parameters()}
+            results.append((logits.detach(), grads))
+        torch.testing.assert_close(results[1][0], results[0][0], atol=1e-5, rtol=1e-5)
+        for name, grad in results[0][1].items():
+            torch.testing.assert_close(results[1][1][name], grad, atol=1e-5, rtol=1e-5, msg=name)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert graphs[0] > 0 and graphs[-1] == graphs[2], graphs
+
+
+# ------------------------------------------------------------------------------------------------------ GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("heads, dim", [((16, 8), 128), ((32, 8), 128), ((4, 4), 64), ((6, 2), 32)])
+def test_cudnn_kernel_as_close_as_flex_attention(heads, dim):
+    """bf16 on CUDA (cuDNN): output and q / k / v gradients as close to the float32 dense-mask reference as
+    FlexAttention's with the forest's `BlockMask` are (bf16 rounding of inputs, probabilities and outputs: both
+    within 2% of the largest entry)."""
+    from hf_tree_attn.attention import _flex_attention
+
+    rng = random.Random(0)
+    seqs = _two_level_groups(rng, 3, prompt=700, completion=300) + [[5], [5, 6]]
+    (forest,) = pack_forest(seqs)
+    forest = forest.to("cuda")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    shape = (1, heads[0], forest.seq_len, dim), (1, heads[1], forest.seq_len, dim)
+    q, k, v = (torch.randn(s, device="cuda", generator=g) for s in (shape[0], shape[1], shape[1]))
+    dout = torch.randn(shape[0], device="cuda", generator=g)
+    ref_inputs = [x.bfloat16().float().requires_grad_() for x in (q, k, v)]
+    ref = _dense_reference(*ref_inputs, forest.dense_mask("cuda"), dim**-0.5)
+    ref_grads = torch.autograd.grad(ref, ref_inputs, dout)
+    results = {}
+    for name in ("prefix", "flex"):
+        inputs = [x.bfloat16().requires_grad_() for x in (q, k, v)]
+        if name == "prefix":
+            out = prefix_attention(*inputs, forest.prefix_plan, dim**-0.5)
+        else:
+            out = _flex_attention(*inputs, block_mask=forest.block_mask("cuda"), scale=dim**-0.5, enable_gqa=True)[0]
+        grads = torch.autograd.grad(out, inputs, dout.bfloat16())
+        results[name] = [(a.float() - b).abs().max() / b.abs().max() for a, b in zip((out, *grads), (ref, *ref_grads))]
+    for name, errors in results.items():
+        assert max(errors) < 2e-2, (name, [f"{e:.2e}" for e in errors])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_takes_the_kernels_only_where_they_are_faster(monkeypatch):
+    """On CUDA, `MODE="auto"` runs FlexAttention for a forest of small trees and the kernels for long prompts with
+    short completions; `"always"` runs the kernels for both."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(copy.deepcopy(CONFIG), attn_implementation="tree_flex")
+    model = model.to("cuda", torch.bfloat16).eval()
+    calls = _count_calls(monkeypatch)
+    rng = random.Random(0)
+    small = _two_level_groups(rng, 2)
+    prompt = [rng.randrange(1, 128) for _ in range(8192)]
+    large = [prompt + [first] + [rng.randrange(1, 128) for _ in range(100)] for first in range(1, 9)]
+    for mode, seqs, expected in (("auto", small, 0), ("auto", large, 2), ("always", small, 2)):
+        monkeypatch.setattr(hf_tree_attn.prefix_attention, "MODE", mode)
+        calls[0] = 0
+        with torch.no_grad():
+            hf_tree_attn.sequence_logprobs(model, seqs)
+        assert calls[0] == expected, mode
