@@ -10,7 +10,10 @@ Methods, all on the same model object (`attn_implementation="tree_flex"`):
   flat_padded  rows right-padded to the micro-batch's longest row, SDPA with a padding mask (what TRL does);
   flat_packed  padding-free: sequences concatenated in one row, FlexAttention document mask (each layer kind's
                own: a sliding-window layer's document mask keeps its window);
-  tree         hf_tree_attn: prefix forest, FlexAttention tree mask, LM head on unique parent rows.
+  tree         hf_tree_attn: prefix forest, FlexAttention tree mask (or, for a GRPO-shaped forest where
+               `hf_tree_attn.prefix_attention.fast_on_cuda` picks them, the shared-prefix kernels), LM head on
+               unique parent rows;
+  tree_flex    (`--compare-flex`) the tree with FlexAttention in every layer.
 Every method processes the whole logical batch in micro-batches of at most `--max-tokens-per-mb` tokens
 (flat_padded: rows x padded length), and scores exactly the same tokens with the same chunked LM head.
 
@@ -377,6 +380,20 @@ def tree_step(
     return {**out, "checkpointed_layers": statistics.mean(checkpointed)} if checkpointed else out
 
 
+def without_prefix_kernels(step):
+    """`step` with `hf_tree_attn.prefix_attention` off: FlexAttention's tree mask in every layer (`--compare-flex`)."""
+
+    @functools.wraps(step)
+    def run(*args, **kwargs):
+        mode, hf_tree_attn.prefix_attention.MODE = hf_tree_attn.prefix_attention.MODE, "never"
+        try:
+            return step(*args, **kwargs)
+        finally:
+            hf_tree_attn.prefix_attention.MODE = mode
+
+    return run
+
+
 METHODS = {"flat_padded": flat_padded_step, "flat_packed": flat_packed_step, "tree": tree_step}
 FALLBACK_RATIO = 0.9  # TreeGRPOConfig.tree_max_token_ratio's default
 
@@ -521,6 +538,11 @@ def main():
     parser.add_argument("--liger", action="store_true", help="Liger layer kernels on every method")
     parser.add_argument("--compile-layers", action="store_true", help="regional compile of the decoder layers")
     parser.add_argument("--checkpointing", choices=["all", "none", "auto"], default="all")
+    parser.add_argument(
+        "--compare-flex",
+        action="store_true",
+        help="also time the tree with FlexAttention in every layer (prefix kernels off): tree_flex",
+    )
     parser.add_argument("--flex-kernel-options", type=json.loads, default=None,
                         help='FlexAttention kernel_options as JSON, e.g. {"BLOCK_M": 128, "BLOCK_N": 64}')  # fmt: skip
     parser.add_argument("--out", default="benchmarks/results/tree_vs_flat.json")
@@ -571,6 +593,8 @@ def main():
             if flops["token_ratio"] > FALLBACK_RATIO:  # little sharing: the trainer's decision, and the forced tree
                 methods["tree_forced"] = tree_fn
                 methods["tree"] = functools.partial(tree_fn, fallback_ratio=FALLBACK_RATIO)
+            if args.compare_flex:
+                methods["tree_flex"] = without_prefix_kernels(methods["tree"])
             for method, fn in methods.items():
                 run[method] = time_method(fn, model, wl, args.max_tokens_per_mb, device, args.repeats)
                 probes[method] = grad_probe(model, fn, wl, args.max_tokens_per_mb, device)
@@ -580,7 +604,9 @@ def main():
                 one_level = functools.partial(tree_step, one_level=True)
                 run["tree_one_level"] = time_method(one_level, model, wl, args.max_tokens_per_mb, device, args.repeats)
                 run["level_overhead"] = 1 - run["tree_one_level"]["time_s"] / run["tree"]["time_s"]
-            for method in ("flat_packed", "tree"):  # same loss, same weights: gradients must agree (bf16 noise)
+            for method in ("flat_packed", "tree", "tree_flex")[
+                : 3 if args.compare_flex else 2
+            ]:  # same loss, same weights: gradients must agree (bf16 noise)
                 cos = torch.nn.functional.cosine_similarity(probes[method], probes["flat_padded"], dim=0)
                 run[method]["grad_cos_vs_flat_padded"] = cos.item()
             del probes
@@ -596,6 +622,8 @@ def main():
             best_flat_mem = min(run["flat_padded"]["peak_gib"], run["flat_packed"]["peak_gib"])
             run["peak_memory_ratio"] = tree["peak_gib"] / best_flat_mem
             run["pack_and_mask_share"] = (tree["pack_s"] + tree["mask_s"]) / tree["time_s"]
+            if args.compare_flex:
+                run["speedup_vs_tree_flex"] = run["tree_flex"]["time_s"] / tree["time_s"]
             best_flat_mfu = max(run["flat_padded"]["mfu"], run["flat_packed"]["mfu"])
             results["runs"].append(run)
             print(f"{name:<12} {wl.name:<22} {run['token_ceiling']:>7.2f}x {run['flop_ceiling']:>8.2f}x "
@@ -605,7 +633,9 @@ def main():
                   f"{100 * run['pack_and_mask_share']:>8.1f}% {tree['grad_cos_vs_flat_padded']:>8.5f} "
                   f"{100 * tree['mfu']:>7.1f}% {100 * best_flat_mfu:>5.1f}%"
                   + (f"  levels {tree.get('levels')}" if hybrid else "")
-                  + (f", by level +{100 * run['level_overhead']:.1f}%" if "level_overhead" in run else ""),
+                  + (f", by level +{100 * run['level_overhead']:.1f}%" if "level_overhead" in run else "")
+                  + (f"  vs tree_flex {run['speedup_vs_tree_flex']:.3f}x (mfu {100 * run['tree_flex']['mfu']:.1f}%)"
+                     if args.compare_flex else ""),
                   flush=True)  # fmt: skip
             with open(args.out, "w") as f:
                 json.dump(results, f, indent=1)

@@ -252,8 +252,28 @@ for stage in "$@"; do
         timeout 110 python3 benchmarks/profile_step.py --model qwen3-1.7b --method tree --flex-kernel-options "$opts" \
           --out "$OUT/profile_qwen3-1.7b_tree_flex$i.json" 2>&1 | grep -E "^qwen3|attention" | head -3
       done ;;
-    # ---- still to run (issues 9-11): on one H200 `s6` (the GPU coverage test now has 125 families: Lara-mini,
-    # Bailing hybrid, LFM3 and Zamba2 are new), on nvidia-h200-x2 `s3-x2`
+    # ---- session 6: the shared-prefix kernels (hf_tree_attn/prefix_attention.py), on one H200
+    tests-prefix)  # correctness on CUDA: the kernel vs FlexAttention vs float32, compiled layers, the dense families
+      timeout 300 python3 -m pytest -q -rf -n 4 -m gpu -p no:cacheprovider tests/test_prefix_attention.py \
+        tests/test_kernels.py tests/test_gpu.py tests/test_grpo_trainer.py > "$OUT/gpu_tests_prefix.log" 2>&1
+      grep -E "FAILED|ERROR|passed|failed" "$OUT/gpu_tests_prefix.log" | tail -20 ;;
+    prefix-kernel)  # attention alone: prefix kernels vs FlexAttention on GRPO forests
+      timeout 120 python3 benchmarks/bench_prefix_attention.py --out "$OUT/prefix_attention_h200.json" 2>&1 \
+        | grep -v -i warn ;;
+    prefix-1.7b)  # the trainer phase with compiled layers (no Liger), tree with / without the prefix kernels
+      timeout 300 python3 benchmarks/bench_tree_vs_flat.py --models qwen3-1.7b --scale 0.5 --repeats 2 \
+        --workloads grpo_G16_P4096_C512 --checkpointing auto --compile-layers --compare-flex \
+        --out "$OUT/tree_vs_flat_h200_qwen3-1.7b_compile_prefix.json" 2>&1 | grep -v -i warn | tail -3 ;;
+    prefix-8b)
+      timeout 400 python3 benchmarks/bench_tree_vs_flat.py --models qwen3-8b --scale 0.25 --repeats 1 \
+        --workloads grpo_G16_P4096_C512 --checkpointing auto --compile-layers --compare-flex \
+        --out "$OUT/tree_vs_flat_h200_qwen3-8b_compile_prefix.json" 2>&1 | grep -v -i warn | tail -3 ;;
+    s6-prefix)  # what session 6 ran after `s6` (two calls: this, then `prefix-kernel tests-prefix` again)
+      bash "$0" prefix-kernel tests-prefix prefix-1.7b ;;
+    # ---- still to run (issue 11): on one H200 `s7` (the 8B trainer row with the kernels, and the GPU test of the
+    # CUDA rule in a model, tests/test_prefix_attention.py); on nvidia-h200-x2 `s3-x2`
+    s7)
+      bash "$0" tests-prefix prefix-8b ;;
     s6)
       bash "$0" nofla tests-coverage-gpu ;;
     s4-a)
