@@ -173,6 +173,30 @@ def test_cuda_rule_picks_the_faster_kernel_where_measured():
     assert forest.prefix_plan is not None and not forest.prefix_fast_on_cuda  # small trees: FlexAttention on CUDA
 
 
+@pytest.mark.parametrize("case", ["grpo", "one_completion_each", "single_tokens"])
+def test_bf16_on_cpu_as_close_as_the_dense_path(case):
+    """bf16 on CPU (the flash kernel accumulates in float32, rounds its output to bf16): output and gradients as
+    close to the float32 reference as bf16 SDPA with the dense tree mask is, within twice its error plus one bf16
+    rounding of the largest entry (2^-8)."""
+    seqs = CASES[case](random.Random(case))
+    (forest,) = pack_forest(seqs, pad_multiple=16)
+    g = torch.Generator().manual_seed(0)
+    shapes = (1, 4, forest.seq_len, 16), (1, 2, forest.seq_len, 16)
+    inputs = [torch.randn(shapes[i > 0], generator=g).bfloat16() for i in range(3)]
+    dout = torch.randn(shapes[0], generator=g)
+    results = {}
+    for name, dtype in (("reference", torch.float32), ("dense", torch.bfloat16), ("prefix", torch.bfloat16)):
+        x = [t.to(dtype).requires_grad_() for t in inputs]
+        if name == "prefix":
+            out = prefix_attention(*x, forest.prefix_plan, 0.25)
+        else:
+            out = _dense_reference(*x, forest.dense_mask(), 0.25)
+        results[name] = [t.float() for t in (out, *torch.autograd.grad(out, x, dout.to(dtype)))]
+    for ref, dense, prefix in zip(results["reference"], results["dense"], results["prefix"]):
+        bound = 2 * (dense - ref).abs().max() + 2**-8 * ref.abs().max()
+        assert (prefix - ref).abs().max() <= bound
+
+
 def _count_calls(monkeypatch) -> list[int]:
     calls = [0]
     original = hf_tree_attn.attention.prefix_attention
