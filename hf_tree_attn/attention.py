@@ -179,6 +179,8 @@ def _prefix_attention(query, key, value, attention_mask, forest, scaling: float)
     mask, when the forest is two-level and the kernels serve these tensors; else None (FlexAttention / SDPA)."""
     if not prefix_supports(query) or query.shape[1] % key.shape[1] or not _plain_tree_mask(attention_mask, forest):
         return None
+    if key.shape[-1] != query.shape[-1] or value.shape[-1] != query.shape[-1]:  # MLA's wider q / k: FlexAttention
+        return None
     size = forest.input_ids.shape[1]
     if forest.prefix_plan is None or query.shape[2] != size or key.shape[2] != size:
         return None

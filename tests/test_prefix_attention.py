@@ -233,6 +233,25 @@ def test_only_causal_layers_of_two_level_forests_take_it(monkeypatch):
         assert calls[0] == expected_calls
 
 
+def test_latent_attention_keeps_flex_or_sdpa(monkeypatch):
+    """DeepSeek-V3's latent attention gives q / k wider heads than v: not a shape the kernels take (FlexAttention /
+    SDPA run it), and the log-probs still equal the per-sequence forwards."""
+    from test_coverage import tiny_config
+
+    config = tiny_config("deepseek_v3")
+    config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim = 16, 8, 16  # q / k heads 24 wide, v 16
+    torch.manual_seed(0)
+    tree = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="tree_flex").eval()
+    ref = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="eager").eval()
+    ref.load_state_dict(tree.state_dict())
+    calls = _count_calls(monkeypatch)
+    seqs = _two_level_groups(random.Random(0), 2)
+    with torch.no_grad():
+        for tree_lp, seq in zip(hf_tree_attn.sequence_logprobs(tree, seqs), seqs):
+            torch.testing.assert_close(tree_lp, flat_logprobs(ref, seq)[0], atol=TOLERANCES["logps_atol"], rtol=0)
+    assert calls[0] == 0
+
+
 def test_switched_off_gives_the_same_results(monkeypatch):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(copy.deepcopy(CONFIG), attn_implementation="tree_flex").train()
