@@ -20,12 +20,13 @@ only, as in the tree mask: their output is their value.
 
 The calls are cuDNN's fused attention on CUDA (bf16 / fp16, GQA heads as they are) and PyTorch's flash kernel on CPU
 (float32 / float64 / bf16), both through their ATen ops, which return the log-sum-exp and whose backward takes a
-given one; one query over one key, which cuDNN refuses, runs as plain matmuls. `tree_flex_attention` uses this
-for layers whose mask is the plain causal tree mask of a forest with a `prefix_plan`: always on CPU (5-18x the
-dense-mask SDPA on forests of 3k-20k tokens), and on CUDA where `fast_on_cuda` says the kernels beat FlexAttention
-(long prompts, short completions: a GRPO step's usual shape). FlexAttention serves every other case (deeper trees,
-windows, softcap, sinks, fp32 on CUDA). `HF_TREE_ATTN_PREFIX_ATTENTION=never` (or `MODE`) turns it off,
-`always` uses it for every two-level forest.
+given one; a call with a single query or key (cuDNN refuses one over one) runs as plain matmuls.
+
+`tree_flex_attention` uses this for layers whose mask is the plain causal tree mask of a forest with a
+`prefix_plan`, with q, k and v heads equally wide: always on CPU (5-18x the dense-mask SDPA on forests of 3k-20k
+tokens), and on CUDA where `fast_on_cuda` says the kernels beat FlexAttention (long prompts, short completions).
+FlexAttention serves every other case (deeper trees, windows, softcap, sinks, latent attention, fp32 on CUDA).
+`HF_TREE_ATTN_PREFIX_ATTENTION=never` (or `MODE`) turns it off, `always` uses it for every two-level forest.
 """
 
 from __future__ import annotations
@@ -152,7 +153,8 @@ def _scores(q, k, causal: bool, scale: float) -> torch.Tensor:
 
 
 def _math_forward(q, k, v, causal: bool, scale: float):
-    """`_forward` by plain matmuls (cuDNN refuses one query over one key)."""
+    """`_forward` by plain matmuls, for a single query or key on CUDA (cuDNN refuses one query over one key; a single
+    row costs little either way)."""
     scores = _scores(q, k, causal, scale)
     lse = scores.logsumexp(-1)
     return (torch.exp(scores - lse[..., None]) @ _heads(v, q.shape[1]).to(scores.dtype)).to(q.dtype), lse
@@ -174,7 +176,7 @@ def _math_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
 def _forward(q, k, v, causal: bool, scale: float):
     """`(out, lse)`: attention of `q` `(B, H, Lq, D)` over `k`, `v` `(B, H, Lk, D)` (top-left causal if `causal`),
     `lse` `(B, H, Lq)` (float32; float64 for float64 inputs)."""
-    if q.device.type == "cuda" and q.shape[2] == k.shape[2] == 1:
+    if q.device.type == "cuda" and min(q.shape[2], k.shape[2]) == 1:
         return _math_forward(q, k, v, causal, scale)
     if q.device.type == "cpu":
         out, lse = _aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
@@ -186,7 +188,7 @@ def _forward(q, k, v, causal: bool, scale: float):
 def _backward(dout, q, k, v, out, lse, causal: bool, scale: float):
     """`(dq, dk, dv)` of a `_forward` call, given `out` `(B, H, Lq, D)` and `lse` `(B, H, Lq)`: the merged ones, so
     the result is this call's share of the merged attention's gradients."""
-    if q.device.type == "cuda" and q.shape[2] == k.shape[2] == 1:
+    if q.device.type == "cuda" and min(q.shape[2], k.shape[2]) == 1:
         return _math_backward(dout, q, k, v, out, lse, causal, scale)
     if q.device.type == "cpu":
         return _aten._scaled_dot_product_flash_attention_for_cpu_backward(

@@ -129,10 +129,13 @@ def test_kernel_matches_the_dense_tree_mask(case, heads, dtype):
         torch.testing.assert_close(a, b, atol=ATOL[dtype], rtol=0, msg=f"d{name}")
 
 
-@pytest.mark.parametrize("lengths, causal", [((1, 1), False), ((1, 1), True), ((5, 9), False), ((7, 7), True)])
+@pytest.mark.parametrize(
+    "lengths, causal",
+    [((1, 1), False), ((1, 1), True), ((1, 9), False), ((6, 1), False), ((5, 9), False), ((7, 7), True)],
+)
 def test_math_kernels_match_cpu_flash_kernels(lengths, causal):
-    """The plain-matmul forward / backward (CUDA's path for one query over one key, which cuDNN refuses), with GQA
-    heads and given a merged `out` / `lse` like the kernels: equal to PyTorch's CPU flash kernels in float64."""
+    """The plain-matmul forward / backward (CUDA's path for a single query or key; cuDNN refuses one over one), with
+    GQA heads and given a merged `out` / `lse` like the kernels: equal to PyTorch's CPU flash kernels in float64."""
     from hf_tree_attn.prefix_attention import _backward, _forward, _math_backward, _math_forward
 
     g = torch.Generator().manual_seed(0)
