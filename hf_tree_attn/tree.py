@@ -402,6 +402,7 @@ def pack_forest(
     max_tokens_per_mb: int | None = None,
     pad_multiple: int = 128,
     split_lengths: Sequence[int] = (),
+    two_level: bool | None = None,
 ) -> list[PackedForest]:
     """Pack `sequences` into prefix-trie forests, one `PackedForest` per micro-batch.
 
@@ -414,6 +415,11 @@ def pack_forest(
             `t` tokens, for every `t` here. For models whose RoPE frequencies depend on the longest position of a
             forward (`longrope`): each forest then gets the frequencies its sequences' own forwards use (see
             `hf_tree_attn.support.rope_split_lengths`).
+        two_level: lay each trie out as its common prefix plus one branch per sequence, repeating tokens that only
+            some sequences share (completions of one prompt that start alike), so that the shared-prefix kernels
+            (`hf_tree_attn.prefix_attention`) can run the forest. None (default): where that repeats at most 1% of
+            the forest's tokens and gives a forest those kernels run faster than FlexAttention on CUDA; True:
+            always; False: never (the plain trie: every shared token once).
 
     Returns:
         Micro-batches; every sequence index appears in exactly one `seq_ids`. Micro-batches hold whole tries
@@ -434,30 +440,38 @@ def pack_forest(
         )
     length_class = sum((lengths > int(t)).astype(np.int64) for t in split_lengths) if len(split_lengths) else None
     if length_class is None or (length_class == length_class[0]).all():
-        return _pack(arrays, lengths, max_tokens_per_mb, pad_multiple)
+        return _pack(arrays, lengths, max_tokens_per_mb, pad_multiple, two_level)
     forests = []
     for c in np.unique(length_class):
         members = np.flatnonzero(length_class == c)
-        for forest in _pack([arrays[i] for i in members], lengths[members], max_tokens_per_mb, pad_multiple):
+        packed = _pack([arrays[i] for i in members], lengths[members], max_tokens_per_mb, pad_multiple, two_level)
+        for forest in packed:
             forests.append(dataclasses.replace(forest, seq_ids=[int(members[k]) for k in forest.seq_ids]))
     return sorted(forests, key=lambda f: -f.seq_len)
 
 
 def _pack(
-    arrays: list[np.ndarray], lengths: np.ndarray, max_tokens_per_mb: int | None, pad_multiple: int
+    arrays: list[np.ndarray],
+    lengths: np.ndarray,
+    max_tokens_per_mb: int | None,
+    pad_multiple: int,
+    two_level: bool | None = None,
 ) -> list[PackedForest]:
     """`pack_forest` on validated sequences."""
     order, lcp = _sorted_with_lcp(arrays)
+    # Sizes for the bins: with `two_level=True` they count the repeats of the whole trie's layout, an upper bound
+    # on those of any of its runs (a run's sequences share at least the trie's common prefix).
+    sizing = _two_level_lcp(lcp) if two_level is True else lcp
     sorted_lengths = lengths[order]
     trie_starts = np.flatnonzero(lcp == 0).tolist() + [len(order)]
     runs: list[tuple[int, int]] = []
     for start, stop in zip(trie_starts[:-1], trie_starts[1:]):
-        size = _unique_tokens(sorted_lengths[start:stop], lcp[start:stop])
+        size = _unique_tokens(sorted_lengths[start:stop], sizing[start:stop])
         if max_tokens_per_mb is None or size <= max_tokens_per_mb:
             runs.append((start, stop))
         else:
-            runs.extend(_split_trie(start, stop, sorted_lengths, lcp, max_tokens_per_mb))
-    sizes = [int(sorted_lengths[a] + (sorted_lengths[a + 1 : b] - lcp[a + 1 : b]).sum()) for a, b in runs]
+            runs.extend(_split_trie(start, stop, sorted_lengths, sizing, max_tokens_per_mb))
+    sizes = [int(sorted_lengths[a] + (sorted_lengths[a + 1 : b] - sizing[a + 1 : b]).sum()) for a, b in runs]
 
     forests = []
     for bin_runs in _first_fit_decreasing(sizes, max_tokens_per_mb):
@@ -474,8 +488,54 @@ def _pack(
             ],
             dtype=np.int64,
         )  # fmt: skip
-        forests.append(_layout(arrays, [order[k] for k in members], bin_lcp, pad_multiple))
+        members = [order[k] for k in members]
+        if two_level is True:
+            forests.append(_layout(arrays, members, _two_level_lcp(bin_lcp), pad_multiple))
+            continue
+        forest = _layout(arrays, members, bin_lcp, pad_multiple)
+        if two_level is None and forest.prefix_plan is None:
+            forest = _two_level_if_faster(arrays, members, bin_lcp, pad_multiple, forest, max_tokens_per_mb)
+        forests.append(forest)
     return forests
+
+
+def _two_level_lcp(lcp: np.ndarray) -> np.ndarray:
+    """`lcp` (DFS order, 0 where a trie starts) with each trie's entries cut to the trie's common prefix: laid out,
+    each trie becomes that prefix plus one branch per sequence."""
+    capped = lcp.copy()
+    starts = np.flatnonzero(lcp == 0).tolist() + [len(lcp)]
+    for start, stop in zip(starts[:-1], starts[1:]):
+        if stop - start > 1:  # in sorted order the LCP of all is the least LCP of neighbours
+            capped[start + 1 : stop] = lcp[start + 1 : stop].min()
+    return capped
+
+
+# A two-level layout may repeat at most this share of a forest's tokens. The kernels it enables made the Qwen3-1.7B
+# trainer phase (G=16, P=4096, C=512) 1.075x faster on an H200 and attention alone 1.06-1.43x per step
+# (benchmarks/results/prefix_attention_h200.json); 1% more tokens costs at most ~1% more time.
+_MAX_REPEATED_SHARE = 0.01
+
+
+def _two_level_if_faster(
+    arrays: list[np.ndarray],
+    members: list[int],
+    lcp: np.ndarray,
+    pad_multiple: int,
+    forest: PackedForest,
+    max_tokens_per_mb: int | None,
+) -> PackedForest:
+    """`forest` laid out two-level (`_two_level_lcp`) where that repeats at most `_MAX_REPEATED_SHARE` of its
+    tokens, stays within the token budget, and gives a forest the shared-prefix kernels run faster than
+    FlexAttention on CUDA (`prefix_fast_on_cuda`, the kernels not switched off); else `forest` itself."""
+    from . import prefix_attention
+
+    if prefix_attention.MODE == "never":
+        return forest
+    flat = _layout(arrays, members, _two_level_lcp(lcp), pad_multiple)
+    repeated = flat.num_tree_tokens - forest.num_tree_tokens
+    fits = max_tokens_per_mb is None or flat.seq_len <= max_tokens_per_mb
+    worth = flat.prefix_fast_on_cuda and repeated <= _MAX_REPEATED_SHARE * forest.num_tree_tokens
+    return flat if fits and worth else forest
 
 
 def tree_token_ratio(sequences: Sequence[TokenSequence]) -> float:

@@ -236,6 +236,25 @@ def test_only_causal_layers_of_two_level_forests_take_it(monkeypatch):
         assert calls[0] == expected_calls
 
 
+@pytest.mark.parametrize("case", ["multiturn", "grpo", "mixed", "prefix"])
+def test_two_level_layout_gives_the_per_sequence_logprobs(case, monkeypatch):
+    """Any forest laid out two-level (`pack_forest(two_level=True)`: tokens shared by only some sequences repeated)
+    runs through the kernels, with the per-sequence forwards' log-probs (fp32, 1e-5)."""
+    from hf_tree_attn.logprobs import gather_sequences
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(copy.deepcopy(CONFIG), attn_implementation="tree_flex").eval()
+    calls = _count_calls(monkeypatch)
+    seqs = forest_case(case, 3)
+    (forest,) = pack_forest(seqs, two_level=True)
+    with torch.no_grad():
+        table, _ = forest_logprobs(model, forest)
+        for k, got in enumerate(gather_sequences(forest, table)):
+            want = flat_logprobs(model, seqs[forest.seq_ids[k]])[0]
+            torch.testing.assert_close(got, want, atol=TOLERANCES["logps_atol"], rtol=0)
+    assert calls[0] == CONFIG.num_hidden_layers
+
+
 def test_latent_attention_keeps_flex_or_sdpa(monkeypatch):
     """DeepSeek-V3's latent attention gives q / k wider heads than v: not a shape the kernels take (FlexAttention /
     SDPA run it), and the log-probs still equal the per-sequence forwards."""

@@ -336,3 +336,79 @@ def test_bad_sequences(sequences, error, match):
 def test_bad_sequences_token_ratio(sequences, error, match):
     with pytest.raises(error, match=match):
         tree_token_ratio(sequences)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The two-level layout (`pack_forest(two_level=...)`): each trie's common prefix once, one branch per sequence.
+
+_TAG = 1 << 20  # above every test token id
+
+
+def _two_level_sequences(sequences, forests) -> list[list[int]]:
+    """The sequences as the two-level layout shares them: inside each forest's trie, tokens after the trie's common
+    prefix made unique per sequence (so the dict trie of these is the expected layout)."""
+    tagged = [list(s) for s in sequences]
+    for forest in forests:
+        tries: dict[int, list[int]] = {}
+        for sid in forest.seq_ids:
+            tries.setdefault(int(sequences[sid][0]), []).append(sid)
+        for members in tries.values():
+            common = min(len(sequences[m]) for m in members)
+            for m in members[1:]:
+                common = min(common, next((i for i, (a, b) in enumerate(zip(sequences[members[0]], sequences[m]))
+                                           if a != b), common))  # fmt: skip
+            for m in members:
+                tagged[m] = list(sequences[m][:common]) + [t + (m + 1) * _TAG for t in sequences[m][common:]]
+    return tagged
+
+
+@pytest.mark.parametrize("budgeted", [False, True])
+@pytest.mark.parametrize("seed", SEEDS, ids=lambda s: f"seed{s}")
+@pytest.mark.parametrize("case", FOREST_CASES)
+def test_two_level_layout_matches_its_oracle(case, seed, budgeted):
+    sequences = forest_case(case, seed)
+    budget = _budget(sequences, 16, 1) if budgeted else None
+    forests = pack_forest(sequences, max_tokens_per_mb=budget, pad_multiple=16, two_level=True)
+    tagged = _two_level_sequences(sequences, forests)
+    assert sorted(sid for f in forests for sid in f.seq_ids) == list(range(len(sequences)))
+    for forest in forests:
+        assert forest.prefix_plan is not None  # two-level, whatever the sharing
+        assert budget is None or forest.seq_len <= budget
+        members = [tagged[sid] for sid in forest.seq_ids]
+        assert forest.num_tree_tokens == trie_node_count(members)
+        for k, sid in enumerate(forest.seq_ids):
+            pos = forest.positions(k)
+            assert forest.input_ids[0, pos].tolist() == list(sequences[sid])
+            assert forest.position_ids[0, pos].tolist() == list(range(len(sequences[sid])))
+        assert torch.equal(forest.dense_mask()[0, 0], oracle_mask(forest, tagged))
+        starts, parents, levels = oracle_segments(forest, tagged)
+        assert forest.segment_starts.tolist() == starts and forest.segment_parent.tolist() == parents
+        assert max(levels) <= 1
+
+
+def _stemmed_groups(rng: random.Random, prompt: int, completions: int, stems: list[list[int]]) -> list[list[int]]:
+    """One prompt, completions that start with one of a few short stems (as sampled completions often do)."""
+    p = [rng.randrange(1, 1000) for _ in range(prompt)]
+    return [p + rng.choice(stems) + [rng.randrange(1, 1000) for _ in range(200)] for _ in range(completions)]
+
+
+def test_two_level_by_default_where_it_repeats_little_and_pays(monkeypatch):
+    """Default (`two_level=None`): a long prompt whose completions share short stems is laid out two-level (0.2% of
+    the tokens repeated, a forest the kernels run faster); a deep agent tree, a budget the repeats would break, and
+    the kernels switched off keep the plain trie."""
+    import hf_tree_attn.prefix_attention
+
+    rng = random.Random(0)
+    grpo = _stemmed_groups(rng, 8192, 16, [[1, 2], [1, 3], [4]])
+    (plain,) = pack_forest(grpo, two_level=False)
+    (default,) = pack_forest(grpo)
+    assert plain.prefix_plan is None and default.prefix_plan is not None and default.prefix_fast_on_cuda
+    assert plain.num_tree_tokens < default.num_tree_tokens <= 1.01 * plain.num_tree_tokens
+    agent = multiturn(random.Random(1), turns=20)
+    assert pack_forest(agent)[0].num_tree_tokens == pack_forest(agent, two_level=False)[0].num_tree_tokens
+    (plain8,) = pack_forest(grpo, pad_multiple=8, two_level=False)
+    assert default.num_tree_tokens - plain8.num_tree_tokens >= 8  # the repeats cross an 8-token block:
+    tight = pack_forest(grpo, max_tokens_per_mb=plain8.seq_len, pad_multiple=8)  # a budget that fits only the trie
+    assert len(tight) == 1 and tight[0].prefix_plan is None
+    monkeypatch.setattr(hf_tree_attn.prefix_attention, "MODE", "never")
+    assert pack_forest(grpo)[0].prefix_plan is None
