@@ -529,13 +529,13 @@ def _two_level_if_faster(
     FlexAttention on CUDA (`prefix_fast_on_cuda`, the kernels not switched off); else `forest` itself."""
     from . import prefix_attention
 
-    if prefix_attention.MODE == "never":
-        return forest
-    flat = _layout(arrays, members, _two_level_lcp(lcp), pad_multiple)
-    repeated = flat.num_tree_tokens - forest.num_tree_tokens
+    capped = _two_level_lcp(lcp)
+    repeated = int((lcp - capped).sum())  # each sequence's rows start that much earlier
+    if prefix_attention.MODE == "never" or repeated > _MAX_REPEATED_SHARE * forest.num_tree_tokens:
+        return forest  # checked before laying it out: deep trees (agents) repeat far more
+    flat = _layout(arrays, members, capped, pad_multiple)
     fits = max_tokens_per_mb is None or flat.seq_len <= max_tokens_per_mb
-    worth = flat.prefix_fast_on_cuda and repeated <= _MAX_REPEATED_SHARE * forest.num_tree_tokens
-    return flat if fits and worth else forest
+    return flat if fits and flat.prefix_fast_on_cuda else forest
 
 
 def tree_token_ratio(sequences: Sequence[TokenSequence]) -> float:
