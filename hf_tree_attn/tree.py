@@ -346,8 +346,9 @@ def _segments(parent: np.ndarray, subtree_end: np.ndarray) -> tuple[np.ndarray, 
 
 
 def _layout(arrays: list[np.ndarray], order: list[int], lcp: np.ndarray, pad_multiple: int) -> PackedForest:
-    """DFS layout of the sequences `order` (in lexicographic order; `lcp[k]` = LCP of `order[k-1]` and
-    `order[k]`, 0 for the first) as one padded row."""
+    """DFS layout of the sequences `order` (in lexicographic order) as one padded row. `lcp[k]`: how many leading
+    rows `order[k]` shares with `order[k-1]` (0 for the first): their LCP, or less to repeat tokens they share
+    (`_two_level_lcp`)."""
     seqs = [arrays[i] for i in order]
     lengths = np.array([len(s) for s in seqs], dtype=np.int64)
     new = lengths - lcp
