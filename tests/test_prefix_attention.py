@@ -4,10 +4,14 @@
   dict trie oracle.
 - The kernel, against SDPA with the brute-force dense tree mask: forward and gradients of q, k, v in float64
   (the merge and the backward identity are exact up to rounding) and float32, with GQA, padding rows, several trees,
-  identical sequences, prefixes, 1-token sequences, trees without completions.
-- Models: which layers take it (the causal layers of a two-level forest; never a sliding-window layer, never a
-  deeper forest), the same log-probs as per-sequence forwards, and a regionally compiled model taking it with
-  `BlockMask`s (what CUDA builds) with no graph break and no recompilation for new forests.
+  identical sequences, prefixes, 1-token sequences, trees without completions; bf16 within the dense bf16 path's
+  own error; the plain-matmul fallback (single query or key) against the CPU kernels.
+- The CUDA rule (`fast_on_cuda`) against the committed H200 measurement of both kernels.
+- Models: which layers take it (the causal layers of a two-level forest; never a sliding-window layer, a deeper
+  forest or latent attention), the same log-probs as per-sequence forwards (also for forests laid out two-level by
+  `pack_forest(two_level=True)`), and a regionally compiled model taking it with `BlockMask`s (what CUDA builds)
+  with no graph break and no recompilation for new forests.
+- GPU (`-m gpu`): cuDNN as close to float32 as FlexAttention; the CUDA rule in a model.
 """
 
 from __future__ import annotations
