@@ -272,8 +272,10 @@ for stage in "$@"; do
       bash "$0" prefix-kernel tests-prefix prefix-1.7b ;;
     # ---- still to run (issue 11): on one H200 `s7` (the 8B trainer row with the kernels, and the GPU test of the
     # CUDA rule in a model, tests/test_prefix_attention.py); on nvidia-h200-x2 `s3-x2`
-    s7)
-      bash "$0" tests-prefix prefix-8b ;;
+    s7)  # the GPU tests with the kernels on every two-level forest (their small forests would take FlexAttention
+      # under the CUDA rule), then the 8B row
+      HF_TREE_ATTN_PREFIX_ATTENTION=always bash "$0" tests-prefix
+      bash "$0" prefix-8b ;;
     s6)
       bash "$0" nofla tests-coverage-gpu ;;
     s4-a)
