@@ -183,6 +183,9 @@ class TreeDataCollator:
             vectors of numbers, e.g. a per-sequence reward vector.
         for_trainer: return one `TreeMicroBatch` per call, with the model's own loss inputs added (see below), for
             `transformers.Trainer(data_collator=TreeDataCollator(for_trainer=True))`.
+        two_level: `pack_forest(two_level=...)`: None (default) lays a trie that branches inside its completions
+            out as its common prefix plus one branch per sequence where that pays (the shared-prefix kernels);
+            True always; False never.
 
     A feature is a mapping with `input_ids` (list / 1-D integer tensor) and optionally:
 
@@ -215,6 +218,7 @@ class TreeDataCollator:
         split_lengths: Sequence[int] = (),
         per_sequence_fields: Sequence[str] = (),
         for_trainer: bool = False,
+        two_level: bool | None = None,
     ):
         check_token_budget(max_tokens_per_mb, pad_multiple)
         self.max_tokens_per_mb = max_tokens_per_mb
@@ -223,6 +227,7 @@ class TreeDataCollator:
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.per_sequence_fields = frozenset(per_sequence_fields)
         self.for_trainer = for_trainer
+        self.two_level = two_level
 
     def __call__(self, features: Sequence[Mapping[str, Any]]) -> list[TreeMicroBatch] | TreeMicroBatch:
         if isinstance(features, Mapping):
@@ -295,6 +300,7 @@ class TreeDataCollator:
             max_tokens_per_mb=self.max_tokens_per_mb,
             pad_multiple=self.pad_multiple,
             split_lengths=self.split_lengths,
+            two_level=self.two_level,
         )
         if self.for_trainer and len(forests) > 1:
             raise ValueError(

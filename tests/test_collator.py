@@ -61,13 +61,16 @@ def _random_features(num, seed, with_padding):
     return features
 
 
+@pytest.mark.parametrize("two_level", [None, True])
 @pytest.mark.parametrize("max_tokens_per_mb", [None, 128])
 @pytest.mark.parametrize("with_padding", [False, True])
-def test_round_trip_every_field_lands_on_its_row(max_tokens_per_mb, with_padding):
+def test_round_trip_every_field_lands_on_its_row(max_tokens_per_mb, with_padding, two_level):
     features = _random_features(60, seed=0, with_padding=with_padding)
-    micro_batches = TreeDataCollator(max_tokens_per_mb=max_tokens_per_mb)(features)
+    micro_batches = TreeDataCollator(max_tokens_per_mb=max_tokens_per_mb, two_level=two_level)(features)
     if max_tokens_per_mb is not None:
         assert len(micro_batches) > 1
+    if two_level:  # every forest two-level, repeating what only some sequences share
+        assert all(mb.forest.prefix_plan is not None for mb in micro_batches)
     assert sorted(i for mb in micro_batches for i in mb.seq_ids) == list(range(len(features)))
 
     for name in ("input_ids", "labels", "completion_mask", "weights", "advantages", "row"):
