@@ -36,8 +36,18 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
+from transformers.integrations.sdpa_attention import repeat_kv
 
-__all__ = ["MODE", "PrefixTree", "decode_plan", "fast_on_cuda", "prefix_attention", "prefix_plan", "supports"]
+__all__ = [
+    "MODE",
+    "PrefixTree",
+    "decode_plan",
+    "fast_on_cuda",
+    "prefix_attention",
+    "prefix_plan",
+    "prefix_trees",
+    "supports",
+]
 
 _MODES = {"auto": "auto", "always": "always", "never": "never", "1": "always", "0": "never"}
 # "auto": on CPU for every two-level forest, on CUDA for those `fast_on_cuda` picks; "always": every two-level forest;
@@ -68,27 +78,33 @@ class PrefixTree(NamedTuple):
     bounds: tuple[int, ...]
 
 
-def prefix_plan(segment_starts: torch.Tensor, segment_parent: torch.Tensor, num_tokens: int) -> torch.Tensor | None:
-    """A forest's trees encoded for the kernels, when every non-root segment is a root's child without children of
-    its own (else None): `(n,)` int64 on the CPU, `[num_tokens, then per tree: start, G, bounds[0..G]]` (see
-    `PrefixTree`). A tensor, not a tuple, so that a compiled layer takes each new forest's as an input instead of
-    recompiling for it.
+def prefix_trees(segment_starts: torch.Tensor, segment_parent: torch.Tensor) -> tuple[PrefixTree, ...] | None:
+    """A forest's trees, when every non-root segment is a root's child without children of its own, else None.
 
     Args:
         segment_starts: `(num_segments + 1,)` long (see `PackedForest`).
         segment_parent: `(num_segments,)` long, -1 for roots.
-        num_tokens: the forest's real rows; the rest are padding.
     """
     starts = segment_starts.cpu().numpy()
     parent = segment_parent.cpu().numpy()
     is_root = parent < 0
     if np.any(~is_root & ~is_root[np.maximum(parent, 0)]):  # a segment whose parent is not a root
         return None
-    plan = [num_tokens]
+    trees = []
     for k in np.flatnonzero(is_root):  # DFS order: a root, then its children, then the next root
-        children = np.flatnonzero(parent == k)
-        plan += [int(starts[k]), len(children), int(starts[k + 1])] + [int(starts[c + 1]) for c in children]
-    plan = torch.tensor(plan, dtype=torch.int64)
+        bounds = (int(starts[k + 1]),) + tuple(int(starts[c + 1]) for c in np.flatnonzero(parent == k))
+        trees.append(PrefixTree(int(starts[k]), bounds[0], bounds))
+    return tuple(trees)
+
+
+def prefix_plan(num_tokens: int, trees: tuple[PrefixTree, ...]) -> torch.Tensor:
+    """`trees` encoded for the kernels: `(n,)` int64 on the CPU, `[num_tokens, then per tree: start, G,
+    bounds[0..G]]` (`num_tokens`: the forest's real rows; the rest are padding). A tensor, not a tuple, so that a
+    compiled layer takes each new forest's as an input instead of recompiling for it (`decode_plan` reads it)."""
+    values = [num_tokens]
+    for tree in trees:
+        values += [tree.start, len(tree.bounds) - 1, *tree.bounds]
+    plan = torch.tensor(values, dtype=torch.int64)
     torch._dynamo.maybe_mark_dynamic(plan, 0)  # its length differs per forest: one graph for all
     return plan
 
@@ -139,13 +155,14 @@ def _accumulate(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _heads(x: torch.Tensor, heads: int) -> torch.Tensor:
-    """`x` `(B, kv_heads, L, D)` with each head repeated for its `heads // kv_heads` query heads (GQA)."""
-    return x.repeat_interleave(heads // x.shape[1], 1)
+def _math_inputs(q, k, v):
+    """`q`, `k`, `v` in the accumulation dtype, k / v heads repeated for their query heads (GQA)."""
+    acc, groups = _accumulate(q.dtype), q.shape[1] // k.shape[1]
+    return q.to(acc), repeat_kv(k, groups).to(acc), repeat_kv(v, groups).to(acc)
 
 
 def _scores(q, k, causal: bool, scale: float) -> torch.Tensor:
-    scores = (q.to(_accumulate(q.dtype)) @ _heads(k, q.shape[1]).to(_accumulate(q.dtype)).transpose(-1, -2)) * scale
+    scores = (q @ k.transpose(-1, -2)) * scale
     if causal:
         keep = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
         scores = scores.masked_fill(~keep, float("-inf"))
@@ -155,19 +172,20 @@ def _scores(q, k, causal: bool, scale: float) -> torch.Tensor:
 def _math_forward(q, k, v, causal: bool, scale: float):
     """`_forward` by plain matmuls, for a single query or key on CUDA (cuDNN refuses one query over one key; a single
     row costs little either way)."""
-    scores = _scores(q, k, causal, scale)
+    q_, k_, v_ = _math_inputs(q, k, v)
+    scores = _scores(q_, k_, causal, scale)
     lse = scores.logsumexp(-1)
-    return (torch.exp(scores - lse[..., None]) @ _heads(v, q.shape[1]).to(scores.dtype)).to(q.dtype), lse
+    return (torch.exp(scores - lse[..., None]) @ v_).to(q.dtype), lse
 
 
 def _math_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
     """`_backward` by plain matmuls: `dS = P * (dO V^T - rowsum(dO * O))` with `P = exp(S - lse)`."""
-    acc = _accumulate(q.dtype)
-    probs = torch.exp(_scores(q, k, causal, scale) - lse[..., None].to(acc))
-    dout, out = dout.to(acc), out.to(acc)
-    dscores = probs * (dout @ _heads(v, q.shape[1]).to(acc).transpose(-1, -2) - (dout * out).sum(-1, keepdim=True))
-    dq = (dscores @ _heads(k, q.shape[1]).to(acc)) * scale
-    dk = (dscores.transpose(-1, -2) @ q.to(acc)) * scale
+    q_, k_, v_ = _math_inputs(q, k, v)
+    probs = torch.exp(_scores(q_, k_, causal, scale) - lse[..., None].to(q_.dtype))
+    dout, out = dout.to(q_.dtype), out.to(q_.dtype)
+    dscores = probs * (dout @ v_.transpose(-1, -2) - (dout * out).sum(-1, keepdim=True))
+    dq = (dscores @ k_) * scale
+    dk = (dscores.transpose(-1, -2) @ q_) * scale
     dv = probs.transpose(-1, -2) @ dout
     dk, dv = (x.unflatten(1, (k.shape[1], -1)).sum(2) for x in (dk, dv))  # per kv head: the sum over its q heads
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
@@ -204,12 +222,14 @@ def _backward(dout, q, k, v, out, lse, causal: bool, scale: float):
 class _Completions(NamedTuple):
     """Where one tree's completions sit, on the device: `index` `(G * C_max,)` the row of each slot of the padded
     `(G, C_max)` batch (a completion padded with its last row), `slots` `(M,)` the slot of each completion row in
-    row order; `equal` when all G completions have `C_max` rows (the batch is then a view of the rows)."""
+    row order, `real` `(G, 1, C_max, 1)` which slots hold a completion row; `equal` when all G completions have
+    `C_max` rows (the batch is then a view of the rows)."""
 
     count: int
     longest: int
     index: torch.Tensor
     slots: torch.Tensor
+    real: torch.Tensor
     equal: bool
 
 
@@ -224,10 +244,12 @@ def _completions(plan: torch.Tensor, number: int, tree: PrefixTree, device) -> _
         longest = int(lengths.max())
         cols = torch.arange(longest)
         index = (bounds[:-1, None] + torch.minimum(cols, lengths[:, None] - 1)).flatten()
-        slots = torch.nonzero((cols < lengths[:, None]).flatten())[:, 0]
+        real = cols < lengths[:, None]
+        slots = torch.nonzero(real.flatten())[:, 0]
+        tensors = (index, slots, real[:, None, :, None])
         if key[1].type == "cuda":
-            index, slots = (x.pin_memory().to(device, non_blocking=True) for x in (index, slots))
-        cache[key] = _Completions(len(lengths), longest, index, slots, bool((lengths == longest).all()))
+            tensors = tuple(x.pin_memory().to(device, non_blocking=True) for x in tensors)
+        cache[key] = _Completions(len(lengths), longest, *tensors, bool((lengths == longest).all()))
     return cache[key]
 
 
@@ -268,7 +290,7 @@ def _prefix_forward(
         lse[..., first:last] = torch.logaddexp(lse_shared, lse_own)
     if num_tokens < query.shape[2]:  # padding rows: each attends only to itself
         groups = query.shape[1] // key.shape[1]
-        pad_k, pad_v = (x[:, :, num_tokens:].repeat_interleave(groups, 1) for x in (key, value))
+        pad_k, pad_v = (repeat_kv(x[:, :, num_tokens:], groups) for x in (key, value))
         out[:, :, num_tokens:] = pad_v
         lse[..., num_tokens:] = (query[:, :, num_tokens:].to(lse.dtype) * pad_k.to(lse.dtype)).sum(-1) * scale
     return out, lse
@@ -314,9 +336,7 @@ def _prefix_backward(
         own = [_batch(x, first, last, comp) for x in (dout, query, key, value, out, lse[..., None])]
         own[-1] = own[-1][..., 0]
         if not comp.equal:  # padding slots repeat their completion's last row: they must add no gradient
-            real = torch.zeros(comp.count * comp.longest, dtype=torch.bool, device=dout.device)
-            real[comp.slots] = True
-            own[0] = own[0] * real.view(comp.count, 1, comp.longest, 1)
+            own[0] = own[0] * comp.real
         g_own = _backward(*own, True, scale)
         dq[:, :, rows] = g_shared[0].to(acc) + _unbatch(g_own[0], comp).to(acc)
         dk[:, :, rows], dv[:, :, rows] = _unbatch(g_own[1], comp), _unbatch(g_own[2], comp)

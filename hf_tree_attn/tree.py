@@ -106,11 +106,12 @@ class PackedForest:
                 torch.from_numpy(a).to(device) for a in arrays
             )
         if "prefix_plan" not in self._mask_cache:  # shared with `.to()` copies: computed once per forest
-            from .prefix_attention import decode_plan, fast_on_cuda, prefix_plan
+            from .prefix_attention import fast_on_cuda, prefix_plan, prefix_trees
 
-            plan = prefix_plan(self.segment_starts, self.segment_parent, self.num_tree_tokens)
-            fast = plan is not None and fast_on_cuda(decode_plan(plan)[1])
-            self._mask_cache["prefix_plan"] = plan, fast
+            trees = prefix_trees(self.segment_starts, self.segment_parent)
+            self._mask_cache["prefix_plan"] = (
+                (None, False) if trees is None else (prefix_plan(self.num_tree_tokens, trees), fast_on_cuda(trees))
+            )
         self.prefix_plan, self.prefix_fast_on_cuda = self._mask_cache["prefix_plan"]
 
     @property
