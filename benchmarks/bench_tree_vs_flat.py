@@ -59,6 +59,8 @@ from hf_tree_attn.masks import TreeMaskSource
 from hf_tree_attn.recompute import (
     _checkpointed_layers,
     activation_bytes,
+    attention_output_bytes,
+    keeps_attention,
     layers_to_checkpoint,
     recompute_only,
     unpriced_reason,
@@ -333,11 +335,13 @@ def tree_step(
     fallback_ratio: float | None = None,
     recompute: str = "all",
     one_level: bool = False,
+    keep_attention: bool = True,
 ) -> dict:
     """The tree path. With `fallback_ratio` it decides like TreeGRPOTrainer (`tree_max_token_ratio`): when the
     forests hold more than that fraction of the positions the flat padded forward computes, go flat_padded. With
-    `recompute="auto"` each forest's policy forward recomputes only the layers `tree_recompute="auto"` would. With
-    `one_level`, recurrent layers run all segments in one call (see `_one_level`)."""
+    `recompute="auto"` each forest's policy forward recomputes only the layers `tree_recompute="auto"` would, and
+    those keep the shared-prefix kernels' outputs as the trainer's do (unless `keep_attention=False`: they recompute
+    whole). With `one_level`, recurrent layers run all segments in one call (see `_one_level`)."""
     t0 = time.perf_counter()
     forests = hf_tree_attn.pack_forest(wl.sequences, max_tokens_per_mb=budget)
     if one_level:
@@ -361,7 +365,10 @@ def tree_step(
     config = model.config
     if recompute == "auto" and unpriced_reason(config, _checkpointed_layers(model)[0]) is not None:
         recompute = "all"  # as the trainer: layers the activation model does not price recompute every layer
+    keep = recompute == "auto" and keep_attention and keeps_attention(model)
+    keep = keep and any(hf_tree_attn.prefix_attention.serves(f, device.type) for f, _, _ in prepared)
     whole, kept = activation_bytes(config) if recompute == "auto" else (None, None)
+    attention = attention_output_bytes(config) if keep else 0
     flat_forward = max(flat_padded_positions(wl, budget)) if recompute == "auto" else None
     checkpointed = []
     for train in (False, True):  # each layer kind's mask: built in the first forward, reused by the rest
@@ -369,14 +376,15 @@ def tree_step(
             count = None
             if train and recompute == "auto":
                 bound = min(forest.num_original_tokens, flat_forward)
-                count = layers_to_checkpoint(config.num_hidden_layers, forest.seq_len, bound, whole, kept)
+                count = layers_to_checkpoint(config.num_hidden_layers, forest.seq_len, bound, whole, kept, attention)
                 checkpointed.append(count / config.num_hidden_layers)
-            with torch.set_grad_enabled(train), recompute_only(model, count):
+            with torch.set_grad_enabled(train), recompute_only(model, count, keep_attention=keep and train):
                 table, _ = forest_logprobs(model, forest, rows=rows)
                 if train:
                     (table[rows] * weights).sum().backward()
     levels = max(f.num_levels for f in forests)
     out = {"pack_s": pack_time, "mask_s": MaskTimer.take(), "micro_batches": len(forests), "levels": levels}
+    out["kept_attention"] = keep
     return {**out, "checkpointed_layers": statistics.mean(checkpointed)} if checkpointed else out
 
 
@@ -539,6 +547,12 @@ def main():
     parser.add_argument("--compile-layers", action="store_true", help="regional compile of the decoder layers")
     parser.add_argument("--checkpointing", choices=["all", "none", "auto"], default="all")
     parser.add_argument(
+        "--compare-whole-recompute",
+        action="store_true",
+        help="with --checkpointing auto, also time the tree with its checkpointed layers recomputed whole (their "
+        "attention too): tree_whole_recompute",
+    )
+    parser.add_argument(
         "--compare-flex",
         action="store_true",
         help="also time the tree with FlexAttention in every layer (prefix kernels off): tree_flex",
@@ -595,6 +609,8 @@ def main():
                 methods["tree"] = functools.partial(tree_fn, fallback_ratio=FALLBACK_RATIO)
             if args.compare_flex:
                 methods["tree_flex"] = without_prefix_kernels(methods["tree"])
+            if args.compare_whole_recompute:
+                methods["tree_whole_recompute"] = functools.partial(methods["tree"], keep_attention=False)
             for method, fn in methods.items():
                 run[method] = time_method(fn, model, wl, args.max_tokens_per_mb, device, args.repeats)
                 probes[method] = grad_probe(model, fn, wl, args.max_tokens_per_mb, device)
@@ -604,9 +620,8 @@ def main():
                 one_level = functools.partial(tree_step, one_level=True)
                 run["tree_one_level"] = time_method(one_level, model, wl, args.max_tokens_per_mb, device, args.repeats)
                 run["level_overhead"] = 1 - run["tree_one_level"]["time_s"] / run["tree"]["time_s"]
-            for method in ("flat_packed", "tree", "tree_flex")[
-                : 3 if args.compare_flex else 2
-            ]:  # same loss, same weights: gradients must agree (bf16 noise)
+            for method in [m for m in probes if m != "flat_padded"]:  # same loss, same weights: gradients must
+                # agree (bf16 noise)
                 cos = torch.nn.functional.cosine_similarity(probes[method], probes["flat_padded"], dim=0)
                 run[method]["grad_cos_vs_flat_padded"] = cos.item()
             del probes
@@ -624,6 +639,8 @@ def main():
             run["pack_and_mask_share"] = (tree["pack_s"] + tree["mask_s"]) / tree["time_s"]
             if args.compare_flex:
                 run["speedup_vs_tree_flex"] = run["tree_flex"]["time_s"] / tree["time_s"]
+            if args.compare_whole_recompute:
+                run["speedup_vs_whole_recompute"] = run["tree_whole_recompute"]["time_s"] / tree["time_s"]
             best_flat_mfu = max(run["flat_padded"]["mfu"], run["flat_packed"]["mfu"])
             results["runs"].append(run)
             print(f"{name:<12} {wl.name:<22} {run['token_ceiling']:>7.2f}x {run['flop_ceiling']:>8.2f}x "
@@ -635,7 +652,10 @@ def main():
                   + (f"  levels {tree.get('levels')}" if hybrid else "")
                   + (f", by level +{100 * run['level_overhead']:.1f}%" if "level_overhead" in run else "")
                   + (f"  vs tree_flex {run['speedup_vs_tree_flex']:.3f}x (mfu {100 * run['tree_flex']['mfu']:.1f}%)"
-                     if args.compare_flex else ""),
+                     if args.compare_flex else "")
+                  + (f"  vs whole recompute {run['speedup_vs_whole_recompute']:.3f}x (mfu "
+                     f"{100 * run['tree_whole_recompute']['mfu']:.1f}%, peak {tree['peak_gib']:.1f} vs "
+                     f"{run['tree_whole_recompute']['peak_gib']:.1f} GiB)" if args.compare_whole_recompute else ""),
                   flush=True)  # fmt: skip
             with open(args.out, "w") as f:
                 json.dump(results, f, indent=1)

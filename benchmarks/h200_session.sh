@@ -276,6 +276,22 @@ for stage in "$@"; do
       # under the CUDA rule), then the 8B row
       HF_TREE_ATTN_PREFIX_ATTENTION=always bash "$0" tests-prefix
       bash "$0" prefix-8b ;;
+    # ---- session 7: checkpointed layers keep the kernels' attention outputs (selective recompute), one H200
+    keep-8b)  # the 8B row, tree with kept attention vs whole-layer recompute (same count rule, priced per mode)
+      timeout 300 python3 benchmarks/bench_tree_vs_flat.py --models qwen3-8b --scale 0.25 --repeats 1 \
+        --workloads grpo_G16_P4096_C512 --checkpointing auto --compile-layers --compare-whole-recompute \
+        --out "$OUT/tree_vs_flat_h200_qwen3-8b_compile_keep.json" 2>&1 | grep -v -i warn | tail -2 ;;
+    tests-keep)
+      timeout 120 python3 -m pytest -q -rf -m gpu -p no:cacheprovider tests/test_recompute.py \
+        > "$OUT/gpu_tests_keep.log" 2>&1; grep -E "FAILED|ERROR|passed|failed" "$OUT/gpu_tests_keep.log" | tail -5 ;;
+    keep-1.7b)
+      timeout 200 python3 benchmarks/bench_tree_vs_flat.py --models qwen3-1.7b --scale 0.5 --repeats 2 \
+        --workloads grpo_G16_P4096_C512 --checkpointing auto --compile-layers --compare-whole-recompute \
+        --out "$OUT/tree_vs_flat_h200_qwen3-1.7b_compile_keep.json" 2>&1 | grep -v -i warn | tail -2 ;;
+    s7b)  # ran with the kept attention priced into flat's budget too (a bug: the tree's peak came out 1.05x flat's)
+      bash "$0" keep-8b tests-keep keep-1.7b ;;
+    s7c)  # the same rows after the fix (flat's budget prices flat's checkpointed layers alone)
+      bash "$0" keep-8b keep-1.7b ;;
     s6)
       bash "$0" nofla tests-coverage-gpu ;;
     s4-a)

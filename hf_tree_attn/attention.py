@@ -27,9 +27,9 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.masking_utils import eager_mask, sdpa_mask
 
-from . import prefix_attention as _prefix
 from .masks import is_tree_mask_mod, mask_tag
 from .prefix_attention import prefix_attention
+from .prefix_attention import serves as prefix_serves
 from .prefix_attention import supports as prefix_supports
 
 __all__ = ["ATTN_IMPLEMENTATION", "bypasses_attention_interface", "register", "tree_flex_attention", "tree_flex_mask"]
@@ -182,10 +182,8 @@ def _prefix_attention(query, key, value, attention_mask, forest, scaling: float)
     if key.shape[-1] != query.shape[-1] or value.shape[-1] != query.shape[-1]:  # MLA's wider q / k: FlexAttention
         return None
     size = forest.input_ids.shape[1]
-    if forest.prefix_plan is None or query.shape[2] != size or key.shape[2] != size:
-        return None
-    if query.device.type == "cuda" and _prefix.MODE == "auto" and not forest.prefix_fast_on_cuda:
-        return None  # FlexAttention is the faster kernel for this forest
+    if query.shape[2] != size or key.shape[2] != size or not prefix_serves(forest, query.device.type):
+        return None  # not two-level, or on CUDA a forest FlexAttention runs faster
     return prefix_attention(query, key, value, forest.prefix_plan, scaling)
 
 

@@ -46,6 +46,7 @@ __all__ = [
     "prefix_attention",
     "prefix_plan",
     "prefix_trees",
+    "serves",
     "supports",
 ]
 
@@ -133,6 +134,15 @@ def decode_plan(plan: torch.Tensor) -> tuple[int, tuple[PrefixTree, ...]]:
         trees.append(PrefixTree(start, bounds[0], bounds))
         k += 3 + count
     return values[0], tuple(trees)
+
+
+def serves(forest, device_type: str) -> bool:
+    """Whether the kernels take the plain causal layers of `forest` (a `PackedForest`) on `device_type`: it is
+    two-level and, on CUDA, `fast_on_cuda` (or `MODE` is "always"). Each layer's tensors are checked again
+    (`supports`)."""
+    if MODE == "never" or forest.prefix_plan is None:
+        return False
+    return device_type != "cuda" or MODE == "always" or forest.prefix_fast_on_cuda
 
 
 def supports(query: torch.Tensor) -> bool:

@@ -20,6 +20,14 @@ Per token, bytes kept until the backward (bf16 activations `b = 2`, RMSNorm's fl
 plus, while the backward recomputes a checkpointed layer, one whole layer. Fused kernels (Liger, inductor) keep
 less than "whole", so the estimate errs toward recomputing more, never toward using more memory than flat.
 
+Attention kept (`keep_attention`): where the shared-prefix kernels (`prefix_attention.py`) serve a forest, a
+checkpointed layer also keeps their output and log-sum-exp (selective activation checkpointing: `torch.utils.
+checkpoint`'s `context_fn` with the kernels' op marked must-save), so its recompute runs the projections, norms and
+MLP again but not the attention, the costliest part of a long prompt's layer. Per token it keeps
+`b * q + 4 * heads` more, which the rule prices. It needs transformers' non-reentrant checkpoint (TRL's default,
+`use_reentrant=False`); with any other checkpoint function the layers recompute whole. FlexAttention's compiled
+kernel is opaque to `context_fn` in eager layers, so forests it serves recompute their attention as before.
+
 The formula prices one kind of layer: attention (any mask kind) with at most two layer norms (plus q / k norms)
 and one MLP of `intermediate_size`. Other layers keep more, up to several times more: mixture-of-experts layers
 (router, `top_k` expert inputs), multi-head latent attention, state-carrying mixers (Gated DeltaNet, Mamba-2,
@@ -32,10 +40,21 @@ formula is an upper bound wherever it prices the layers.
 from __future__ import annotations
 
 import contextlib
+import functools
+import weakref
 
 import torch
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-__all__ = ["activation_bytes", "layers_to_checkpoint", "recompute_only", "spread", "unpriced_reason"]
+__all__ = [
+    "activation_bytes",
+    "attention_output_bytes",
+    "keeps_attention",
+    "layers_to_checkpoint",
+    "recompute_only",
+    "spread",
+    "unpriced_reason",
+]
 
 
 _EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "moe_intermediate_size")
@@ -91,13 +110,25 @@ def activation_bytes(config, dtype_bytes: int = 2, decoder_layer: torch.nn.Modul
     return whole, b * d
 
 
-def layers_to_checkpoint(num_layers: int, tree_tokens: int, flat_tokens: int, whole: int, checkpointed: int) -> int:
+def attention_output_bytes(config, dtype_bytes: int = 2) -> int:
+    """Bytes per token a checkpointed layer that keeps its attention (`recompute_only(keep_attention=True)`) keeps
+    more: the output `(q_heads * head_dim)` in the activations' dtype and the float32 log-sum-exp per head."""
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return dtype_bytes * heads * head_dim + 4 * heads
+
+
+def layers_to_checkpoint(
+    num_layers: int, tree_tokens: int, flat_tokens: int, whole: int, checkpointed: int, kept_attention: int = 0
+) -> int:
     """Fewest checkpointed layers whose activations over `tree_tokens` fit in those of `flat_tokens` with all
-    `num_layers` checkpointed (`num_layers` if none fits). Byte counts per token per layer, from `activation_bytes`."""
+    `num_layers` checkpointed (`num_layers` if none fits). Byte counts per token per layer, from `activation_bytes`;
+    `kept_attention` (`attention_output_bytes`): what the tree's checkpointed layers keep more than flat's."""
     budget = flat_tokens * (num_layers * checkpointed + whole)
     for count in range(num_layers + 1):
         transient = whole if count else 0  # a checkpointed layer is rebuilt whole during the backward
-        if tree_tokens * (count * checkpointed + (num_layers - count) * whole + transient) <= budget:
+        kept = count * (checkpointed + kept_attention) + (num_layers - count) * whole + transient
+        if tree_tokens * kept <= budget:
             return count
     return num_layers
 
@@ -115,19 +146,60 @@ def _checkpointed_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing]
 
 
+def _keep_kernel_outputs(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    if op is torch.ops.hf_tree_attn.prefix_attention.default:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+_KEEP_ATTENTION_CONTEXTS = functools.partial(create_selective_checkpoint_contexts, _keep_kernel_outputs)
+# Compiled layers guard on their checkpoint function: the same object for every forward, or they would recompile.
+_kept: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _keeping_attention(func):
+    """`func` (a layer's `_gradient_checkpointing_func`) with the kernels' outputs kept, or None where `func` is not
+    transformers' plain non-reentrant checkpoint (reentrant, offloading, a user's own `context_fn`)."""
+    if not (isinstance(func, functools.partial) and func.func is checkpoint and not func.args):
+        return None
+    if func.keywords.get("use_reentrant") is not False or "context_fn" in func.keywords:
+        return None
+    if func not in _kept:
+        _kept[func] = functools.partial(checkpoint, **func.keywords, context_fn=_KEEP_ATTENTION_CONTEXTS)
+    return _kept[func]
+
+
+def keeps_attention(model: torch.nn.Module) -> bool:
+    """Whether `recompute_only(model, count, keep_attention=True)` can keep attention outputs: every checkpointed
+    decoder layer uses transformers' non-reentrant checkpoint (module docstring)."""
+    layers = _checkpointed_layers(model)
+    return bool(layers) and all(_keeping_attention(layer._gradient_checkpointing_func) for layer in layers)
+
+
 @contextlib.contextmanager
-def recompute_only(model: torch.nn.Module, count: int | None):
-    """Within the block, only `count` of the model's checkpointed decoder layers (evenly spaced) checkpoint.
+def recompute_only(model: torch.nn.Module, count: int | None, keep_attention: bool = False):
+    """Within the block, only `count` of the model's checkpointed decoder layers (evenly spaced) checkpoint, and with
+    `keep_attention` (where `keeps_attention(model)`) those keep the shared-prefix kernels' outputs.
 
     transformers decides per layer per forward (`GradientCheckpointingLayer.gradient_checkpointing`), and a
     checkpointed layer's recompute does not consult the flag again, so restoring it after the forward is safe. Layers
     the user left un-checkpointed stay so; `count=None` (or a model without gradient checkpointing) changes nothing.
     """
     layers = _checkpointed_layers(model) if count is not None else []
+    functions = [layer._gradient_checkpointing_func for layer in layers]
+    kept = [_keeping_attention(f) for f in functions] if keep_attention else []
+    if kept and not all(kept):
+        raise ValueError(
+            "keep_attention=True needs transformers' non-reentrant checkpoint in every checkpointed layer "
+            "(gradient_checkpointing_kwargs={'use_reentrant': False}, no context_fn): check keeps_attention(model)."
+        )
     try:
-        for layer, keep in zip(layers, spread(len(layers), min(count, len(layers)) if layers else 0)):
-            layer.gradient_checkpointing = keep
+        for layer, on in zip(layers, spread(len(layers), min(count, len(layers)) if layers else 0)):
+            layer.gradient_checkpointing = on
+        for layer, func in zip(layers, kept):
+            layer._gradient_checkpointing_func = func
         yield
     finally:
-        for layer in layers:
+        for layer, func in zip(layers, functions):
             layer.gradient_checkpointing = True
+            layer._gradient_checkpointing_func = func

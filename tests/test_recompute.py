@@ -14,7 +14,15 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 import hf_tree_attn
 from hf_tree_attn.logprobs import _final_hidden_states, forest_forward_kwargs, forest_logprobs
-from hf_tree_attn.recompute import activation_bytes, layers_to_checkpoint, recompute_only, spread, unpriced_reason
+from hf_tree_attn.recompute import (
+    activation_bytes,
+    attention_output_bytes,
+    keeps_attention,
+    layers_to_checkpoint,
+    recompute_only,
+    spread,
+    unpriced_reason,
+)
 from hf_tree_attn.support import EXACT_FAMILIES
 
 
@@ -64,15 +72,16 @@ def test_activation_bytes_match_what_autograd_saves(dtype, prefix_kernels, monke
     assert checkpointed == dtype.itemsize * 64
 
 
-def test_layers_to_checkpoint_is_the_fewest_that_fit():
+@pytest.mark.parametrize("attention", [0, 3])
+def test_layers_to_checkpoint_is_the_fewest_that_fit(attention):
     whole, kept, layers = 100, 4, 10
 
-    def tree_memory(tokens, count):
-        return tokens * (count * kept + (layers - count) * whole + (whole if count else 0))
+    def tree_memory(tokens, count):  # the tree's checkpointed layers keep `attention` more than flat's
+        return tokens * (count * (kept + attention) + (layers - count) * whole + (whole if count else 0))
 
     budget = lambda flat: flat * (layers * kept + whole)  # noqa: E731
-    for tree, flat in [(100, 100), (10, 100), (30, 100), (60, 100), (1, 1000), (500, 100)]:
-        count = layers_to_checkpoint(layers, tree, flat, whole, kept)
+    for tree, flat in [(100, 100), (10, 100), (30, 100), (60, 100), (1, 1000), (500, 100), (20, 100)]:
+        count = layers_to_checkpoint(layers, tree, flat, whole, kept, attention)
         fits = [c for c in range(layers + 1) if tree_memory(tree, c) <= budget(flat)]
         assert count == (fits[0] if fits else layers)
     assert layers_to_checkpoint(layers, 100, 100, whole, kept) == layers  # no sharing: recompute as flat does
@@ -122,6 +131,127 @@ def test_recompute_only_is_exact_and_recomputes_those_layers():
         for name, grad in reference.items():
             torch.testing.assert_close(grads[name], grad, rtol=0, atol=0, msg=name)  # same operations, same inputs
         assert all(layer.gradient_checkpointing for layer in model.model.layers)  # restored after the block
+
+
+def _kernel_calls(monkeypatch) -> list[int]:
+    """A counter of the shared-prefix kernels' dense calls (forward only)."""
+    calls, original = [0], hf_tree_attn.prefix_attention._forward
+
+    def counted(*args):
+        calls[0] += 1
+        return original(*args)
+
+    monkeypatch.setattr(hf_tree_attn.prefix_attention, "_forward", counted)
+    return calls
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_keep_attention_is_exact_and_runs_no_attention_twice(compiled, monkeypatch):
+    """Checkpointed layers that keep the shared-prefix kernels' outputs give the gradients of no checkpointing, bit
+    for bit (what they keep is what the forward computed), and their backward runs no attention again; recomputed
+    whole, each checkpointed layer's attention runs twice. Compiled: regional compile (aot_eager) with `BlockMask`s,
+    as CUDA builds them, where the checkpoint and its `context_fn` are traced into the layer's graph."""
+    from accelerate.utils import compile_regions
+
+    sequences = [[3 + i % 120 for i in range(60)] + [7, 8, 9, i] for i in range(4)]
+    (forest,) = hf_tree_attn.pack_forest(sequences)
+    assert forest.prefix_plan is not None
+    kwargs = forest_forward_kwargs(forest, "cpu")
+    if compiled:
+        kwargs["attention_mask"] = forest.attention_mask("cpu", dense=False)
+    calls = _kernel_calls(monkeypatch)
+    weights = torch.linspace(-1, 1, forest.seq_len)[None, :, None]
+
+    def run(model, count, keep):
+        model.zero_grad(set_to_none=True)
+        calls[0] = 0
+        with recompute_only(model, count, keep_attention=keep):
+            logits = model(**kwargs).logits
+        (logits * weights).sum().backward()
+        return calls[0], {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    model = _qwen3(4)
+    model = compile_regions(model, backend="aot_eager") if compiled else model
+    per_forward, reference = run(model, None, False)  # no gradient checkpointing
+    assert per_forward > 0
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert keeps_attention(model)
+    for count, keep, expected in [(2, True, per_forward), (4, True, per_forward), (2, False, per_forward * 3 // 2)]:
+        runs, grads = run(model, count, keep)
+        assert runs == expected, (count, keep)
+        for name, grad in reference.items():
+            torch.testing.assert_close(grads[name], grad, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("compiled", [False, True])
+def test_keep_attention_on_cuda(compiled, monkeypatch):
+    """On CUDA (cuDNN kernels, bf16; compiled: regional inductor), checkpointed layers that keep the kernels' outputs
+    run no attention in the backward and give the gradients of no checkpointing within bf16 rounding, as close as
+    whole-layer recompute does."""
+    from accelerate.utils import compile_regions
+
+    monkeypatch.setattr(hf_tree_attn.prefix_attention, "MODE", "always")
+    sequences = [[3 + i % 120 for i in range(300)] + [7, 8, 9, i] * 5 for i in range(4)]
+    (forest,) = hf_tree_attn.pack_forest(sequences)
+    kwargs = forest_forward_kwargs(forest, "cuda")
+    calls = _kernel_calls(monkeypatch)
+    weights = torch.linspace(-1, 1, forest.seq_len, device="cuda")[None, :, None]
+    model = _qwen3(4).to("cuda", torch.bfloat16)
+    model = compile_regions(model) if compiled else model
+
+    def run(count, keep):
+        model.zero_grad(set_to_none=True)
+        calls[0] = 0
+        with recompute_only(model, count, keep_attention=keep):
+            logits = model(**kwargs).logits.float()
+        (logits * weights).sum().backward()
+        return calls[0], torch.cat([p.grad.float().flatten() for p in model.parameters()])
+
+    per_forward, reference = run(None, False)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    (kept_calls, kept), (whole_calls, whole) = run(4, True), run(4, False)
+    assert (kept_calls, whole_calls) == (per_forward, 2 * per_forward)
+    scale = reference.abs().max()
+    assert (kept - reference).abs().max() <= max(2 * (whole - reference).abs().max(), 2**-7 * scale)
+
+
+def test_keeps_attention_only_with_a_plain_non_reentrant_checkpoint():
+    """Attention is kept only through transformers' own non-reentrant checkpoint (`context_fn` needs it); the
+    function the layers get is the same object every time (compiled layers guard on it) and is given back after."""
+    model = _qwen3(2)
+    assert not keeps_attention(model)  # no gradient checkpointing
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    assert not keeps_attention(model)
+    with pytest.raises(ValueError, match="non-reentrant checkpoint"), recompute_only(model, 1, keep_attention=True):
+        pass
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": None})
+    assert not keeps_attention(model)  # the user's own context_fn wins
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert keeps_attention(model)
+    original = [layer._gradient_checkpointing_func for layer in model.model.layers]
+    seen = []
+    for _ in range(2):
+        with recompute_only(model, 2, keep_attention=True):
+            seen.append([layer._gradient_checkpointing_func for layer in model.model.layers])
+    assert seen[0][0] is seen[1][0] and seen[0][0] is not original[0]
+    assert seen[0][0].keywords["use_reentrant"] is False and "context_fn" in seen[0][0].keywords
+    assert [layer._gradient_checkpointing_func for layer in model.model.layers] == original
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kept_attention_priced_as_the_kernels_output(dtype):
+    """What a checkpointed layer that keeps its attention keeps more per token (`attention_output_bytes`) is the
+    size of the kernels' op output (the attention output and its log-sum-exp) per row, at Qwen3-1.7B's heads."""
+    config = Qwen3Config(hidden_size=2048, intermediate_size=6144, num_attention_heads=16, num_key_value_heads=8,
+                         head_dim=128)  # fmt: skip
+    (forest,) = hf_tree_attn.pack_forest([[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 7]])
+    size = forest.seq_len
+    q = torch.randn(1, 16, size, 128, dtype=dtype)
+    k, v = (torch.randn(1, 8, size, 128, dtype=dtype) for _ in range(2))
+    outputs = torch.ops.hf_tree_attn.prefix_attention(q, k, v, forest.prefix_plan, 128**-0.5)
+    assert attention_output_bytes(config, dtype.itemsize) * size == sum(t.nbytes for t in outputs)
 
 
 def test_trainer_auto_recompute_matches_all(tiny, tmp_path):  # noqa: F811
@@ -219,13 +349,13 @@ def test_trainer_auto_recompute_on_unpriced_layers_recomputes_all(model_type, pr
     trainer = SimpleNamespace(
         args=SimpleNamespace(tree_recompute="auto", gradient_checkpointing=True, bf16=False, fp16=False),
         model=model,
-        accelerator=SimpleNamespace(unwrap_model=lambda m: m),
+        accelerator=SimpleNamespace(unwrap_model=lambda m: m, device=torch.device("cpu")),
         _metrics={"train": defaultdict(list)},
         _unpriced=None,
     )
-    count = TreeGRPOTrainer._layers_to_checkpoint(trainer, [(SimpleNamespace(forest=forest),)])
+    count, keep = TreeGRPOTrainer._layers_to_checkpoint(trainer, [(SimpleNamespace(forest=forest),)])
     logged = trainer._metrics["train"]["tree_checkpointed_layers"]
-    if priced:
-        assert isinstance(count, int) and logged == [count / model.config.num_hidden_layers]
+    if priced:  # a two-level forest on the CPU: the kernels serve it, so checkpointed layers keep their outputs
+        assert isinstance(count, int) and logged == [count / model.config.num_hidden_layers] and keep
     else:
-        assert count is None and logged == [1.0] and trainer._unpriced
+        assert count is None and logged == [1.0] and trainer._unpriced and not keep

@@ -62,9 +62,11 @@ class TreeGRPOConfig(GRPOConfig):
             "help": "Activation recompute of tree policy forwards, with gradient_checkpointing on. 'all': every "
             "checkpointed layer recomputes (TRL's behaviour). 'auto': recompute only as many layers (evenly spaced) "
             "as keep the forests' estimated activations within what TRL's flat forward of the same rows holds with "
-            "every layer checkpointed: a tree shares its prompt, so most layers need no recompute. Layers whose "
-            "activations the estimate does not bound (experts, latent attention, recurrent mixers, four norms) "
-            "recompute every layer under 'auto' too.",
+            "every layer checkpointed: a tree shares its prompt, so most layers need no recompute. Where the "
+            "shared-prefix kernels serve a forest, the layers that do recompute keep their attention output "
+            "(selective checkpointing; needs use_reentrant=False, TRL's default) and recompute only the rest, "
+            "within the same memory bound. Layers whose activations the estimate does not bound (experts, latent "
+            "attention, recurrent mixers, four norms) recompute every layer under 'auto' too.",
             "choices": ["auto", "all"],
         },
     )

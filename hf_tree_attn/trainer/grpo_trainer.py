@@ -37,7 +37,16 @@ from ..attention import ATTN_IMPLEMENTATION
 from ..collator import TreeDataCollator
 from ..logprobs import forest_logprobs, tree_router_aux_loss
 from ..metrics import estimate_flops
-from ..recompute import _checkpointed_layers, activation_bytes, layers_to_checkpoint, recompute_only, unpriced_reason
+from ..prefix_attention import serves
+from ..recompute import (
+    _checkpointed_layers,
+    activation_bytes,
+    attention_output_bytes,
+    keeps_attention,
+    layers_to_checkpoint,
+    recompute_only,
+    unpriced_reason,
+)
 from ..support import (
     check_tree_model,
     config_support_error,
@@ -525,7 +534,8 @@ class TreeGRPOTrainer(GRPOTrainer):
         logps = torch.zeros(num_rows, logits_to_keep, dtype=torch.float32, device=device)
         entropies = torch.zeros_like(logps) if compute_entropy else None
         router_logits = []
-        with recompute_only(model, self._layers_to_checkpoint(packed)):
+        count, keep_attention = self._layers_to_checkpoint(packed)
+        with recompute_only(model, count, keep_attention=keep_attention):
             for mb, rows, row_of, col_of, source_rows in packed:
                 with self.accelerator.autocast():
                     table, entropy_table, *router = forest_logprobs(
@@ -541,17 +551,19 @@ class TreeGRPOTrainer(GRPOTrainer):
             aux_loss = tree_router_aux_loss(model, [mb.forest for mb, *_ in packed], router_logits)
         return logps, entropies, aux_loss
 
-    def _layers_to_checkpoint(self, packed: list) -> int | None:
-        """How many checkpointed decoder layers the policy forward of one chunk's forests recomputes.
+    def _layers_to_checkpoint(self, packed: list) -> tuple[int | None, bool]:
+        """`(count, keep_attention)`: how many checkpointed decoder layers the policy forward of one chunk's forests
+        recomputes, and whether those keep the shared-prefix kernels' outputs.
 
         `tree_recompute="auto"`: as few as keep the forests' activations within those of the flat forward of the same
-        sequences (unpadded, so stricter than TRL's padded rows) with every layer checkpointed (`recompute.py`).
-        None = leave the model's checkpointing as it is ("all", or a forward without gradients).
+        sequences (unpadded, so stricter than TRL's padded rows) with every layer checkpointed, and attention kept
+        where the kernels serve a forest and the model's checkpoint allows it (`recompute.py`). None = leave the
+        model's checkpointing as it is ("all", or a forward without gradients).
         """
         if self.args.tree_recompute == "all" or not self.args.gradient_checkpointing:
-            return None
+            return None, False
         if not (self.model.training and torch.is_grad_enabled()):
-            return None
+            return None, False
         model = self.accelerator.unwrap_model(self.model)
         config = model.config.get_text_config()
         if self._unpriced is None:  # once per run: the layers do not change
@@ -566,13 +578,17 @@ class TreeGRPOTrainer(GRPOTrainer):
                 )
         if self._unpriced:
             self._metrics["train"]["tree_checkpointed_layers"].append(1.0)
-            return None
-        whole, kept = activation_bytes(config, dtype_bytes=2 if self.args.bf16 or self.args.fp16 else 4)
+            return None, False
+        device = self.accelerator.device.type
+        keep = any(serves(mb.forest, device) for mb, *_ in packed) and keeps_attention(model)
+        dtype_bytes = 2 if self.args.bf16 or self.args.fp16 else 4
+        whole, kept = activation_bytes(config, dtype_bytes=dtype_bytes)
+        attention = attention_output_bytes(config, dtype_bytes) if keep else 0
         tree_tokens = sum(mb.forest.seq_len for mb, *_ in packed)
         flat_tokens = sum(mb.forest.num_original_tokens for mb, *_ in packed)
-        count = layers_to_checkpoint(config.num_hidden_layers, tree_tokens, flat_tokens, whole, kept)
+        count = layers_to_checkpoint(config.num_hidden_layers, tree_tokens, flat_tokens, whole, kept, attention)
         self._metrics["train"]["tree_checkpointed_layers"].append(count / config.num_hidden_layers)
-        return count
+        return count, keep
 
 
 def liger_with_compile_warning(args, dynamo_plugin) -> str | None:
