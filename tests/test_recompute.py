@@ -150,8 +150,12 @@ def test_keep_attention_is_exact_and_runs_no_attention_twice(compiled, monkeypat
     """Checkpointed layers that keep the shared-prefix kernels' outputs give the gradients of no checkpointing, bit
     for bit (what they keep is what the forward computed), and their backward runs no attention again; recomputed
     whole, each checkpointed layer's attention runs twice. Compiled: regional compile (aot_eager) with `BlockMask`s,
-    as CUDA builds them, where the checkpoint and its `context_fn` are traced into the layer's graph."""
+    as CUDA builds them, where the checkpoint and its `context_fn` are traced into the layer's graph, unbroken."""
     from accelerate.utils import compile_regions
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
 
     sequences = [[3 + i % 120 for i in range(60)] + [7, 8, 9, i] for i in range(4)]
     (forest,) = hf_tree_attn.pack_forest(sequences)
@@ -181,6 +185,7 @@ def test_keep_attention_is_exact_and_runs_no_attention_twice(compiled, monkeypat
         assert runs == expected, (count, keep)
         for name, grad in reference.items():
             torch.testing.assert_close(grads[name], grad, rtol=0, atol=0, msg=name)
+    assert not counters["graph_break"], dict(counters["graph_break"])
 
 
 @pytest.mark.gpu
