@@ -270,8 +270,7 @@ for stage in "$@"; do
         --out "$OUT/tree_vs_flat_h200_qwen3-8b_compile_prefix.json" 2>&1 | grep -v -i warn | tail -3 ;;
     s6-prefix)  # what session 6 ran after `s6` (two calls: this, then `prefix-kernel tests-prefix` again)
       bash "$0" prefix-kernel tests-prefix prefix-1.7b ;;
-    # ---- still to run (issue 11): on one H200 `s7` (the 8B trainer row with the kernels, and the GPU test of the
-    # CUDA rule in a model, tests/test_prefix_attention.py); on nvidia-h200-x2 `s3-x2`
+    # ---- session 7 ran s7, s7b, s7c (one call each); still to run (issue 11): on nvidia-h200-x2 `s3-x2`
     s7)  # the GPU tests with the kernels on every two-level forest (their small forests would take FlexAttention
       # under the CUDA rule), then the 8B row
       HF_TREE_ATTN_PREFIX_ATTENTION=always bash "$0" tests-prefix
