@@ -272,6 +272,34 @@ def test_trainer_auto_recompute_matches_all(tiny, tmp_path):  # noqa: F811
         torch.testing.assert_close(results["auto"][1][name], grad, rtol=0, atol=0, msg=name)
 
 
+def test_trainer_keeps_attention_exactly(tiny, tmp_path, monkeypatch):  # noqa: F811
+    """`TreeGRPOTrainer`, `tree_recompute="auto"`, on a two-level batch (prompts and completions that start apart):
+    the kernels serve it, so the layers `auto` recomputes (one, forced: the tiny batch needs none) keep their
+    attention and run no kernel again in the backward; loss and gradients are exactly those of "all"."""
+    import test_grpo_trainer
+
+    from hf_tree_attn.trainer import grpo_trainer
+
+    monkeypatch.setattr(test_grpo_trainer, "PROMPTS", ["id 1. letter: a", "xy 22. letter: b"])
+    completions = ["abc", "bca", "cab", "dd", "ab", "ba", "c", "d"]
+    monkeypatch.setattr(test_grpo_trainer, "COMPLETIONS", [(text, True, False) for text in completions])
+    monkeypatch.setattr(grpo_trainer, "layers_to_checkpoint", lambda *args: 1)
+    calls = _kernel_calls(monkeypatch)
+    results = {}
+    for mode in ("all", "auto"):
+        tree, flat = _pair(tiny, tmp_path, tree_recompute=mode)
+        inputs = _inputs(tree, flat, tiny[1], beta=0.0, num_iterations=1)
+        calls[0] = 0
+        results[mode] = _loss_and_grads(tree, inputs)
+        results[mode + " calls"] = calls[0]
+        metrics = tree._metrics["train"]
+        assert metrics["tree_kept_attention"] == ([] if mode == "all" else [1.0])
+    assert results["auto calls"] * 2 == results["all calls"] > 0  # "all": each of the 2 layers runs its kernel twice
+    torch.testing.assert_close(results["auto"][0], results["all"][0], rtol=0, atol=0)
+    for name, grad in results["all"][1].items():
+        torch.testing.assert_close(results["auto"][1][name], grad, rtol=0, atol=0, msg=name)
+
+
 def _saved_bytes_per_layer(model, forest) -> list[float]:
     """Bytes per tree token each decoder layer saves for the backward in a tree forward: storages first saved inside
     that layer, without the parameters, without what the layer was handed (its input, the rotary tables, the masks:

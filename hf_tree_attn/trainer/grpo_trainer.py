@@ -588,6 +588,7 @@ class TreeGRPOTrainer(GRPOTrainer):
         flat_tokens = sum(mb.forest.num_original_tokens for mb, *_ in packed)
         count = layers_to_checkpoint(config.num_hidden_layers, tree_tokens, flat_tokens, whole, kept, attention)
         self._metrics["train"]["tree_checkpointed_layers"].append(count / config.num_hidden_layers)
+        self._metrics["train"]["tree_kept_attention"].append(float(keep))
         return count, keep
 
 
