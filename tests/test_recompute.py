@@ -231,7 +231,8 @@ def test_keeps_attention_only_with_a_plain_non_reentrant_checkpoint():
     assert not keeps_attention(model)
     with pytest.raises(ValueError, match="non-reentrant checkpoint"), recompute_only(model, 1, keep_attention=True):
         pass
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": None})
+    own = {"use_reentrant": False, "context_fn": torch.utils.checkpoint.noop_context_fn}
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=own)
     assert not keeps_attention(model)  # the user's own context_fn wins
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     assert keeps_attention(model)
