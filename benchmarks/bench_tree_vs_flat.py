@@ -378,7 +378,7 @@ def tree_step(
                 bound = min(forest.num_original_tokens, flat_forward)
                 count = layers_to_checkpoint(config.num_hidden_layers, forest.seq_len, bound, whole, kept, attention)
                 checkpointed.append(count / config.num_hidden_layers)
-            with torch.set_grad_enabled(train), recompute_only(model, count, keep_attention=keep and train):
+            with torch.set_grad_enabled(train), recompute_only(model, count, keep_attention=keep):
                 table, _ = forest_logprobs(model, forest, rows=rows)
                 if train:
                     (table[rows] * weights).sum().backward()
