@@ -38,6 +38,12 @@ import numpy as np
 import torch
 from transformers.integrations.sdpa_attention import repeat_kv
 
+try:  # CUDA builds of PyTorch ship Triton; the CPU wheel does not
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
 __all__ = [
     "MODE",
     "PrefixTree",
@@ -276,13 +282,69 @@ def _unbatch(x: torch.Tensor, comp: _Completions) -> torch.Tensor:
     return x if comp.equal else x.index_select(2, comp.slots)
 
 
+def _merge(out, lse, shared, lse_shared, own, lse_own) -> None:
+    """Writes into `out` `(H, M, D)` and `lse` `(H, M)` the softmax over both key sets of two attention calls over
+    disjoint keys, `(shared, lse_shared)` and `(own, lse_own)`: `lse = logaddexp(lse_shared, lse_own)`, `out = w *
+    shared + (1 - w) * own` with `w = exp(lse_shared - lse)`, in float32 (float64 for float64). One fused kernel on
+    CUDA (Triton), where PyTorch's ops take five passes over the rows."""
+    if _merge_kernel is not None and out.is_cuda and all(x.stride(-1) == 1 for x in (out, shared, own)):
+        heads, rows, dim = out.shape
+        block = max(1, 8192 // dim)
+        _merge_kernel[(triton.cdiv(rows, block), heads)](
+            out, lse, shared, lse_shared, own, lse_own, rows, *out.stride()[:2], *lse.stride(),
+            *shared.stride()[:2], *lse_shared.stride(), *own.stride()[:2], *lse_own.stride(),
+            DIM=dim, BLOCK=block,
+        )  # fmt: skip
+        return
+    weight = torch.sigmoid(lse_shared - lse_own)[..., None]
+    out.copy_(torch.lerp(own.to(weight.dtype), shared.to(weight.dtype), weight))
+    lse.copy_(torch.logaddexp(lse_shared, lse_own))
+
+
+if triton is not None:
+
+    @triton.jit
+    def _merge_kernel(
+        out, lse, shared, lse_shared, own, lse_own, rows,
+        out_h, out_m, lse_h, lse_m, shared_h, shared_m, lse_shared_h, lse_shared_m, own_h, own_m, lse_own_h, lse_own_m,
+        DIM: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        """`_merge` of `BLOCK` rows of one head; every row's `DIM` values contiguous."""
+        head = tl.program_id(1)
+        m = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        d = tl.arange(0, DIM)
+        real = m < rows
+        ls = tl.load(lse_shared + head * lse_shared_h + m * lse_shared_m, mask=real, other=0.0)
+        lo = tl.load(lse_own + head * lse_own_h + m * lse_own_m, mask=real, other=0.0)
+        top = tl.maximum(ls, lo)
+        merged = top + tl.log(tl.exp(ls - top) + tl.exp(lo - top))
+        w = tl.exp(ls - merged)[:, None]
+        a = tl.load(shared + head * shared_h + m[:, None] * shared_m + d[None, :], mask=real[:, None])
+        b = tl.load(own + head * own_h + m[:, None] * own_m + d[None, :], mask=real[:, None])
+        b = b.to(tl.float32)
+        mixed = (b + w * (a.to(tl.float32) - b)).to(out.dtype.element_ty)
+        tl.store(out + head * out_h + m[:, None] * out_m + d[None, :], mixed, mask=real[:, None])
+        tl.store(lse + head * lse_h + m * lse_m, merged, mask=real)
+
+else:
+    _merge_kernel = None
+
+
+def _empty_output(query: torch.Tensor) -> torch.Tensor:
+    """An uninitialised `(B, H, S, D)` like `query`, laid out as `(B, S, H, D)`: the layout of the model's
+    projections, so that `out.transpose(1, 2)` before the output projection is contiguous without a copy, its
+    gradient arrives in `out`'s layout, and `dq`, `dk`, `dv` flow back to the q / k / v projections as views."""
+    batch, heads, rows, dim = query.shape
+    return query.new_empty((batch, rows, heads, dim)).transpose(1, 2)
+
+
 @torch.library.custom_op("hf_tree_attn::prefix_attention", mutates_args=())
 def _prefix_forward(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: torch.Tensor, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`(out, lse)` of `prefix_attention` (an opaque op for torch.compile: its loops and shapes follow the plan)."""
     num_tokens, trees = decode_plan(plan)
-    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    out = _empty_output(query)
     lse = torch.empty(query.shape[:3], dtype=_accumulate(query.dtype), device=query.device)
     for number, tree in enumerate(trees):
         prompt, first, last = slice(tree.start, tree.stop), tree.bounds[0], tree.bounds[-1]
@@ -294,10 +356,7 @@ def _prefix_forward(
         comp = _completions(plan, number, tree, query.device)
         own, lse_own = _forward(*(_batch(x, first, last, comp) for x in (query, key, value)), True, scale)
         own, lse_own = _unbatch(own, comp), _unbatch(lse_own[..., None], comp)[..., 0]
-        # softmax over both key sets: out = w * shared + (1 - w) * own, w = exp(lse_shared - lse) = sigmoid(...)
-        weight = torch.sigmoid(lse_shared - lse_own)[..., None]
-        out[:, :, first:last] = torch.lerp(own.to(weight.dtype), shared.to(weight.dtype), weight)
-        lse[..., first:last] = torch.logaddexp(lse_shared, lse_own)
+        _merge(out[0, :, first:last], lse[0, :, first:last], shared[0], lse_shared[0], own[0], lse_own[0])
     if num_tokens < query.shape[2]:  # padding rows: each attends only to itself
         groups = query.shape[1] // key.shape[1]
         pad_k, pad_v = (repeat_kv(x[:, :, num_tokens:], groups) for x in (key, value))
@@ -308,7 +367,7 @@ def _prefix_forward(
 
 @_prefix_forward.register_fake
 def _(query, key, value, plan, scale):
-    return query.new_empty(query.shape), query.new_empty(query.shape[:3], dtype=_accumulate(query.dtype))
+    return _empty_output(query), query.new_empty(query.shape[:3], dtype=_accumulate(query.dtype))
 
 
 @torch.library.custom_op("hf_tree_attn::prefix_attention_backward", mutates_args=())
@@ -322,13 +381,13 @@ def _prefix_backward(
     plan: torch.Tensor,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`(dq, dk, dv)` of `prefix_attention`, from the forward's merged `out` and `lse`; contiguous."""
+    """`(dq, dk, dv)` of `prefix_attention`, from the forward's merged `out` and `lse`; laid out as `(B, S, H, D)`
+    (`_empty_output`), as the projections' gradients flow back."""
     num_tokens, trees = decode_plan(plan)
     acc = _accumulate(query.dtype)
-    dout = dout.contiguous()  # the layout of `out`, as the kernels' backward expects
-    dq = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-    dk = torch.empty(key.shape, dtype=key.dtype, device=key.device)
-    dv = torch.empty(value.shape, dtype=value.dtype, device=value.device)
+    if dout.stride() != out.stride():  # the kernels' backward expects `out`'s layout
+        dout = _empty_output(dout).copy_(dout)
+    dq, dk, dv = (_empty_output(x) for x in (query, key, value))
     for number, tree in enumerate(trees):
         prompt, first, last = slice(tree.start, tree.stop), tree.bounds[0], tree.bounds[-1]
         q, k, v = query[:, :, prompt], key[:, :, prompt], value[:, :, prompt]
@@ -340,15 +399,15 @@ def _prefix_backward(
         rows = slice(first, last)
         q_comp = query[:, :, rows]
         g_shared = _backward(dout[:, :, rows], q_comp, k, v, out[:, :, rows], lse[..., rows], False, scale)
-        dk[:, :, prompt] = g_prompt[1].to(acc) + g_shared[1].to(acc)
-        dv[:, :, prompt] = g_prompt[2].to(acc) + g_shared[2].to(acc)
+        torch.add(g_prompt[1], g_shared[1], out=dk[:, :, prompt])  # summed in float32, rounded once
+        torch.add(g_prompt[2], g_shared[2], out=dv[:, :, prompt])
         comp = _completions(plan, number, tree, query.device)
         own = [_batch(x, first, last, comp) for x in (dout, query, key, value, out, lse[..., None])]
         own[-1] = own[-1][..., 0]
         if not comp.equal:  # padding slots repeat their completion's last row: they must add no gradient
             own[0] = own[0] * comp.real
         g_own = _backward(*own, True, scale)
-        dq[:, :, rows] = g_shared[0].to(acc) + _unbatch(g_own[0], comp).to(acc)
+        torch.add(g_shared[0], _unbatch(g_own[0], comp), out=dq[:, :, rows])
         dk[:, :, rows], dv[:, :, rows] = _unbatch(g_own[1], comp), _unbatch(g_own[2], comp)
     if num_tokens < query.shape[2]:  # padding rows: out = v, so dv = dout (summed over a kv head's query heads)
         dq[:, :, num_tokens:] = 0
@@ -360,7 +419,7 @@ def _prefix_backward(
 
 @_prefix_backward.register_fake
 def _(dout, query, key, value, out, lse, plan, scale):
-    return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape)  # contiguous
+    return _empty_output(query), _empty_output(key), _empty_output(value)
 
 
 def _setup_context(ctx, inputs, output):
@@ -391,6 +450,7 @@ def prefix_attention(
         scale: softmax scale.
 
     Returns:
-        `(1, q_heads, S, head_dim)`, `query`'s dtype: what FlexAttention with the forest's tree mask returns.
+        `(1, q_heads, S, head_dim)`, `query`'s dtype: what FlexAttention with the forest's tree mask returns, laid
+        out as `(1, S, q_heads, head_dim)` (its `transpose(1, 2)`, what the output projection reads, is contiguous).
     """
     return _prefix_forward(query, key, value, plan, scale)[0]

@@ -111,22 +111,35 @@ def _dense_reference(q, k, v, mask, scale):
 ATOL = {torch.float64: 1e-12, torch.float32: 1e-5}
 
 
+def _heads_view(heads: int, size: int, dim: int, dtype, generator, layout: str) -> torch.Tensor:
+    """`(1, heads, size, dim)` leaf, laid out as such ("bhsd") or as a model's projections lay it out ("bshd")."""
+    if layout == "bhsd":
+        return torch.randn(1, heads, size, dim, dtype=dtype, generator=generator).requires_grad_()
+    return torch.randn(1, size, heads, dim, dtype=dtype, generator=generator).requires_grad_().transpose(1, 2)
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2), (6, 1)])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_kernel_matches_the_dense_tree_mask(case, heads, dtype):
+def test_kernel_matches_the_dense_tree_mask(case, heads, dtype, layout):
+    """Against SDPA with the dense tree mask. "bshd": inputs and output gradient as a model's projections lay them
+    out (the output's own layout, read by the backward as it is); "bhsd": the backward first copies the gradient."""
     seqs = CASES[case](random.Random(case))
     (forest,) = pack_forest(seqs, pad_multiple=16)
     assert forest.num_tree_tokens < forest.seq_len or case == "grpo"  # padding rows are covered
     g = torch.Generator().manual_seed(0)
     size, dim = forest.seq_len, 16
-    q = torch.randn(1, heads[0], size, dim, dtype=dtype, generator=g, requires_grad=True)
-    k = torch.randn(1, heads[1], size, dim, dtype=dtype, generator=g, requires_grad=True)
-    v = torch.randn(1, heads[1], size, dim, dtype=dtype, generator=g, requires_grad=True)
+    q = _heads_view(heads[0], size, dim, dtype, g, layout)
+    k, v = (_heads_view(heads[1], size, dim, dtype, g, layout) for _ in "kv")
     out = prefix_attention(q, k, v, forest.prefix_plan, dim**-0.5)
+    assert out.transpose(1, 2).is_contiguous()  # what o_proj reads, without a copy
     ref = _dense_reference(q, k, v, forest.dense_mask(), dim**-0.5)
     torch.testing.assert_close(out, ref, atol=ATOL[dtype], rtol=0)
     dout = torch.randn(out.shape, dtype=dtype, generator=g)
+    if layout == "bshd":
+        dout = dout.transpose(1, 2).contiguous().transpose(1, 2)
+    assert (dout.stride() == out.stride()) == (layout == "bshd")
     got = torch.autograd.grad(out, (q, k, v), dout)
     want = torch.autograd.grad(ref, (q, k, v), dout)
     for name, a, b in zip("qkv", got, want):
@@ -388,3 +401,32 @@ def test_cuda_takes_the_kernels_only_where_they_are_faster(monkeypatch):
         with torch.no_grad():
             hf_tree_attn.sequence_logprobs(model, seqs)
         assert calls[0] == expected, mode
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_fused_merge_matches_float64(layout):
+    """The Triton merge on CUDA (views of the kernels' outputs, any row strides): the float64 merge of the same
+    inputs, rounded once to bf16 (within one bf16 unit of the largest entry), and its log-sum-exp within float32
+    rounding."""
+    from hf_tree_attn import prefix_attention as module
+
+    assert module._merge_kernel is not None  # CUDA builds of PyTorch ship Triton
+    g = torch.Generator(device="cuda").manual_seed(0)
+    heads, rows, dim = 16, 1000, 128
+
+    def values():
+        shape = (1, heads, rows, dim) if layout == "bhsd" else (1, rows, heads, dim)
+        x = torch.randn(shape, device="cuda", generator=g).bfloat16()
+        return (x if layout == "bhsd" else x.transpose(1, 2))[0, :, 3:-5]  # a row range, as the op passes
+
+    shared, own = values(), values()
+    lse_shared, lse_own = (20 * torch.randn(heads, rows - 8, device="cuda", generator=g) for _ in range(2))
+    out, lse = values(), torch.empty(heads, rows + 10, device="cuda")[:, 4:-14]
+    module._merge(out, lse, shared, lse_shared, own, lse_own)
+    want_lse = torch.logaddexp(lse_shared.double(), lse_own.double())
+    w = torch.exp(lse_shared.double() - want_lse)[..., None]
+    want = w * shared.double() + (1 - w) * own.double()
+    assert (out.double() - want).abs().max() <= 2**-8 * want.abs().max()
+    torch.testing.assert_close(lse.double(), want_lse, rtol=2e-7, atol=2e-6)
