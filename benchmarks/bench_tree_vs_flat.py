@@ -336,12 +336,14 @@ def tree_step(
     recompute: str = "all",
     one_level: bool = False,
     keep_attention: bool = True,
+    budget_gib: float | None = None,
 ) -> dict:
     """The tree path. With `fallback_ratio` it decides like TreeGRPOTrainer (`tree_max_token_ratio`): when the
     forests hold more than that fraction of the positions the flat padded forward computes, go flat_padded. With
     `recompute="auto"` each forest's policy forward recomputes only the layers `tree_recompute="auto"` would, and
     those keep the shared-prefix kernels' outputs as the trainer's do (unless `keep_attention=False`: they recompute
-    whole). With `one_level`, recurrent layers run all segments in one call (see `_one_level`)."""
+    whole; `budget_gib`: `tree_activation_budget_gib`). With `one_level`, recurrent layers run all segments in one
+    call (see `_one_level`)."""
     t0 = time.perf_counter()
     forests = hf_tree_attn.pack_forest(wl.sequences, max_tokens_per_mb=budget)
     if one_level:
@@ -376,7 +378,10 @@ def tree_step(
             count = None
             if train and recompute == "auto":
                 bound = min(forest.num_original_tokens, flat_forward)
-                count = layers_to_checkpoint(config.num_hidden_layers, forest.seq_len, bound, whole, kept, attention)
+                budget_bytes = int((budget_gib or 0) * 2**30)
+                count = layers_to_checkpoint(
+                    config.num_hidden_layers, forest.seq_len, bound, whole, kept, attention, budget_bytes=budget_bytes
+                )
                 checkpointed.append(count / config.num_hidden_layers)
             with torch.set_grad_enabled(train), recompute_only(model, count, keep_attention=keep):
                 table, _ = forest_logprobs(model, forest, rows=rows)
@@ -553,6 +558,14 @@ def main():
         "attention too): tree_whole_recompute",
     )
     parser.add_argument(
+        "--compare-budget-gib",
+        type=float,
+        nargs="+",
+        default=[],
+        help="with --checkpointing auto, also time the tree under each of these tree_activation_budget_gib values: "
+        "tree_budget_<value>gib",
+    )
+    parser.add_argument(
         "--compare-flex",
         action="store_true",
         help="also time the tree with FlexAttention in every layer (prefix kernels off): tree_flex",
@@ -611,6 +624,8 @@ def main():
                 methods["tree_flex"] = without_prefix_kernels(methods["tree"])
             if args.compare_whole_recompute:
                 methods["tree_whole_recompute"] = functools.partial(methods["tree"], keep_attention=False)
+            for gib in args.compare_budget_gib:
+                methods[f"tree_budget_{gib:g}gib"] = functools.partial(methods["tree"], budget_gib=gib)
             for method, fn in methods.items():
                 run[method] = time_method(fn, model, wl, args.max_tokens_per_mb, device, args.repeats)
                 probes[method] = grad_probe(model, fn, wl, args.max_tokens_per_mb, device)
@@ -657,6 +672,12 @@ def main():
                      f"{100 * run['tree_whole_recompute']['mfu']:.1f}%, peak {tree['peak_gib']:.1f} vs "
                      f"{run['tree_whole_recompute']['peak_gib']:.1f} GiB)" if args.compare_whole_recompute else ""),
                   flush=True)  # fmt: skip
+            for gib in args.compare_budget_gib:
+                other = run[f"tree_budget_{gib:g}gib"]
+                print(f"  tree_activation_budget_gib={gib:g}: {tree['time_s'] / other['time_s']:.3f}x the default's "
+                      f"speed, mfu {100 * other['mfu']:.1f}%, {100 * other.get('checkpointed_layers', 1):.0f}% of "
+                      f"layers checkpointed, peak {other['peak_gib']:.1f} GiB (default {tree['peak_gib']:.1f}, flat "
+                      f"padded {run['flat_padded']['peak_gib']:.1f})", flush=True)  # fmt: skip
             with open(args.out, "w") as f:
                 json.dump(results, f, indent=1)
         if args.e2e:

@@ -270,7 +270,8 @@ for stage in "$@"; do
         --out "$OUT/tree_vs_flat_h200_qwen3-8b_compile_prefix.json" 2>&1 | grep -v -i warn | tail -3 ;;
     s6-prefix)  # what session 6 ran after `s6` (two calls: this, then `prefix-kernel tests-prefix` again)
       bash "$0" prefix-kernel tests-prefix prefix-1.7b ;;
-    # ---- session 7 ran s7, s7b, s7c (one call each); still to run (issue 11): on nvidia-h200-x2 `s3-x2`
+    # ---- session 7 ran s7, s7b, s7c (one call each); session 8 ran s8; still to run (issue 11): on nvidia-h200-x2
+    # `s3-x2`
     s7)  # the GPU tests with the kernels on every two-level forest (their small forests would take FlexAttention
       # under the CUDA rule), then the 8B row
       HF_TREE_ATTN_PREFIX_ATTENTION=always bash "$0" tests-prefix
@@ -291,6 +292,16 @@ for stage in "$@"; do
       bash "$0" keep-8b tests-keep keep-1.7b ;;
     s7c)  # the same rows after the fix (flat's budget prices flat's checkpointed layers alone)
       bash "$0" keep-8b keep-1.7b ;;
+    # ---- session 8: the fused merge (Triton), the kernels' output in the projections' layout, the activation budget
+    budget-1.7b)  # the 1.7B row with the default bound and two tree_activation_budget_gib values, side by side
+      timeout 300 python3 benchmarks/bench_tree_vs_flat.py --models qwen3-1.7b --scale 0.5 --repeats 2 \
+        --workloads grpo_G16_P4096_C512 --checkpointing auto --compile-layers --compare-budget-gib 40 80 \
+        --out "$OUT/tree_vs_flat_h200_qwen3-1.7b_compile_budget.json" 2>&1 | grep -v -i warn | tail -4 ;;
+    s8)  # one call; then s8b
+      HF_TREE_ATTN_PREFIX_ATTENTION=always bash "$0" tests-prefix
+      bash "$0" tests-keep prefix-kernel budget-1.7b ;;
+    s8b)
+      bash "$0" keep-8b ;;
     s6)
       bash "$0" nofla tests-coverage-gpu ;;
     s4-a)

@@ -119,12 +119,19 @@ def attention_output_bytes(config, dtype_bytes: int = 2) -> int:
 
 
 def layers_to_checkpoint(
-    num_layers: int, tree_tokens: int, flat_tokens: int, whole: int, checkpointed: int, kept_attention: int = 0
+    num_layers: int,
+    tree_tokens: int,
+    flat_tokens: int,
+    whole: int,
+    checkpointed: int,
+    kept_attention: int = 0,
+    budget_bytes: int = 0,
 ) -> int:
     """Fewest checkpointed layers whose activations over `tree_tokens` fit in those of `flat_tokens` with all
-    `num_layers` checkpointed (`num_layers` if none fits). Byte counts per token per layer, from `activation_bytes`;
-    `kept_attention` (`attention_output_bytes`): what the tree's checkpointed layers keep more than flat's."""
-    budget = flat_tokens * (num_layers * checkpointed + whole)
+    `num_layers` checkpointed, or in `budget_bytes` where that is more (`num_layers` if none fits). Byte counts per
+    token per layer, from `activation_bytes`; `kept_attention` (`attention_output_bytes`): what the tree's
+    checkpointed layers keep more than flat's."""
+    budget = max(flat_tokens * (num_layers * checkpointed + whole), budget_bytes)
     for count in range(num_layers + 1):
         transient = whole if count else 0  # a checkpointed layer is rebuilt whole during the backward
         kept = count * (checkpointed + kept_attention) + (num_layers - count) * whole + transient

@@ -328,6 +328,9 @@ def test_overridden_hooks_are_pinned_to_trl():
         (dict(max_tokens_per_mb="256"), TypeError, r"max_tokens_per_mb='256' is a str; pass an int"),
         (dict(temperature=0.0), ValueError, r"temperature=0.0: .*must be a finite number > 0"),
         (dict(temperature=-0.5), ValueError, r"temperature=-0.5"),
+        (dict(tree_activation_budget_gib=0), ValueError, r"tree_activation_budget_gib=0 must be a number of GiB > 0"),
+        (dict(tree_activation_budget_gib="40"), ValueError, r"tree_activation_budget_gib='40' must be a number"),
+        (dict(tree_activation_budget_gib=40, tree_recompute="all"), ValueError, r"set tree_recompute='auto'"),
     ],
 )
 def test_bad_config_fails_with_the_value(tmp_path, overrides, error, match):

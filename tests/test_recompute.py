@@ -57,9 +57,10 @@ def _saved_bytes(model, forest) -> int:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_activation_bytes_match_what_autograd_saves(dtype, prefix_kernels, monkeypatch):
     """One more decoder layer (eager HF Qwen3, no GQA so SDPA keeps k and v unrepeated, as the GPU kernel does) keeps
-    what `activation_bytes` says per token. The forest is two-level, so its attention runs through the shared-prefix
-    kernels, which (as FlexAttention) return `(1, heads, S, head_dim)`: `o_proj` reads a contiguous copy. With them
-    off, CPU's SDPA returns the layout `o_proj` reads, and that copy is not kept."""
+    what `activation_bytes` says per token, less the contiguous copy of the attention output the formula also prices
+    (FlexAttention returns `(1, heads, S, head_dim)` laid out as such, and `o_proj` reads a copy). The forest is
+    two-level, so its attention runs through the shared-prefix kernels, which return the layout `o_proj` reads, as
+    CPU's SDPA does with them off: neither keeps that copy."""
     monkeypatch.setattr(hf_tree_attn.prefix_attention, "MODE", "auto" if prefix_kernels else "never")
     sequences = [[3 + i % 120 for i in range(200)], [3 + i % 120 for i in range(90)] + [9] * 60]
     (forest,) = hf_tree_attn.pack_forest(sequences)
@@ -67,7 +68,7 @@ def test_activation_bytes_match_what_autograd_saves(dtype, prefix_kernels, monke
     one, two = (_saved_bytes(_qwen3(n).to(dtype), forest) for n in (1, 2))
     per_layer = (two - one) / forest.seq_len
     whole, checkpointed = activation_bytes(_qwen3(1).config, dtype_bytes=dtype.itemsize)
-    attention_output_copy = 0 if prefix_kernels else dtype.itemsize * 4 * 16
+    attention_output_copy = dtype.itemsize * 4 * 16
     assert per_layer == pytest.approx(whole - attention_output_copy, rel=0.01)
     assert checkpointed == dtype.itemsize * 64
 
@@ -88,6 +89,22 @@ def test_layers_to_checkpoint_is_the_fewest_that_fit(attention):
     assert layers_to_checkpoint(layers, 1, 1000, whole, kept) == 0  # much sharing: no recompute at all
     counts = [layers_to_checkpoint(layers, t, 100, whole, kept) for t in range(1, 101)]
     assert counts == sorted(counts)  # more tree tokens, never fewer checkpointed layers
+
+
+@pytest.mark.parametrize("attention", [0, 3])
+def test_activation_budget_only_lowers_the_count(attention):
+    """`budget_bytes` (`tree_activation_budget_gib`): the fewest checkpointed layers whose activations fit in it, where
+    it is more than flat's; below flat's it changes nothing."""
+    whole, kept, layers, tree, flat = 100, 4, 10, 100, 100  # no sharing: flat's bound recomputes every layer
+    default = layers_to_checkpoint(layers, tree, flat, whole, kept, attention)
+    assert default == layers
+    assert layers_to_checkpoint(layers, tree, flat, whole, kept, attention, budget_bytes=1) == default
+    memory = [tree * (c * (kept + attention) + (layers - c) * whole + (whole if c else 0)) for c in range(layers + 1)]
+    for budget in range(0, tree * (layers + 1) * whole + 1, 997):
+        count = layers_to_checkpoint(layers, tree, flat, whole, kept, attention, budget_bytes=budget)
+        fits = [c for c in range(layers + 1) if memory[c] <= max(budget, flat * (layers * kept + whole))]
+        assert count == (fits[0] if fits else layers)
+    assert layers_to_checkpoint(layers, tree, flat, whole, kept, attention, budget_bytes=tree * layers * whole) == 0
 
 
 def test_spread():
@@ -284,7 +301,7 @@ def test_trainer_keeps_attention_exactly(tiny, tmp_path, monkeypatch):  # noqa: 
     monkeypatch.setattr(test_grpo_trainer, "PROMPTS", ["id 1. letter: a", "xy 22. letter: b"])
     completions = ["abc", "bca", "cab", "dd", "ab", "ba", "c", "d"]
     monkeypatch.setattr(test_grpo_trainer, "COMPLETIONS", [(text, True, False) for text in completions])
-    monkeypatch.setattr(grpo_trainer, "layers_to_checkpoint", lambda *args: 1)
+    monkeypatch.setattr(grpo_trainer, "layers_to_checkpoint", lambda *args, **kwargs: 1)
     calls = _kernel_calls(monkeypatch)
     results = {}
     for mode in ("all", "auto"):
@@ -381,7 +398,9 @@ def test_trainer_auto_recompute_on_unpriced_layers_recomputes_all(model_type, pr
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     (forest,) = hf_tree_attn.pack_forest([[1, 2, 3, 4] * 8 + [5], [1, 2, 3, 4] * 8 + [6, 7]])
     trainer = SimpleNamespace(
-        args=SimpleNamespace(tree_recompute="auto", gradient_checkpointing=True, bf16=False, fp16=False),
+        args=SimpleNamespace(
+            tree_recompute="auto", tree_activation_budget_gib=None, gradient_checkpointing=True, bf16=False, fp16=False
+        ),
         model=model,
         accelerator=SimpleNamespace(unwrap_model=lambda m: m, device=torch.device("cpu")),
         _metrics={"train": defaultdict(list)},
@@ -393,3 +412,34 @@ def test_trainer_auto_recompute_on_unpriced_layers_recomputes_all(model_type, pr
         assert isinstance(count, int) and logged == [count / model.config.num_hidden_layers] and keep
     else:
         assert count is None and logged == [1.0] and trainer._unpriced and not keep
+
+
+def test_trainer_activation_budget_lowers_the_count():
+    """`tree_activation_budget_gib`: a forest that shares nothing recomputes every layer under flat's bound, none
+    under a budget that holds all its layers, and as under flat's bound with a budget below flat's."""
+    from collections import defaultdict
+    from types import SimpleNamespace
+
+    from hf_tree_attn.trainer import TreeGRPOTrainer
+
+    model = _qwen3(4)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    (forest,) = hf_tree_attn.pack_forest([[1, 2, 3, 4] * 8, [5, 6, 7] * 9])
+    whole, _ = activation_bytes(model.config, dtype_bytes=4)
+    all_layers = forest.seq_len * whole * model.config.num_hidden_layers / 2**30
+
+    def count(budget):
+        trainer = SimpleNamespace(
+            args=SimpleNamespace(tree_recompute="auto", tree_activation_budget_gib=budget, gradient_checkpointing=True,
+                                 bf16=False, fp16=False),
+            model=model,
+            accelerator=SimpleNamespace(unwrap_model=lambda m: m, device=torch.device("cpu")),
+            _metrics={"train": defaultdict(list)},
+            _unpriced=None,
+        )  # fmt: skip
+        return TreeGRPOTrainer._layers_to_checkpoint(trainer, [(SimpleNamespace(forest=forest),)])[0]
+
+    assert count(None) == 4
+    assert count(all_layers / 1000) == 4
+    assert count(all_layers) == 0
+    assert 0 < count(all_layers * 0.6) < 4  # a checkpointed layer keeps far less than a whole one

@@ -70,6 +70,16 @@ class TreeGRPOConfig(GRPOConfig):
             "choices": ["auto", "all"],
         },
     )
+    tree_activation_budget_gib: float | None = field(
+        default=None,
+        metadata={
+            "help": "With tree_recompute='auto': GiB per device the layer activations of one tree policy forward "
+            "may take (the same estimate, an upper bound), where that is more than TRL's flat forward would hold. "
+            "None (default) = flat's, so the tree's peak memory stays at or below flat's. A larger budget trades "
+            "memory for speed: fewer layers recompute (logged as tree_checkpointed_layers); one that fits every "
+            "layer recomputes none."
+        },
+    )
 
     def __post_init__(self):
         super().__post_init__()
@@ -82,6 +92,17 @@ class TreeGRPOConfig(GRPOConfig):
         self.tree_packing = _TREE_PACKING_CHOICES[choice]
         if self.tree_recompute not in ("auto", "all"):
             raise ValueError(f"tree_recompute={self.tree_recompute!r} must be 'auto' or 'all'.")
+        budget = self.tree_activation_budget_gib
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int | float) or not budget > 0):
+            raise ValueError(
+                f"tree_activation_budget_gib={budget!r} must be a number of GiB > 0 (e.g. 40), or None for the "
+                "activations of TRL's flat forward."
+            )
+        if budget is not None and self.tree_recompute != "auto":
+            raise ValueError(
+                f"tree_activation_budget_gib={budget} bounds tree_recompute='auto', but tree_recompute="
+                f"{self.tree_recompute!r} recomputes every layer: set tree_recompute='auto' or leave the budget None."
+            )
         if self.tree_balance:
             reason = _balance_refusal(self)
             if reason:

@@ -337,6 +337,7 @@ class TreeGRPOTrainer(GRPOTrainer):
             ("tree_max_token_ratio", args.tree_max_token_ratio),
             ("tree_balance", args.tree_balance),
             ("tree_recompute", args.tree_recompute),
+            ("tree_activation_budget_gib", args.tree_activation_budget_gib),
             ("num_generations", args.num_generations),
             ("per_device_train_batch_size", args.per_device_train_batch_size),
             ("steps_per_generation", args.steps_per_generation),
@@ -556,7 +557,8 @@ class TreeGRPOTrainer(GRPOTrainer):
         recomputes, and whether those keep the shared-prefix kernels' outputs.
 
         `tree_recompute="auto"`: as few as keep the forests' activations within those of the flat forward of the same
-        sequences (unpadded, so stricter than TRL's padded rows) with every layer checkpointed, and attention kept
+        sequences (unpadded, so stricter than TRL's padded rows) with every layer checkpointed, or within
+        `tree_activation_budget_gib` where that is more, and attention kept
         where the kernels serve a forest and the model's checkpoint allows it (`recompute.py`). None = leave the
         model's checkpointing as it is ("all", or a forward without gradients).
         """
@@ -586,7 +588,10 @@ class TreeGRPOTrainer(GRPOTrainer):
         attention = attention_output_bytes(config, dtype_bytes) if keep else 0
         tree_tokens = sum(mb.forest.seq_len for mb, *_ in packed)
         flat_tokens = sum(mb.forest.num_original_tokens for mb, *_ in packed)
-        count = layers_to_checkpoint(config.num_hidden_layers, tree_tokens, flat_tokens, whole, kept, attention)
+        budget = int((self.args.tree_activation_budget_gib or 0) * 2**30)
+        count = layers_to_checkpoint(
+            config.num_hidden_layers, tree_tokens, flat_tokens, whole, kept, attention, budget_bytes=budget
+        )
         self._metrics["train"]["tree_checkpointed_layers"].append(count / config.num_hidden_layers)
         self._metrics["train"]["tree_kept_attention"].append(float(keep))
         return count, keep
