@@ -24,7 +24,7 @@ given one; a call with a single query or key (cuDNN refuses one over one) runs a
 
 `tree_flex_attention` uses this for layers whose mask is the plain causal tree mask of a forest with a
 `prefix_plan`, with q, k and v heads equally wide: always on CPU (5-18x the dense-mask SDPA on forests of 3k-20k
-tokens), and on CUDA where `fast_on_cuda` says the kernels beat FlexAttention (long prompts, short completions).
+tokens), and on CUDA where `fast_on_cuda` says the kernels beat FlexAttention (large trees, mostly prompt pairs).
 FlexAttention serves every other case (deeper trees, windows, softcap, sinks, latent attention, fp32 on CUDA).
 `HF_TREE_ATTN_PREFIX_ATTENTION=never` (or `MODE`) turns it off, `always` uses it for every two-level forest.
 """
@@ -65,13 +65,14 @@ if MODE is None:
         f"HF_TREE_ATTN_PREFIX_ATTENTION={os.environ['HF_TREE_ATTN_PREFIX_ATTENTION']!r}: use auto, always or never."
     )
 
-# `fast_on_cuda`'s rule, from `benchmarks/results/prefix_attention_h200.json` (H200, torch 2.11, cuDNN; attention
-# alone, forward twice + backward once as in a training step, Qwen3 heads): the kernels won where the prompts' keys
-# make up nearly all of the attention (4,096-token prompts, 512-token completions: 1.06x at 16 q / 8 kv heads, 1.43x
-# at 32 / 8) and lost where completions are as long as prompts (1,024 / 1,024: 0.87-0.95x) or trees are small
-# (32 x 128-token completions of 1,024-token prompts: 0.51x; the per-tree calls and merges cost a fixed time).
-_MIN_PROMPT_SHARE = 0.9
-_MIN_TREE_TOKENS = 8192
+# `fast_on_cuda`'s rule, from `benchmarks/results/prefix_attention_h200.json` and `..._s8_first.json` (two runs; H200,
+# torch 2.11, cuDNN 9.19; attention alone, forward twice + backward once as in a training step, Qwen3 heads). Each
+# tree costs the kernels a fixed ~0.5 ms per forward (three calls and a merge), so they lose on small trees: 8 trees
+# of 1,024 + 8 x 1,024 tokens (9,216 each) 0.82-0.86x, 8 of 1,024 + 32 x 128 (5,120) 0.45-0.52x; they win on larger
+# ones: 4,096 + 16 x 512 (12,288) 1.16-1.21x at 16 q / 8 kv heads and 1.63-1.69x at 32 / 8, 1,024 + 16 x 1,024
+# (17,408; prompt pairs 67% of all) 1.33-1.35x.
+_MIN_PROMPT_SHARE = 0.65
+_MIN_TREE_TOKENS = 10_000
 
 _aten = torch.ops.aten
 
@@ -118,8 +119,8 @@ def prefix_plan(num_tokens: int, trees: tuple[PrefixTree, ...]) -> torch.Tensor:
 
 def fast_on_cuda(trees: tuple[PrefixTree, ...]) -> bool:
     """Whether these trees' attention runs faster through the kernels here than through FlexAttention on CUDA:
-    prompt pairs (the prompt's causal self-attention and every completion row over the prompt) at least 90% of all
-    attention pairs, and at least 8,192 tokens per tree on average (measured, see `_MIN_PROMPT_SHARE`)."""
+    prompt pairs (the prompt's causal self-attention and every completion row over the prompt) at least 65% of all
+    attention pairs, and at least 10,000 tokens per tree on average (measured, see `_MIN_PROMPT_SHARE`)."""
     prompt_pairs = own_pairs = tokens = 0
     for tree in trees:
         prompt, rows = tree.stop - tree.start, tree.bounds[-1] - tree.bounds[0]

@@ -211,7 +211,10 @@ def test_keep_attention_is_exact_and_runs_no_attention_twice(compiled, monkeypat
 def test_keep_attention_on_cuda(compiled, monkeypatch):
     """On CUDA (cuDNN kernels, bf16; compiled: regional inductor), checkpointed layers that keep the kernels' outputs
     run no attention in the backward and give the gradients of no checkpointing within bf16 rounding, as close as
-    whole-layer recompute does."""
+    whole-layer recompute does. cuDNN's attention backward sums dQ in float32 in no fixed order, so two runs without
+    checkpointing already differ: by 2 bf16 units of the largest gradient (8 at 956) on 16,554 entries, measured on
+    the H200. The bound is twice the larger of that run-to-run spread and whole-layer recompute's error, or 4 units
+    of the largest entry (2^-6); anything kept wrongly is off by the gradients' own size."""
     from accelerate.utils import compile_regions
 
     monkeypatch.setattr(hf_tree_attn.prefix_attention, "MODE", "always")
@@ -231,12 +234,12 @@ def test_keep_attention_on_cuda(compiled, monkeypatch):
         (logits * weights).sum().backward()
         return calls[0], torch.cat([p.grad.float().flatten() for p in model.parameters()])
 
-    per_forward, reference = run(None, False)
+    (per_forward, reference), (_, again) = run(None, False), run(None, False)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     (kept_calls, kept), (whole_calls, whole) = run(4, True), run(4, False)
     assert (kept_calls, whole_calls) == (per_forward, 2 * per_forward)
-    scale = reference.abs().max()
-    assert (kept - reference).abs().max() <= max(2 * (whole - reference).abs().max(), 2**-7 * scale)
+    spread = max((again - reference).abs().max(), (whole - reference).abs().max())
+    assert (kept - reference).abs().max() <= max(2 * spread, 2**-6 * reference.abs().max())
 
 
 def test_keeps_attention_only_with_a_plain_non_reentrant_checkpoint():
