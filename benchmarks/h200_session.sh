@@ -305,6 +305,12 @@ for stage in "$@"; do
       bash "$0" tests-keep prefix-kernel keep-8b ;;
     s8c)  # after the CUDA rule was re-fit to s8 / s8b's attention timings: the GPU tests under the rule
       bash "$0" tests-prefix tests-keep ;;
+    s8d)  # where the kernels' time goes (per call, the merge, per tree: device vs launches), then the 1.7B profile
+      timeout 120 python3 benchmarks/prefix_attention_parts.py --out "$OUT/prefix_attention_parts_h200.json" 2>&1 \
+        | grep -v -i warn | tail -40
+      timeout 200 python3 benchmarks/profile_step.py --model qwen3-1.7b --method tree --compile-layers \
+        --checkpointing auto --out "$OUT/profile_h200_qwen3-1.7b_tree_compile_keep_s8.json" 2>&1 | grep -v -i warn \
+        | grep -v "^W1201" | tail -14 ;;
     s6)
       bash "$0" nofla tests-coverage-gpu ;;
     s4-a)
