@@ -67,7 +67,8 @@ if MODE is None:
 
 # `fast_on_cuda`'s rule, from `benchmarks/results/prefix_attention_h200.json` and `..._s8_first.json` (two runs; H200,
 # torch 2.11, cuDNN 9.19; attention alone, forward twice + backward once as in a training step, Qwen3 heads). Each
-# tree costs the kernels a fixed ~0.5 ms per forward (three calls and a merge), so they lose on small trees: 8 trees
+# tree costs the kernels ~0.5 ms per forward whatever its size (the host's time to issue three cuDNN calls and a
+# merge, `prefix_attention_parts_h200.json`), so they lose on small trees: 8 trees
 # of 1,024 + 8 x 1,024 tokens (9,216 each) 0.82-0.86x, 8 of 1,024 + 32 x 128 (5,120) 0.45-0.52x; they win on larger
 # ones: 4,096 + 16 x 512 (12,288) 1.16-1.21x at 16 q / 8 kv heads and 1.63-1.69x at 32 / 8, 1,024 + 16 x 1,024
 # (17,408; prompt pairs 67% of all) 1.33-1.35x.
