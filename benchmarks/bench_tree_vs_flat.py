@@ -58,10 +58,8 @@ from hf_tree_attn.logprobs import _final_hidden_states, forest_logprobs, lm_head
 from hf_tree_attn.masks import TreeMaskSource
 from hf_tree_attn.recompute import (
     _checkpointed_layers,
-    activation_bytes,
-    attention_output_bytes,
+    checkpoint_count,
     keeps_attention,
-    layers_to_checkpoint,
     recompute_only,
     unpriced_reason,
 )
@@ -369,8 +367,6 @@ def tree_step(
         recompute = "all"  # as the trainer: layers the activation model does not price recompute every layer
     keep = recompute == "auto" and keep_attention and keeps_attention(model)
     keep = keep and any(hf_tree_attn.prefix_attention.serves(f, device.type) for f, _, _ in prepared)
-    whole, kept = activation_bytes(config) if recompute == "auto" else (None, None)
-    attention = attention_output_bytes(config) if keep else 0
     flat_forward = max(flat_padded_positions(wl, budget)) if recompute == "auto" else None
     checkpointed = []
     for train in (False, True):  # each layer kind's mask: built in the first forward, reused by the rest
@@ -378,10 +374,7 @@ def tree_step(
             count = None
             if train and recompute == "auto":
                 bound = min(forest.num_original_tokens, flat_forward)
-                budget_bytes = int((budget_gib or 0) * 2**30)
-                count = layers_to_checkpoint(
-                    config.num_hidden_layers, forest.seq_len, bound, whole, kept, attention, budget_bytes=budget_bytes
-                )
+                count = checkpoint_count(config, forest.seq_len, bound, keep_attention=keep, budget_gib=budget_gib)
                 checkpointed.append(count / config.num_hidden_layers)
             with torch.set_grad_enabled(train), recompute_only(model, count, keep_attention=keep):
                 table, _ = forest_logprobs(model, forest, rows=rows)

@@ -22,7 +22,7 @@ import torch
 import transformers
 
 import hf_tree_attn
-from hf_tree_attn.prefix_attention import _backward, _forward, _merge, prefix_attention
+from hf_tree_attn.prefix_attention import _backward, _forward, _merge, _merge_with_torch, prefix_attention
 
 
 def _gpu_ms(fn, repeats: int = 20) -> float:
@@ -55,12 +55,6 @@ def _heads(batch: int, heads: int, rows: int, dim: int) -> torch.Tensor:
     return torch.randn(batch, rows, heads, dim, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
 
 
-def _torch_merge(out, lse, shared, lse_shared, own, lse_own) -> None:
-    weight = torch.sigmoid(lse_shared - lse_own)[..., None]
-    out.copy_(torch.lerp(own.float(), shared.float(), weight))
-    lse.copy_(torch.logaddexp(lse_shared, lse_own))
-
-
 def parts(heads: int, kv_heads: int, dim: int, g: int, p: int, c: int) -> dict:
     scale, result = dim**-0.5, {}
     calls = {"prompt_causal": (1, p, p, True), "completions_over_prompt": (1, g * c, p, False), "own": (g, c, c, True)}
@@ -81,7 +75,7 @@ def parts(heads: int, kv_heads: int, dim: int, g: int, p: int, c: int) -> dict:
     lse_shared, lse_own, lse = (torch.randn(heads, rows, device="cuda") for _ in range(3))
     args = (out, lse, shared, lse_shared, own, lse_own)
     result["merge"] = {"fused_ms": _gpu_ms(lambda: _merge(*args)),
-                       "pytorch_ops_ms": _gpu_ms(lambda: _torch_merge(*args))}  # fmt: skip
+                       "pytorch_ops_ms": _gpu_ms(lambda: _merge_with_torch(*args))}  # fmt: skip
     return result
 
 

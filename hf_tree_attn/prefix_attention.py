@@ -298,6 +298,11 @@ def _merge(out, lse, shared, lse_shared, own, lse_own) -> None:
             DIM=dim, BLOCK=block,
         )  # fmt: skip
         return
+    _merge_with_torch(out, lse, shared, lse_shared, own, lse_own)
+
+
+def _merge_with_torch(out, lse, shared, lse_shared, own, lse_own) -> None:
+    """`_merge` by PyTorch ops (CPU, or CUDA without Triton): `w = sigmoid(lse_shared - lse_own)`."""
     weight = torch.sigmoid(lse_shared - lse_own)[..., None]
     out.copy_(torch.lerp(own.to(weight.dtype), shared.to(weight.dtype), weight))
     lse.copy_(torch.logaddexp(lse_shared, lse_own))

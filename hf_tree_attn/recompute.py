@@ -49,6 +49,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 __all__ = [
     "activation_bytes",
     "attention_output_bytes",
+    "checkpoint_count",
     "keeps_attention",
     "layers_to_checkpoint",
     "recompute_only",
@@ -138,6 +139,25 @@ def layers_to_checkpoint(
         if tree_tokens * kept <= budget:
             return count
     return num_layers
+
+
+def checkpoint_count(
+    config,
+    tree_tokens: int,
+    flat_tokens: int,
+    dtype_bytes: int = 2,
+    keep_attention: bool = False,
+    budget_gib: float | None = None,
+) -> int:
+    """`layers_to_checkpoint` for a decoder config whose layers `activation_bytes` prices: the checkpointed layers
+    keep their attention outputs too if `keep_attention`, and `budget_gib` (`tree_activation_budget_gib`) counts
+    where it is more than flat's bound."""
+    whole, kept = activation_bytes(config, dtype_bytes=dtype_bytes)
+    attention = attention_output_bytes(config, dtype_bytes) if keep_attention else 0
+    budget_bytes = int((budget_gib or 0) * 2**30)
+    return layers_to_checkpoint(
+        config.num_hidden_layers, tree_tokens, flat_tokens, whole, kept, attention, budget_bytes=budget_bytes
+    )
 
 
 def spread(num_layers: int, count: int) -> list[bool]:

@@ -512,8 +512,8 @@ def _two_level_lcp(lcp: np.ndarray) -> np.ndarray:
     return capped
 
 
-# A two-level layout may repeat at most this share of a forest's tokens. The kernels it enables made the Qwen3-1.7B
-# trainer phase (G=16, P=4096, C=512) 1.075x faster on an H200 and attention alone 1.06-1.43x per step
+# A two-level layout may repeat at most this share of a forest's tokens. The kernels it enables run attention alone
+# 1.16-1.69x faster per step than FlexAttention on an H200 where `fast_on_cuda` picks them
 # (benchmarks/results/prefix_attention_h200.json); 1% more tokens costs at most ~1% more time.
 _MAX_REPEATED_SHARE = 0.01
 

@@ -304,7 +304,7 @@ def test_trainer_keeps_attention_exactly(tiny, tmp_path, monkeypatch):  # noqa: 
     monkeypatch.setattr(test_grpo_trainer, "PROMPTS", ["id 1. letter: a", "xy 22. letter: b"])
     completions = ["abc", "bca", "cab", "dd", "ab", "ba", "c", "d"]
     monkeypatch.setattr(test_grpo_trainer, "COMPLETIONS", [(text, True, False) for text in completions])
-    monkeypatch.setattr(grpo_trainer, "layers_to_checkpoint", lambda *args, **kwargs: 1)
+    monkeypatch.setattr(grpo_trainer, "checkpoint_count", lambda *args, **kwargs: 1)
     calls = _kernel_calls(monkeypatch)
     results = {}
     for mode in ("all", "auto"):

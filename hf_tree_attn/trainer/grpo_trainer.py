@@ -38,15 +38,7 @@ from ..collator import TreeDataCollator
 from ..logprobs import forest_logprobs, tree_router_aux_loss
 from ..metrics import estimate_flops
 from ..prefix_attention import serves
-from ..recompute import (
-    _checkpointed_layers,
-    activation_bytes,
-    attention_output_bytes,
-    keeps_attention,
-    layers_to_checkpoint,
-    recompute_only,
-    unpriced_reason,
-)
+from ..recompute import _checkpointed_layers, checkpoint_count, keeps_attention, recompute_only, unpriced_reason
 from ..support import (
     check_tree_model,
     config_support_error,
@@ -583,15 +575,12 @@ class TreeGRPOTrainer(GRPOTrainer):
             return None, False
         device = self.accelerator.device.type
         keep = any(serves(mb.forest, device) for mb, *_ in packed) and keeps_attention(model)
-        dtype_bytes = 2 if self.args.bf16 or self.args.fp16 else 4
-        whole, kept = activation_bytes(config, dtype_bytes=dtype_bytes)
-        attention = attention_output_bytes(config, dtype_bytes) if keep else 0
         tree_tokens = sum(mb.forest.seq_len for mb, *_ in packed)
         flat_tokens = sum(mb.forest.num_original_tokens for mb, *_ in packed)
-        budget = int((self.args.tree_activation_budget_gib or 0) * 2**30)
-        count = layers_to_checkpoint(
-            config.num_hidden_layers, tree_tokens, flat_tokens, whole, kept, attention, budget_bytes=budget
-        )
+        count = checkpoint_count(
+            config, tree_tokens, flat_tokens, dtype_bytes=2 if self.args.bf16 or self.args.fp16 else 4,
+            keep_attention=keep, budget_gib=self.args.tree_activation_budget_gib,
+        )  # fmt: skip
         self._metrics["train"]["tree_checkpointed_layers"].append(count / config.num_hidden_layers)
         self._metrics["train"]["tree_kept_attention"].append(float(keep))
         return count, keep
