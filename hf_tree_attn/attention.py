@@ -104,11 +104,26 @@ def _eager_attention(
     if sinks is None:
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
     else:  # as GPT-OSS's eager attention: the sink joins the softmax, then its column is dropped
-        sink = sinks.reshape(1, -1, 1, 1).expand(query.shape[0], -1, query.shape[2], -1).to(scores.dtype)
-        combined = torch.cat([scores, sink], dim=-1)
+        sink = sinks.reshape(1, -1, 1, 1).expand(query.shape[0], -1, query.shape[2], -1)
+        # In the promoted dtype, as `torch.cat` gives it there: float32 for bf16 scores beside float32 sinks (fp32
+        # weights under autocast), where rounding the sinks to bf16 would move every probability.
+        dtype = torch.promote_types(scores.dtype, sink.dtype)
+        combined = torch.cat([scores.to(dtype), sink.to(dtype)], dim=-1)
         combined = combined - combined.max(dim=-1, keepdim=True).values
         probs = torch.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1].to(value.dtype)
     return torch.matmul(probs, value).transpose(1, 2).contiguous()
+
+
+def _autocast_inputs(query, key, value):
+    """`query`, `key`, `value` in one dtype: the autocast dtype where `torch.autocast` is on for their device, as
+    SDPA and FlexAttention's callers see them. Under autocast the projections come out in the autocast dtype while a
+    norm (Qwen3's q / k norms) may keep float32, and the ATen kernels and custom ops behind the tree paths are not
+    autocast-aware; a checkpointed layer's recompute runs under the same autocast state, so it casts alike."""
+    device_type = query.device.type
+    if not torch.is_autocast_enabled(device_type):
+        return query, key, value
+    dtype = torch.get_autocast_dtype(device_type)
+    return query.to(dtype), key.to(dtype), value.to(dtype)
 
 
 def _check_forest_mask(module: torch.nn.Module, attention_mask, tag, forest) -> None:
@@ -239,6 +254,7 @@ def tree_flex_attention(
             )
         if getattr(module, "attn_temperature_tuning", False) and not module.use_rope:
             query = _depth_temperature(module, query, depth)
+    query, key, value = _autocast_inputs(query, key, value)
     softcap = kwargs.get("softcap")
     sinks = kwargs.get("s_aux")
     if scaling is None:

@@ -19,7 +19,7 @@ attention rests on); dQ is the sum of the shares. Padding rows (after the forest
 only, as in the tree mask: their output is their value.
 
 The calls are cuDNN's fused attention on CUDA (bf16 / fp16, GQA heads as they are) and PyTorch's flash kernel on CPU
-(float32 / float64 / bf16), both through their ATen ops, which return the log-sum-exp and whose backward takes a
+(float32 / float64 / bf16 / fp16), both through their ATen ops, which return the log-sum-exp and whose backward takes a
 given one; a call with a single query or key (cuDNN refuses one over one) runs as plain matmuls.
 
 `tree_flex_attention` uses this for layers whose mask is the plain causal tree mask of a forest with a
@@ -155,11 +155,11 @@ def serves(forest, device_type: str) -> bool:
 
 def supports(query: torch.Tensor) -> bool:
     """Whether the kernels here serve `query` `(1, heads, S, head_dim)`: cuDNN attention on CUDA (bf16 / fp16, head
-    dims multiple of 8 up to 128), PyTorch's flash attention on CPU (float32 / float64 / bf16)."""
+    dims multiple of 8 up to 128), PyTorch's flash attention on CPU (float32 / float64 / bf16 / fp16)."""
     if MODE == "never" or query.shape[0] != 1:
         return False
     if query.device.type == "cpu":
-        return query.dtype in (torch.float32, torch.float64, torch.bfloat16)
+        return query.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16)
     head_dim = query.shape[-1]
     return (
         query.device.type == "cuda"
