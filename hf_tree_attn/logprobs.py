@@ -11,6 +11,7 @@ exactly the flat gradient.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -121,7 +122,10 @@ def _final_hidden_states(
 
 
 def _lm_head_params(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
-    weight, bias = lm_head_weight_and_bias(unwrap_model(model).get_output_embeddings())
+    """`(weight (vocab, hidden), bias (vocab,) | None)` of the LM head: FSDP2 shards gathered; DeepSpeed ZeRO-3
+    parameters as they are (partitioned: read them inside `_in_forward_of`)."""
+    head = unwrap_model(model).get_output_embeddings()
+    weight, bias = lm_head_weight_and_bias(head)
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # pragma: no cover - torch without distributed
@@ -130,6 +134,46 @@ def _lm_head_params(model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor 
         weight = weight.full_tensor()
         bias = bias.full_tensor() if isinstance(bias, DTensor) else bias
     return weight, bias
+
+
+def _zero3_owner(model: torch.nn.Module, weight: torch.Tensor) -> torch.nn.Module | None:
+    """The module holding the LM head `weight` when DeepSpeed ZeRO-3 partitions it, else None.
+
+    ZeRO-3 marks the parameters it partitions with `ds_id`. A head whose weight is computed from partitioned
+    parameters (PEFT `trainable_token_indices`) has no single owner to gather through and is refused.
+    """
+    head = unwrap_model(model).get_output_embeddings()
+    if not hasattr(weight, "ds_id"):
+        if any(hasattr(p, "ds_id") for p in head.parameters()):
+            raise NotImplementedError(
+                f"Under DeepSpeed ZeRO-3 the LM head {type(head).__name__} computes its weight from partitioned "
+                "parameters (PEFT trainable_token_indices), which the tree head cannot gather. Use ZeRO-2 or FSDP2, "
+                "or train this model with tree_packing=False."
+            )
+        return None
+    return next(m for m in head.modules() if any(p is weight for p in m.parameters(recurse=False)))
+
+
+def _in_forward_of(module: torch.nn.Module, fn, *args):
+    """`fn(*args)`, run as `module`'s forward (through `module(*args)`) so that its hooks run around it.
+
+    This is how the tree head reads a DeepSpeed ZeRO-3 partitioned LM head: ZeRO-3 holds a parameter as a
+    0-element placeholder outside its module's forward, and its module hooks gather it for the forward and again,
+    when the gradient reaches the module's outputs, for the backward, up to the accumulation of the parameter's own
+    gradient. A `deepspeed.zero.GatheredParameters` block around the head alone is not enough: TRL's kernel gathers
+    again in its backward, but releases the weight when it returns, before autograd accumulates the weight's
+    gradient into the (then empty) parameter. TRL's fused head gets the same hooks by running inside the model's
+    forward; the tree head runs after it (on the decoder's hidden states), so it runs inside the LM head's.
+    """
+    previous = module.__dict__.get("forward")  # an instance-level forward (accelerate's hooks) to restore
+    module.forward = fn
+    try:
+        return module(*args)
+    finally:
+        if previous is None:
+            del module.forward
+        else:
+            module.forward = previous
 
 
 def _fused_lm_head():
@@ -288,7 +332,35 @@ def lm_head_logprobs(
     """
     weight, bias = _lm_head_params(model)
     config = unwrap_model(model).config.get_text_config()
-    scale, softcap = logit_scale(config), getattr(config, "final_logit_softcapping", None)
+    head = functools.partial(
+        _head_logprobs,
+        weight=weight,
+        bias=bias,
+        sources=sources,
+        targets=targets,
+        temperature=temperature,
+        scale=logit_scale(config),
+        softcap=getattr(config, "final_logit_softcapping", None),
+        return_entropy=return_entropy,
+        chunk_rows=chunk_rows,
+    )
+    owner = _zero3_owner(model, weight)
+    return head(hidden) if owner is None else _in_forward_of(owner, head, hidden)
+
+
+def _head_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    sources: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    scale: float,
+    softcap: float | None,
+    return_entropy: bool,
+    chunk_rows: int | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`lm_head_logprobs` on an LM head `weight` `(vocab, hidden)` / `bias` `(vocab,)` the caller has made readable."""
     fused = _fused_lm_head() if chunk_rows is None else None
     if fused is not None:
         # TRL's kernel scores one target per row: a branching parent row is repeated once per child (E rows, barely

@@ -21,6 +21,8 @@ refused as unverified.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from .recurrent import STATE_LAYER_TYPES, kwargs_breaks, unsupported_recurrent_layers
@@ -287,10 +289,17 @@ REFUSED_FAMILIES: dict[str, str] = {
 
 
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The transformers model inside DDP-style wrappers (`.module`); PEFT and FSDP2 models are returned as is."""
-    while not hasattr(model, "get_decoder") and hasattr(model, "module"):
+    """The transformers model inside DDP-style wrappers and DeepSpeed's engine (`.module`); PEFT and FSDP2 models are
+    returned as is. The engine forwards unknown attributes to its module (so it seems to have `get_decoder`) but
+    has a `config` of its own, DeepSpeed's."""
+    while hasattr(model, "module") and (not hasattr(model, "get_decoder") or _is_deepspeed_engine(model)):
         model = model.module
     return model
+
+
+def _is_deepspeed_engine(model: torch.nn.Module) -> bool:
+    deepspeed = sys.modules.get("deepspeed")  # not imported: no engine can exist
+    return deepspeed is not None and isinstance(model, deepspeed.DeepSpeedEngine)
 
 
 def config_field(config, *names, default=None):

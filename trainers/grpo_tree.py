@@ -3,6 +3,7 @@
     accelerate launch trainers/grpo_tree.py                                   # embedded default, CPU, no download
     accelerate launch trainers/grpo_tree.py --embedded_model qwen3_5          # ... on a tiny hybrid (Qwen3.5)
     accelerate launch --config_file trainers/configs/fsdp2.yaml trainers/grpo_tree.py
+    accelerate launch --config_file trainers/configs/deepspeed_zero3.yaml trainers/grpo_tree.py
     accelerate launch trainers/grpo_tree.py --model_name_or_path Qwen/Qwen3-0.6B --dataset_name <ds> \\
         --reward_funcs accuracy_reward --config trainers/configs/grpo_qwen3.yaml
 
@@ -12,6 +13,7 @@ scripts thin.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -113,6 +115,28 @@ def _reward_funcs(script_args) -> list:
     return funcs
 
 
+@contextlib.contextmanager
+def _built_whole(training_args):
+    """Models built inside are whole, also in a DeepSpeed ZeRO-3 run.
+
+    While transformers knows the run is ZeRO-3 it builds every model partitioned across the processes
+    (`deepspeed.zero.Init`, a collective). The embedded model is built by one process, saved whole, and loaded
+    (partitioned) by every process like a downloaded one, so transformers' view of the DeepSpeed config is lifted
+    meanwhile and put back as accelerate installs it (`DeepSpeedPlugin.set_deepspeed_weakref`).
+    """
+    from transformers.integrations import is_deepspeed_zero3_enabled, unset_hf_deepspeed_config
+
+    plugin = getattr(training_args, "deepspeed_plugin", None)
+    if plugin is None or not is_deepspeed_zero3_enabled():
+        yield
+        return
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        plugin.set_deepspeed_weakref()
+
+
 def main(script_args, training_args: TreeGRPOConfig, model_args, dataset_args, task_args=None) -> TreeGRPOTrainer:
     """Train, then save the model (or adapter), the tokenizer and `trainer_state.json` to `output_dir`."""
     from trl import get_dataset, get_peft_config, get_quantization_config
@@ -136,7 +160,7 @@ def main(script_args, training_args: TreeGRPOConfig, model_args, dataset_args, t
         # The embedded model goes through the same path as a real one (TRL also rebuilds the reference model from
         # it when beta > 0): written once per machine, then loaded by every process.
         model_args.model_name_or_path = os.path.join(training_args.output_dir, "initial_model")
-        with training_args.main_process_first(desc="writing the embedded model"):
+        with training_args.main_process_first(desc="writing the embedded model"), _built_whole(training_args):
             if training_args.local_process_index == 0:
                 tokenizer = toy_task.build_tokenizer()
                 model_type = task_args.embedded_model if task_args is not None else "qwen3"
