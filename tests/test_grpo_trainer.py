@@ -467,6 +467,16 @@ def test_moe_aux_loss_matches_flat_trainer_on_the_tree(tiny_moe, tmp_path, beta)
     assert tree._metrics["train"]["tree_fallback"] == [0.0]
 
 
+def test_tree_balance_true_refuses_the_moe_aux_loss(tiny_moe, tmp_path):
+    """TRL adds the router load-balancing loss per micro-batch, from its router statistics: moving groups between
+    ranks would change it, so `tree_balance=True` is refused for an MoE policy (and "auto" leaves it off)."""
+    path, tokenizer = tiny_moe
+    args = _config(TreeGRPOConfig, tmp_path, tree_balance=True)
+    with pytest.raises(ValueError, match=r"tree_balance=True, but the MoE load-balancing loss \(router_aux_loss_coef"):
+        TreeGRPOTrainer(path, toy_task.copy_letter_reward, args, train_dataset=toy_task.build_dataset(8),
+                        processing_class=tokenizer)  # fmt: skip
+
+
 @pytest.mark.parametrize("value, parsed", [("auto", "auto"), ("true", True), ("false", False), ("False", False)])
 def test_tree_packing_from_the_command_line(tmp_path, value, parsed):
     from trl import TrlParser

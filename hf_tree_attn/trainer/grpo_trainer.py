@@ -116,6 +116,9 @@ class TreeGRPOTrainer(GRPOTrainer):
                     )
         if reason is not None and args.tree_packing is True:
             raise ValueError(f"tree_packing=True, but this model cannot run packed trees exactly: {reason}")
+        balance_refusal = self._run_balance_refusal()  # beyond the config's own, which TreeGRPOConfig refused
+        if args.tree_balance and balance_refusal:
+            raise ValueError(f"tree_balance=True, but {balance_refusal} Set tree_balance=None (auto) or False.")
         # The decision for this run: trees, or TRL's flat path (tree_packing=False, or 'auto' on a model trees
         # cannot run exactly; then every log-prob forward logs tree_fallback=1).
         self.tree_packing = args.tree_packing is not False and reason is None
@@ -201,10 +204,19 @@ class TreeGRPOTrainer(GRPOTrainer):
         """Whether `_balance_across_ranks` moves groups (`tree_balance`; None = wherever the loss allows it)."""
         if self.args.tree_balance is False or not self.tree_packing or self.accelerator.num_processes == 1:
             return False
-        reason = _balance_refusal(self.args)
+        reason = self._run_balance_refusal()
         if reason:
             _log_once(logging.INFO, f"Token balancing across ranks is off: {reason}")
         return reason is None
+
+    def _run_balance_refusal(self) -> str | None:
+        """Why moving rows between ranks would change this run's loss: the config's reasons, and the model's."""
+        if self.aux_loss_enabled:  # TRL adds it per micro-batch, as the mean of its chunks' losses
+            return (
+                f"the MoE load-balancing loss (router_aux_loss_coef={self.router_aux_loss_coef}) is computed from "
+                "each micro-batch's router statistics, which moved rows change."
+            )
+        return _balance_refusal(self.args)
 
     @profiling_decorator
     def _balance_across_ranks(self, micro_batches: list[dict]) -> list[dict]:
@@ -402,6 +414,8 @@ class TreeGRPOTrainer(GRPOTrainer):
             ids, mask = input_ids[start : start + batch_size], attention_mask[start : start + batch_size]
             too_long = limit is not None and int(mask.sum(1).max()) > limit
             packed = None if too_long else self._packed_chunk(ids, mask, logits_to_keep, mode)
+            if self._lockstep() and self._flat_on_any_rank(packed is None):
+                packed = None  # every rank takes TRL's flat path for this chunk
             self._metrics[mode]["tree_fallback"].append(float(packed is None))
             missing = self._missing_forwards(1 if packed is None else len(packed))  # agree before any forward
             if packed is None:
@@ -494,6 +508,22 @@ class TreeGRPOTrainer(GRPOTrainer):
         self._tree_cache[key] = packed
         return packed
 
+    def _lockstep(self) -> bool:
+        """Whether every rank must run the same modules in the same order: DeepSpeed with several processes.
+
+        ZeRO-3 gathers each module's parameters, and ZeRO-1/2 reduce gradients in buckets filled in the order they
+        arrive, with collectives that pair up across ranks in call order. A rank on TRL's flat path (which reads the
+        LM head inside the model's forward) beside a rank on trees (which runs the LM head module after it) would
+        pair different collectives: the run hangs or mixes tensors. So under DeepSpeed the path of each chunk, and
+        the layers a tree forward recomputes, are agreed on by all ranks.
+        """
+        return self.is_deepspeed_enabled and self.accelerator.num_processes > 1
+
+    def _flat_on_any_rank(self, flat: bool) -> bool:
+        """Whether some rank takes TRL's flat path for the current chunk (`flat`: whether this one does)."""
+        flags = self.accelerator.gather(torch.tensor([float(flat)], device=self.accelerator.device))
+        return bool(flags.any())
+
     def _missing_forwards(self, num_forwards: int) -> int:
         """How many forwards this rank is short of the busiest rank for the current chunk.
 
@@ -581,6 +611,8 @@ class TreeGRPOTrainer(GRPOTrainer):
             config, tree_tokens, flat_tokens, dtype_bytes=2 if self.args.bf16 or self.args.fp16 else 4,
             keep_attention=keep, budget_gib=self.args.tree_activation_budget_gib,
         )  # fmt: skip
+        if self._lockstep():  # the same layers recompute on every rank: the most any rank needs
+            count = int(self.accelerator.gather(torch.tensor([count], device=self.accelerator.device)).max())
         self._metrics["train"]["tree_checkpointed_layers"].append(count / config.num_hidden_layers)
         self._metrics["train"]["tree_kept_attention"].append(float(keep))
         return count, keep
