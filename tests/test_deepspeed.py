@@ -262,6 +262,12 @@ def _worker(out_dir: str) -> None:
             report[f"{name}_{trainer_cls.__name__}"] = _train(trainer_cls, path, out_dir, name, **overrides)
     report["lockstep_TreeGRPOTrainer"] = _train(_flat_on_rank_1(TreeGRPOTrainer), dense, out_dir, "lockstep")
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report))
+
+    # Last (it ends the process group): the main job on its embedded model, which one process builds whole.
+    from trainers import grpo_tree
+
+    main_args = ["--max_steps", "2", "--logging_steps", "1", "--disable_tqdm", "true", "--report_to", "none"]
+    grpo_tree.main(*grpo_tree.parse_args([*main_args, "--output_dir", os.path.join(out_dir, "main_job")]))
     exit_distributed_worker()  # never free a trainer (see there)
 
 
@@ -328,6 +334,17 @@ def test_zero_tree_equals_unsharded_and_trl(stage, tmp_path):
         lockstep = report["lockstep_TreeGRPOTrainer"]  # rank 1 on TRL's flat path for some chunks: all ranks follow
         _assert_same_run(lockstep, report["full_GRPOTrainer"], steps=4)
         assert min(lockstep["tree_fallback"]) > 0 and max(lockstep["tree_fallback"]) < 1
+
+    # The main job (`trainers/grpo_tree.py`, embedded model) under this config: trained on trees, saved whole.
+    main_job = tmp_path / "main_job"
+    logs = json.loads((main_job / "trainer_state.json").read_text())["log_history"]
+    assert [entry["step"] for entry in logs if "loss" in entry] == [1, 2]
+    assert all(entry["tree_fallback"] == 0 for entry in logs if "tree_fallback" in entry)
+    saved, built = (
+        load_file(main_job / "model.safetensors"),
+        load_file(main_job / "initial_model" / "model.safetensors"),
+    )
+    assert saved.keys() == built.keys() and all(saved[k].shape == built[k].shape and built[k].numel() for k in built)
 
     # The run trained: weights moved by far more than the float32 rounding of the master copy.
     moved = [(torch.tensor(w, dtype=torch.float64) - initial[n]).abs().max() > 1e-5 for n, w in full["params"].items()]
