@@ -1,18 +1,22 @@
 """DeepSpeed ZeRO-2 and ZeRO-3 on CPU: 2 gloo processes launched with the repository's accelerate configs.
 
 DeepSpeed's CPU accelerator (`DS_ACCELERATOR=cpu`) trains under ZeRO with gloo, so this runs what a GPU run does,
-partitioning and gathering included, in float64 (see `_worker`). Per ZeRO stage, one `accelerate launch
---config_file trainers/configs/deepspeed_zero{2,3}.yaml --num_processes 2 --mixed_precision no` of this file:
+partitioning and gathering included, on float64 models. Per ZeRO stage, one `accelerate launch --config_file
+trainers/configs/deepspeed_zero{2,3}.yaml --num_processes 2 --mixed_precision no` of this file (`_worker`):
 
-- tree log-probs, entropies and gradients through the DeepSpeed engine equal the unsharded ones, with ranks packing
-  different sequences (the gradient is the mean of the per-rank ones): TRL's fused head and the torch head, untied
-  and tied embeddings. Under ZeRO-3 the LM head weight is a 0-element placeholder outside its module's forward;
-- `TreeGRPOTrainer` makes `trl.GRPOTrainer`'s run under the same engine: the same completions, the logged losses
-  and the final weights over 4 optimizer steps, with a reference model (beta > 0), two iterations per generation,
-  gradient checkpointing with `tree_recompute="auto"` and groups moved between ranks (`tree_balance`); and with a
-  LoRA adapter.
+- tree log-probs, entropies and gradients through `deepspeed.initialize` equal the unsharded ones, with ranks
+  packing different sequences (the gradient is the mean of the per-rank ones): TRL's fused head and the torch head,
+  untied and tied embeddings. Under ZeRO-3 the LM head weight is a 0-element placeholder outside its module's
+  forward;
+- `TreeGRPOTrainer` makes `trl.GRPOTrainer`'s run under the same engine — the same completions, logged losses and
+  final weights — over 4 optimizer steps with a reference model (beta > 0), two iterations per generation, every
+  layer recomputed, and groups moved between ranks (`tree_balance`); with a LoRA adapter (`tree_recompute="auto"`);
+  on a tiny MoE with its load-balancing loss (not balanced: it would change that loss); and with rank 1 forced onto
+  TRL's flat path for some chunks (every rank follows, `TreeGRPOTrainer._lockstep`; ZeRO-3 hung without);
+- the main job, `trainers/grpo_tree.py` on its embedded model, trains on trees and saves the model whole.
 
-Skipped without deepspeed (a source distribution on PyPI: `pip install deepspeed`).
+Skipped without deepspeed (a source distribution on PyPI, in the `test` extra). The first run in a fresh
+environment JIT-compiles DeepSpeed's CPU shared-memory op (about a minute on 2 cores).
 """
 
 from __future__ import annotations
@@ -288,7 +292,7 @@ def _launch(stage: int, out_dir: Path) -> list[dict]:
         sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--num_processes",
         str(WORLD_SIZE), "--mixed_precision", "no", "--main_process_port", str(_free_port()), __file__, str(out_dir),
     ]  # fmt: skip
-    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=1500)
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     errors = [line for line in result.stderr.splitlines() if "Error" in line or "assert" in line]
     assert result.returncode == 0, "\n".join(errors[:20]) + result.stdout[-2000:] + result.stderr[-3000:]
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(WORLD_SIZE)]
