@@ -345,10 +345,13 @@ def test_fsdp_activation_checkpointing_conflict_is_flagged(tmp_path, monkeypatch
         _config(TreeGRPOConfig, tmp_path, gradient_checkpointing=True)
 
 
-def _tree_trainer(model, tmp_path, tokenizer, **overrides):
+def _tree_trainer(model, tmp_path, tokenizer, rollout_func=None, **overrides):
     args = _config(TreeGRPOConfig, tmp_path, **overrides)
     dataset = toy_task.build_dataset(8)
-    return TreeGRPOTrainer(model, toy_task.copy_letter_reward, args, train_dataset=dataset, processing_class=tokenizer)
+    return TreeGRPOTrainer(
+        model, toy_task.copy_letter_reward, args, train_dataset=dataset, processing_class=tokenizer,
+        rollout_func=rollout_func,
+    )  # fmt: skip
 
 
 def test_split_groups_are_warned_about_with_the_fix(tiny, tmp_path):
@@ -378,6 +381,31 @@ def test_attention_implementation_is_selected_or_refused(tiny, tmp_path):
     assert not trainer.tree_packing and model.config._attn_implementation == "flex_attention"
     with pytest.raises(TypeError, match="TreeGRPOConfig"):
         TreeGRPOTrainer(path, toy_task.copy_letter_reward, _config(GRPOConfig, tmp_path))
+
+
+@pytest.mark.parametrize(
+    "prompt_ids, completion_ids, match",
+    [
+        ([[5, 6], [5, 6]], [[7], []], r"returned an empty completion for sample 1 .*Return the EOS token"),
+        ([[5, 6], []], [[7], [8]], r"rollout_func returned an empty prompt for sample 1 .*at least one token"),
+    ],
+    ids=["empty-completion", "empty-prompt"],
+)
+def test_empty_rollouts_are_refused_naming_the_sample(tiny, tmp_path, prompt_ids, completion_ids, match):
+    """A `rollout_func` that returns an empty completion (TRL: IndexError in its metrics) or an empty prompt (TRL:
+    the first completion token scored from a padding position) is stopped with the sample and the fix."""
+    calls = []
+
+    def rollout_func(prompts, trainer):
+        calls.append(prompts)
+        logprobs = [[0.0] * len(c) for c in completion_ids]
+        return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": logprobs}
+
+    path, tokenizer = tiny
+    trainer = _tree_trainer(path, tmp_path, tokenizer, rollout_func=rollout_func)
+    with pytest.raises(ValueError, match=match):
+        trainer._generate(["a", "b"])
+    assert calls == [["a", "b"]] and trainer.rollout_func.__wrapped__ is rollout_func
 
 
 def _tiny_family_model(model_type: str, tokenizer):

@@ -7,7 +7,8 @@ forest instead of one padded row per completion. Everything else — generation,
 built once per generation batch and reused by the old-policy, reference and every policy forward
 (`num_iterations`). `_prepare_inputs` is overridden only to keep each prompt's completions in one micro-batch
 (drawing TRL's own shuffle, so a seed gives TRL's run), `_generate_single_turn` only to run transformers'
-continuous batching with a stock attention, and `save_model` / `create_model_card` to write TRL's model card with
+continuous batching with a stock attention and to refuse empty prompts or completions (as a `rollout_func`'s
+output is checked, `rollouts.py`), and `save_model` / `create_model_card` to write TRL's model card with
 the tree settings.
 
 Two additions leave the math unchanged: with several processes, whole groups move between ranks after generation
@@ -64,6 +65,7 @@ from .balance import (
     step_imbalance,
 )
 from .grpo_config import TreeGRPOConfig, _balance_refusal
+from .rollouts import check_rollouts, checked_rollout_func
 
 __all__ = ["TreeGRPOTrainer", "micro_batch_order", "stock_attention"]
 
@@ -124,6 +126,8 @@ class TreeGRPOTrainer(GRPOTrainer):
                 f"tree_packing='auto': {reason} Training on TRL's flat path instead (logged as tree_fallback=1).",
                 stacklevel=2,
             )
+        if self.rollout_func is not None:  # an empty prompt or completion is named before TRL's code trips on it
+            self.rollout_func = checked_rollout_func(self.rollout_func, self._tokenizer.decode)
         message = liger_with_compile_warning(args, getattr(self.accelerator.state, "dynamo_plugin", None))
         if message is not None:
             warnings.warn(message, stacklevel=2)
@@ -293,12 +297,16 @@ class TreeGRPOTrainer(GRPOTrainer):
         Outside a tree `tree_flex` computes exactly what `sdpa` does (`eager` for attention-softcapping models),
         so generating with that implementation changes nothing. HF `generate` (static cache included) and vLLM need
         no switch: the former runs `tree_flex` as `sdpa`, the latter never sees the training model's attention.
+        An empty prompt or completion is refused here, naming the sample (`check_rollouts`).
         """
         args = (prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
         if not (self.tree_packing and self.use_transformers_continuous_batching):
-            return super()._generate_single_turn(*args)
-        with stock_attention(self.accelerator.unwrap_model(self.model)):
-            return super()._generate_single_turn(*args)
+            completion_ids, logprobs = super()._generate_single_turn(*args)
+        else:
+            with stock_attention(self.accelerator.unwrap_model(self.model)):
+                completion_ids, logprobs = super()._generate_single_turn(*args)
+        check_rollouts(prompt_ids, completion_ids, "generation", self._tokenizer.decode)
+        return completion_ids, logprobs
 
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
         """TRL's model card (`README.md` in `output_dir`), plus a section with the tree-packing settings."""
