@@ -176,6 +176,57 @@ def test_loss_and_grads_match_flat_trainer(tiny, tmp_path, loss_type, beta, num_
         assert len(tree._metrics["train"]["tree_token_ratio"]) == 1  # the forest was built once
 
 
+# TRL's precisions: (weights dtype, `bf16=` i.e. accelerate's bf16 autocast around the forward).
+PRECISIONS = {"fp32+bf16autocast": (torch.float32, True), "bf16+bf16autocast": (torch.bfloat16, True)}
+PRECISIONS["bf16"] = (torch.bfloat16, False)
+
+
+def _loss_and_grads_as_trained(trainer, inputs):
+    """`_loss_and_grads` with the forward under the trainer's autocast, as accelerate wraps a prepared model's
+    forward in `train()` (`bf16=True`: `torch.autocast` to bf16, on the CPU too)."""
+    trainer.model.zero_grad(set_to_none=True)
+    assert trainer.accelerator.mixed_precision == ("bf16" if trainer.args.bf16 else "no")
+    with trainer.accelerator.autocast():
+        loss = trainer.compute_loss(trainer.model, inputs)
+    loss.backward()
+    grads = {name: p.grad.float() for name, p in trainer.model.named_parameters() if p.grad is not None}
+    return loss.detach().float(), grads
+
+
+@pytest.mark.parametrize("two_level", [True, False], ids=["prefix-kernels", "dense-mask"])
+@pytest.mark.parametrize("loss_type, beta, num_iterations", [("dapo", 0.04, 2), ("grpo", 0.0, 1)])
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_loss_and_grads_match_flat_trainer_under_mixed_precision(
+    tiny, tmp_path, precision, loss_type, beta, num_iterations, two_level
+):
+    """As TRL trains (`bf16=True`: fp32 or bf16 weights under bf16 autocast; or bf16 weights alone), the tree's loss
+    and gradients are as close to the float32 ones as TRL's flat trainer's under the same precision: within twice
+    its error plus one bf16 rounding (see tests/test_precision.py for why that bound). The batch's forest laid out
+    two-level (the shared-prefix kernels) or as its trie (the dense mask)."""
+    weights, autocast = PRECISIONS[precision]
+    overrides = dict(loss_type=loss_type, beta=beta, num_iterations=num_iterations)
+    _, reference = _pair(tiny, tmp_path / "fp32", **overrides)
+    tree, flat = _pair(tiny, tmp_path, **overrides, bf16=autocast, model_init_kwargs={"dtype": weights})
+    assert next(tree.model.parameters()).dtype == weights
+    tree._tree_collator.two_level = two_level
+    inputs = _inputs(reference, reference, tiny[1], beta, num_iterations)
+    ref_loss, ref_grads = _loss_and_grads(reference, inputs)
+    (tree_loss, tree_grads), (flat_loss, flat_grads) = (_loss_and_grads_as_trained(t, inputs) for t in (tree, flat))
+    u = torch.finfo(torch.bfloat16).eps / 2
+
+    def grad_error(grads):
+        diff = sum(float((grads[n] - g).square().sum()) for n, g in ref_grads.items())
+        return (diff / sum(float(g.square().sum()) for g in ref_grads.values())) ** 0.5
+
+    flat_error, tree_error = float((flat_loss - ref_loss).abs()), float((tree_loss - ref_loss).abs())
+    assert tree_error <= 2 * flat_error + u * float(ref_loss.abs()), (tree_error, flat_error)
+    assert tree_grads.keys() == ref_grads.keys()
+    assert grad_error(tree_grads) <= 2 * grad_error(flat_grads) + u, (grad_error(tree_grads), grad_error(flat_grads))
+    assert tree._metrics["train"]["tree_fallback"] == [0.0]
+    (forest,) = (mb.forest for mb, *_ in next(iter(tree._tree_cache.values())))
+    assert (forest.prefix_plan is not None) == two_level
+
+
 @pytest.fixture(scope="module")
 def tiny_hybrid(tmp_path_factory):
     """The embedded task's tiny Qwen3.5 (a Gated DeltaNet layer, then full attention) + char tokenizer, saved."""
