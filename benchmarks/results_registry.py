@@ -6,8 +6,10 @@ Adding a result file:
 2. One line in `SOURCES` below: the file and its stage (`None` for a CPU run).
 3. A line in the list of the question it answers: a `bench_tree_vs_flat.py` run in `LOOP_ROWS`, `OPTION_COLUMNS`,
    `OPTION_GAINS`, `MEMORY_ROWS` or `MFU_ROWS`; a `bench_generation_modes.py` run in `THROUGH_TRAINER`; and so on.
-   Remove the `PENDING` line it answers. A file of a new kind (a new benchmark script) also needs a small section
-   function in results_tables.py, listed in its `SECTIONS`.
+   Remove the `PENDING` line it answers. `THROUGH_TRAINER` reads `bench_generation_modes.py`'s format
+   (`results[mode]["tree" | "flat"]` with `mean.trainer_phase` and `peak_memory_gib`, the workload in `meta`); a
+   file of another format (a new benchmark script) needs a small section function in results_tables.py, listed in
+   its `SECTIONS`.
 4. `python benchmarks/results_tables.py` rewrites benchmarks/results/README.md and the table in README.md; commit
    them with the file (`tests/test_results_tables.py` fails while they differ).
 """

@@ -577,10 +577,10 @@ def result_files() -> list[str]:
 SECTIONS = [  # (heading level, title, section, what it measures)
     (2, "Trainer phase", None, None),
     (3, "Through the trainer at TRL's defaults", through_trainer,
-     "`TreeGRPOTrainer` against `trl.GRPOTrainer`, each through `trainer.train()` with the same config (TRL's "
-     "defaults, gradient checkpointing, bf16, `per_device_train_batch_size` = G), mean of the steps after a warm-up "
-     "step. Trainer phase = every log-prob forward (old-policy, reference, policy) and the backward "
-     "(`bench_generation_modes.py`)."),
+     "`TreeGRPOTrainer` against `trl.GRPOTrainer`, each through `trainer.train()` with the same config: TRL's "
+     "defaults (gradient checkpointing and bf16 among them; the tree's own at theirs), one prompt's G completions "
+     "per micro-batch, one micro-batch per prompt of a step; mean of the steps after a warm-up step. Trainer phase "
+     "= every log-prob forward (old-policy, reference, policy) and the backward (`bench_generation_modes.py`)."),
     (3, "Benchmark loop, per model and workload", loop_rows,
      "`bench_tree_vs_flat.py` writes the trainer phase out by hand (old-log-prob forward without grad, policy "
      "forward and backward, gradient checkpointing, LM head on the scored tokens only) and runs it on the same batch "
