@@ -663,7 +663,8 @@ def _select_tree_attention(model, args: TreeGRPOConfig):
         config = AutoConfig.from_pretrained(
             model,
             revision=model_init_kwargs.get("revision"),
-            trust_remote_code=model_init_kwargs.get("trust_remote_code", False),
+            # As TRL loads it: `trust_remote_code` from model_init_kwargs, else the config's own field.
+            trust_remote_code=model_init_kwargs.get("trust_remote_code", getattr(args, "trust_remote_code", False)),
         )
         reason = config_support_error(config)
         if reason is not None:
