@@ -108,7 +108,7 @@ def _compare(got: torch.Tensor, want: torch.Tensor) -> dict:
 def run_case(route: str, dim: int, heads: int, dtype_name: str, lift: bool) -> dict:
     dtype = DTYPES[dtype_name]
     case = {"K": dim, "heads": heads, "dtype": dtype_name, "guard_lifted": lift}
-    reason = gdn_kernels.unavailable(route, dim, dtype, lift_guard=lift)
+    reason = gdn_kernels.unavailable(route, dim, dtype, lift_guard="always" if lift else False)
     if reason is not None:
         return {**case, "status": "unavailable", "reason": reason}
     tensors, weights = _inputs(heads, dim, dtype)

@@ -225,7 +225,10 @@ def _import_error(name: str) -> str | None:
 
 
 def unavailable(route: str, head_dim: int | None = None, dtype: torch.dtype | None = None, lift_guard=False):
-    """Why `route` cannot run a Gated DeltaNet call of `head_dim` (K = V) in `dtype` here, or None."""
+    """Why `route` cannot run a Gated DeltaNet call of `head_dim` (K = V) in `dtype` here, or None.
+
+    `lift_guard` (fla_triton): True lifts fla's Hopper refusal where the dqkwg tile is BK = 128 (K >= 128) only;
+    "always" lifts it at any K, to show what the miscompiled BK = 64 tile does (`gdn_kernel_check.py`)."""
     if not torch.cuda.is_available():
         return "needs CUDA"
     if route == "torch":
@@ -261,7 +264,8 @@ def unavailable(route: str, head_dim: int | None = None, dtype: torch.dtype | No
 
         if not has_usable_nvcc():
             return "no nvcc for TileLang's JIT (set CUDA_HOME)"
-    if route == "fla_triton" and _fla_guard() and not (lift_guard and head_dim is not None and head_dim >= 128):
+    lifted = lift_guard == "always" or (lift_guard and head_dim is not None and head_dim >= 128)
+    if route == "fla_triton" and _fla_guard() and not lifted:
         return (
             "flash-linear-attention refuses its gated dqkwg backward on Hopper with 3.4 <= Triton < 3.7.1 "
             f"(fla#640: the BK = 64 tile miscompiles; K = {head_dim} tiles BK = {min(head_dim or 64, 128)})"
