@@ -25,7 +25,8 @@ exec > >(tee "$W/main.log") 2>&1
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 TOKENIZERS_PARALLELISM=false NCCL_NVLS_ENABLE=0
 # Compiled kernels and autotuning results on disk, shared by every process of the run (each route's check warms the
 # shapes its tests and benchmarks use: 16 heads of 128, 4 of 64).
-export TRITON_CACHE_DIR=$W/triton TILELANG_CACHE_DIR=$W/tilelang FLA_CACHE_RESULTS=1 TILELANG_PRINT_ON_COMPILATION=0
+export TRITON_CACHE_DIR=$W/triton TILELANG_CACHE_DIR=$W/tilelang TVM_FFI_CACHE_DIR=$W/tvm-ffi FLA_CACHE_RESULTS=1 \
+  TILELANG_PRINT_ON_COMPILATION=0
 if [ -z "${CUDA_HOME:-}" ]; then  # TileLang's JIT needs nvcc and the CUDA headers
   for home in "$(dirname "$(dirname "$(readlink -f "$(command -v nvcc || echo /nonexistent)")")")" /usr/local/cuda; do
     if [ -x "$home/bin/nvcc" ] && [ -f "$home/include/cuda.h" ]; then export CUDA_HOME=$home; break; fi
