@@ -17,7 +17,7 @@ CODE_PATH = re.compile(rf"`((?:{'|'.join(TOP_LEVEL)})/[^`\s:]*)")
 RESULT_FILE = re.compile(r"`([\w.\-]+\.(?:json|log|txt|png))`")
 
 # How the repository must not speak: of work sessions, of the stages of a day's GPU run (s7b, s2-a, a `_s8.json`
-# suffix), of issue numbers. A phrase a tool prints (pytest's banner) is not ours.
+# suffix), of issue numbers. What a tool names so (pytest's banner and hook argument) is not ours.
 DIARY = {
     "a work session": re.compile(r"\b" + "sess" + r"ions?\b", re.I),
     "a run stage named by its day": re.compile(
@@ -25,7 +25,8 @@ DIARY = {
     ),
     "an issue number": re.compile(r"\b(?:issue|pull request|PR)s?\s+#?\d+", re.I),
 }
-TOOL_OUTPUT = re.compile(r"=+ test " + "session" + r" starts =+")
+# pytest's banner, and its hooks' `session` argument.
+TOOL_OUTPUT = re.compile(r"=+ test " + "session" + r" starts =+|def pytest_\w+\(" + "session" + r"\b")
 
 
 def github_anchors(markdown: str) -> set[str]:
@@ -129,6 +130,7 @@ def test_no_tracked_file_speaks_of_sessions_stages_or_issues():
         ("the FSDP2 run (issue 11)", True),
         ("issues 8-11 are still open", True),
         ("============================= test session starts ==============================", False),
+        ("def pytest_collection_modifyitems(session, config, items):", False),
         ("the stage `kept-attention-8b`, 5.63× at s = 4096 tokens", False),
         ("sm90 kernels, fp8 / e4m3, qwen3.5-0.8b, 256-token completions, 0.9s", False),
         ("`tree_vs_flat_h200_qwen3-0.6b.json`, the s-th sequence, issue tracking systems", False),
