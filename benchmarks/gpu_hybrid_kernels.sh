@@ -69,11 +69,18 @@ for set in fla06 fla042 flashqla; do
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$W/$set" "$WHL/$set"/*.whl \
     || note "pip install $set failed"
 done
+# .whl/common (when carried): the transformers release the tests are written for, with its hub / tokenizers, under
+# every route's packages.
+COMMON=
+if compgen -G ".whl/common/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$W/common" .whl/common/*.whl \
+    && COMMON=$W/common || note "pip install common failed"
+fi
 declare -A PATHS=([flash_qla]="$W/flashqla:$W/fla06:$W/tl" [fla_tilelang]="$W/fla06:$W/tl" [fla_triton]="$W/fla06"
   [fla042]="$W/fla042")
 declare -A ROUTE=([flash_qla]=flash_qla [fla_tilelang]=fla_tilelang [fla_triton]=fla_triton [fla042]=fla_triton)
 LABELS=(flash_qla fla_tilelang fla_triton fla042)  # preference order for the benchmark rows
-pypath() { echo "${PATHS[$1]:+${PATHS[$1]}:}$PWD"; }  # a label's PYTHONPATH (base: no fla, torch kernels)
+pypath() { echo "${PATHS[$1]:+${PATHS[$1]}:}$PWD${COMMON:+:$COMMON}"; }  # a label's PYTHONPATH (base: torch kernels)
 nvidia-smi --query-gpu=name,memory.used,memory.total,driver_version --format=csv,noheader
 nvcc --version | tail -2
 echo "CUDA_HOME=${CUDA_HOME:-unset}"
