@@ -23,6 +23,7 @@ sharing saves too little (`max_token_ratio`) runs TRL's own forward unchanged.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import logging
 import types
@@ -255,6 +256,7 @@ class TreeLMHead:
             head.record("tree_compute_ratio", plan.tree_tokens / plan.flat_tokens)
             return head._forward(self, plan, settings, labels, num_items_in_batch, kw)
 
+        functools.update_wrapper(forward, trl_forward.__func__)  # the model's signature, which `generate` checks
         forward._tree_lm_head, forward._trl_forward = self, trl_forward
         target.forward = types.MethodType(forward, target)
 
