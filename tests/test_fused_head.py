@@ -135,7 +135,9 @@ def test_layouts_the_tree_cannot_reproduce_run_trl_forward():
     seqs = [[5, 6, 7], [5, 6]]
     labels = torch.tensor([[-100, 6, 7], [-100, 6, 9]])
     after_pad = torch.tensor([[-100, 6, 7, -100], [-100, 6, -100, 9]])  # row 1 scores its padding position's state
-    inputs = dict(input_ids=torch.tensor([[5, 6, 7, 0], [5, 6, 0, 0]]), attention_mask=torch.tensor([[1] * 3 + [0], [1] * 2 + [0] * 2]))
+    inputs = dict(
+        input_ids=torch.tensor([[5, 6, 7, 0], [5, 6, 0, 0]]), attention_mask=torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
+    )
     assert "padding position" in plan_fused_batch(**inputs, position_ids=None, labels=after_pad)
     left = dict(input_ids=torch.tensor([[5, 6, 7], [0, 5, 6]]), attention_mask=torch.tensor([[1, 1, 1], [0, 1, 1]]))
     assert "right-padded" in plan_fused_batch(**left, position_ids=None, labels=labels)

@@ -26,7 +26,8 @@ from trainers import toy_task
 # A chat template for the character tokenizer, with the generation markers `assistant_only_loss` needs.
 CHAT_TEMPLATE = (
     "{% for m in messages %}{% if m['role'] == 'assistant' %}{{ 'a: ' }}{% generation %}"
-    "{{ m['content'] + eos_token }}{% endgeneration %}{{ '\n' }}{% else %}{{ m['role'][0] + ': ' + m['content'] + '\n' }}"
+    "{{ m['content'] + eos_token }}{% endgeneration %}{{ '\n' }}"
+    "{% else %}{{ m['role'][0] + ': ' + m['content'] + '\n' }}"
     "{% endif %}{% endfor %}{% if add_generation_prompt %}{{ 'a: ' }}{% endif %}"
 )
 SYSTEM = "you are a terse agent. tools: calc(x), look(k). answer in one line; cite the tool you used.\n"
@@ -158,8 +159,9 @@ def test_models_trees_cannot_run(tiny, tmp_path):
     )
     dataset = Dataset.from_dict({"text": [SYSTEM + "a."] * 4})
     args = dict(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", max_length=None)
+    strict = TreeSFTConfig(**args, tree_packing="true")
     with pytest.raises(ValueError, match="tree_packing=True.*bloom"):
-        TreeSFTTrainer(bloom, TreeSFTConfig(**args, tree_packing="true"), train_dataset=dataset, processing_class=tokenizer)
+        TreeSFTTrainer(bloom, strict, train_dataset=dataset, processing_class=tokenizer)
     with pytest.warns(UserWarning, match="tree_packing='auto'.*bloom"):
         trainer = TreeSFTTrainer(bloom, TreeSFTConfig(**args), train_dataset=dataset, processing_class=tokenizer)
     assert not trainer.tree_packing and trainer.tree_lm_head is None
