@@ -82,7 +82,9 @@ LOSSES = {
     "sigmoid+sft (RPO mix)": dict(loss_types=["sigmoid", "sft"], loss_weights=[1.0, 0.5]),
     "wpo weighting": dict(loss_types=["sigmoid"], use_weighting=True),
     "ld_alpha": dict(loss_types=["sigmoid"], ld_alpha=0.3),
-    "alpha divergence": dict(loss_types=["sigmoid"], f_divergence_type="alpha_divergence", f_alpha_divergence_coef=0.5),
+    "alpha divergence": dict(
+        loss_types=["sigmoid"], f_divergence_type="alpha_divergence", f_alpha_divergence_coef=0.5
+    ),
     "js divergence": dict(loss_types=["hinge"], f_divergence_type="js_divergence"),
 }
 _DEFAULTS = dict(loss_weights=None, label_smoothing=0.0, use_weighting=False, ld_alpha=None,
