@@ -295,8 +295,8 @@ class TreeGRPOTrainer(GRPOTrainer):
             return super()._calculate_rewards(*args)
         mode = "train" if self.model.training else "eval"
         record = lambda name, value: self._metrics[mode][name].append(value)  # noqa: E731
-        budget, ratio = self.args.max_tokens_per_mb, self.args.tree_max_token_ratio
-        with tree_reward_models(self.reward_funcs, budget, ratio, record):
+        # One forest (no token budget): never larger than TRL's padded batch, and one forward per rank as in TRL.
+        with tree_reward_models(self.reward_funcs, None, self.args.tree_max_token_ratio, record):
             return super()._calculate_rewards(*args)
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):

@@ -74,6 +74,14 @@ class TreeHeadTrainerMixin:
             _restore_stock_attention(models, reason)
             warnings.warn(f"tree_packing='auto': {reason} Training on TRL's path instead.", stacklevel=3)
         self.tree_packing = args.tree_packing is not False and reason is None
+        sharded = self.is_fsdp_enabled or self.is_deepspeed_enabled
+        if self.tree_packing and args.max_tokens_per_mb is not None and sharded and self.accelerator.num_processes > 1:
+            raise ValueError(
+                f"max_tokens_per_mb={args.max_tokens_per_mb} with sharded weights (FSDP / DeepSpeed) on "
+                f"{self.accelerator.num_processes} processes: ranks could pack a batch into different numbers of "
+                "forests, and every forward gathers the weights on all ranks together. Leave max_tokens_per_mb=None "
+                "(one forest per batch, as TRL runs one forward)."
+            )
         if self.tree_packing:
             self.tree_lm_head = TreeLMHead(args.max_tokens_per_mb, args.tree_max_token_ratio, self._record_tree)
             for target in self._fused_head_models():
