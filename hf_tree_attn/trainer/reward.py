@@ -30,7 +30,14 @@ import torch
 
 from ..attention import ATTN_IMPLEMENTATION
 from ..logprobs import forest_forward_kwargs
-from ..support import EXACT_FAMILIES, _state_layer_error, config_support_error, rope_split_lengths, unwrap_model
+from ..support import (
+    EXACT_FAMILIES,
+    _state_layer_error,
+    config_support_error,
+    rope_length_limit,
+    rope_split_lengths,
+    unwrap_model,
+)
 from ..tree import pack_forest
 
 __all__ = ["reward_model_error", "score_on_forests", "tree_reward_models"]
@@ -108,6 +115,9 @@ def score_on_forests(
     last = torch.full((rows,), width - 1) if pad is None else (torch.arange(width) * (ids != pad)).argmax(-1)
     if not bool((last < lengths).all()):
         return None, "the token the model scores is padding in some row", float("nan")
+    limit = rope_length_limit(model.config)
+    if limit is not None and int(lengths.max()) > limit:
+        return None, f"a row is longer than the {limit} tokens this model's dynamic RoPE keeps exact", float("nan")
     sequences = [ids[r, : lengths[r]] for r in range(rows)]
     budget = max_tokens_per_mb
     if budget is not None and int(lengths.max()) > budget:
