@@ -317,8 +317,11 @@ def main() -> None:
         "command": "python " + " ".join(sys.argv),
         "gpu": torch.cuda.get_device_name() if DEVICE.type == "cuda" else platform.processor() or "cpu",
         "versions": {
-            "torch": torch.__version__, "transformers": transformers.__version__, "trl": trl.__version__,
-            "accelerate": accelerate.__version__, "hf_tree_attn": hf_tree_attn.__version__,
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "trl": trl.__version__,
+            "accelerate": accelerate.__version__,
+            "hf_tree_attn": hf_tree_attn.__version__,
             "python": platform.python_version(),
         },  # fmt: skip
         "notes": "random-weight bf16 Qwen3 shapes; TRL defaults (gradient checkpointing on, AdamW); the tree "
