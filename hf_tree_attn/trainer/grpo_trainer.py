@@ -65,6 +65,7 @@ from .balance import (
     step_imbalance,
 )
 from .grpo_config import TreeGRPOConfig, _balance_refusal
+from .reward import tree_reward_models
 from .rollouts import check_rollouts, checked_rollout_func
 
 __all__ = ["TreeGRPOTrainer", "micro_batch_order", "stock_attention"]
@@ -289,6 +290,18 @@ class TreeGRPOTrainer(GRPOTrainer):
             elif side == "completion":
                 moved[key] = moved[key][:, :completion_keep]
         return split_micro_batches(moved, len(micro_batches))
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        """TRL's reward computation; sequence-classification reward models score the batch on packed trees (each
+        prompt once for its group's completions; `reward.py`), equal to TRL's per-completion forwards."""
+        args = (inputs, prompts, completions, completion_ids_list)
+        if self.args.tree_packing is False:
+            return super()._calculate_rewards(*args)
+        mode = "train" if self.model.training else "eval"
+        record = lambda name, value: self._metrics[mode][name].append(value)  # noqa: E731
+        # One forest (no token budget): never larger than TRL's padded batch, and one forward per rank as in TRL.
+        with tree_reward_models(self.reward_funcs, None, self.args.tree_max_token_ratio, record):
+            return super()._calculate_rewards(*args)
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         """TRL's generation; transformers' continuous batching runs with `tree_flex`'s stock twin, then switches back.
