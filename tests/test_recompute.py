@@ -299,12 +299,12 @@ def test_trainer_keeps_attention_exactly(tiny, tmp_path, monkeypatch):  # noqa: 
     attention and run no kernel again in the backward; loss and gradients are exactly those of "all"."""
     import test_grpo_trainer
 
-    from hf_tree_attn.trainer import grpo_trainer
+    from hf_tree_attn.trainer import forest_step
 
     monkeypatch.setattr(test_grpo_trainer, "PROMPTS", ["id 1. letter: a", "xy 22. letter: b"])
     completions = ["abc", "bca", "cab", "dd", "ab", "ba", "c", "d"]
     monkeypatch.setattr(test_grpo_trainer, "COMPLETIONS", [(text, True, False) for text in completions])
-    monkeypatch.setattr(grpo_trainer, "checkpoint_count", lambda *args, **kwargs: 1)
+    monkeypatch.setattr(forest_step, "checkpoint_count", lambda *args, **kwargs: 1)
     calls = _kernel_calls(monkeypatch)
     results = {}
     for mode in ("all", "auto"):
