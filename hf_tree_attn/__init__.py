@@ -17,7 +17,7 @@ _register_recurrent()
 
 __version__ = "0.1.0"
 
-_TRAINER_CLASSES = ("TreeGRPOConfig", "TreeGRPOTrainer")
+_TRAINER_CLASSES = ("TreeAsyncGRPOConfig", "TreeAsyncGRPOTrainer", "TreeGRPOConfig", "TreeGRPOTrainer")
 
 
 def __getattr__(name: str):
@@ -32,6 +32,8 @@ def __getattr__(name: str):
 __all__ = [
     "ATTN_IMPLEMENTATION",
     "PackedForest",
+    "TreeAsyncGRPOConfig",
+    "TreeAsyncGRPOTrainer",
     "TreeDataCollator",
     "TreeGRPOConfig",
     "TreeGRPOTrainer",
