@@ -60,13 +60,14 @@ def save_model(config, path: Path, seed: int = 0) -> str:
     return str(path)
 
 
-def replayed_samples(path: str, seed: int = 0) -> list:
-    """GRPO groups and multi-turn samples whose generator log-probs are the model's own (plus noise): importance
-    ratios near 1, some clipped, so the loss has gradients on both sides of the clip."""
+def replayed_samples(path: str, seed: int = 0, samples: list | None = None) -> list:
+    """`samples` (default: small GRPO groups and multi-turn samples) with the model's own generator log-probs plus
+    noise: importance ratios near 1, some clipped, so the loss has gradients on both sides of the clip."""
     from hf_tree_attn.trainer.replay import agent_samples, grpo_samples
 
-    samples = grpo_samples(3, 4, (5, 12), (1, 7), VOCAB, seed=seed)
-    samples += agent_samples(2, (2, 3), 6, (1, 4), (1, 5), VOCAB, seed=seed + 1)
+    if samples is None:
+        samples = grpo_samples(3, 4, (5, 12), (1, 7), VOCAB, seed=seed)
+        samples += agent_samples(2, (2, 3), 6, (1, 4), (1, 5), VOCAB, seed=seed + 1)
     eager = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
     rng = np.random.default_rng(seed)
     with torch.no_grad():
@@ -88,8 +89,8 @@ class GradientLog(TrainerCallback):
         self.steps.append({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
 
 
-def train(tree: bool, path: str, samples: list, out: Path, **overrides):
-    """Run TRL's AsyncGRPOTrainer (with `varlen_attention`) or TreeAsyncGRPOTrainer on replayed `samples`:
+def train(tree: bool, path: str, samples: list, out: Path, kernel=varlen_attention, **overrides):
+    """Run TRL's AsyncGRPOTrainer (its kernel: `kernel`) or TreeAsyncGRPOTrainer on replayed `samples`:
     `(trainer, micro-batch losses, GradientLog)`. SGD, so the weights after the run compare as the gradients do."""
     from datasets import Dataset
     from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
@@ -107,7 +108,7 @@ def train(tree: bool, path: str, samples: list, out: Path, **overrides):
     )  # fmt: skip
     kwargs.update(overrides)
     gradients, losses = GradientLog(), []
-    with warnings.catch_warnings(), use_kernel(varlen_attention):
+    with warnings.catch_warnings(), use_kernel(kernel):
         warnings.simplefilter("ignore")
         trainer = trainer_class(
             path, args=config_class(**kwargs), train_dataset=Dataset.from_dict({"prompt": ["unused"] * 4}),
@@ -180,9 +181,10 @@ def spy_on_forests(monkeypatch) -> list:
     return scored
 
 
-def check_against_eager(path: str, samples: list, forest, rows, table) -> torch.Tensor | None:
+def check_against_eager(path: str, samples: list, forest, rows, table, atol: float = TOLERANCES["logps_atol"]):
     """Assert every scored row of `forest` holds the log-prob its samples' own `eager` forwards give; return the
-    MoE load-balancing loss of those forwards (each token of each sample counted), or None for a dense model."""
+    MoE load-balancing loss of those forwards (each token of each sample counted), or None for a dense model. The
+    oracle runs on the CPU in fp32."""
     from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
     from hf_tree_attn.support import config_field
@@ -191,6 +193,7 @@ def check_against_eager(path: str, samples: list, forest, rows, table) -> torch.
     text = eager.config.get_text_config()
     moe = hasattr(text, "output_router_logits")
     replayed = {tuple(sample.input_ids.tolist()) for sample in samples}
+    forest, rows, table = forest.to("cpu"), rows.cpu(), table.cpu()
     want, router_logits = torch.full_like(table, math.nan), []
     with torch.no_grad():
         for k in range(len(forest.seq_ids)):
@@ -200,7 +203,7 @@ def check_against_eager(path: str, samples: list, forest, rows, table) -> torch.
             if moe:
                 router_logits.append(eager(torch.tensor([seq]), output_router_logits=True).router_logits)
     assert not want[rows].isnan().any()
-    torch.testing.assert_close(table[rows], want[rows], rtol=0, atol=TOLERANCES["logps_atol"])
+    torch.testing.assert_close(table[rows], want[rows], rtol=0, atol=atol)
     if not moe:
         return None
     layers = tuple(torch.cat(per_layer) for per_layer in zip(*router_logits))
