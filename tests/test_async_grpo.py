@@ -164,6 +164,37 @@ def test_same_as_trl_async(family, tmp_path):
     for tree_entry, trl_entry in zip(tree_logs, trl_logs):
         assert tree_entry["batch/forwarded_tokens_per_step"] <= trl_entry["batch/forwarded_tokens_per_step"]
         assert tree_entry["batch/packing_ratio"] >= trl_entry["batch/packing_ratio"] > 1
+        # tree_recompute="auto" within TRL's memory: every layer recomputes whole, as in TRL's trainer
+        assert tree_entry["tree_checkpointed_layers"] == 1.0 and tree_entry.get("tree_kept_attention", 0.0) == 0.0
+
+
+def test_recompute_stays_within_trl_memory_unless_given_a_budget():
+    """The async trainer's recompute bound is TRL's own trainer on the same row (every layer checkpointed): the
+    shared-prefix kernels' outputs are kept only where they fit, i.e. within `tree_activation_budget_gib`; fewer
+    layers recompute under a budget that holds them."""
+    from types import SimpleNamespace
+
+    from hf_tree_attn import pack_forest
+    from hf_tree_attn.trainer.forest_step import recompute_plan
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_family_config("qwen3"), attn_implementation="tree_flex").train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    (forest,) = pack_forest([[5] * 200 + [6, 7], [5] * 200 + [8, 9, 10]])  # two-level: the kernels serve it
+
+    def plan(budget, keep_within_bound=True):
+        trainer = SimpleNamespace(
+            args=SimpleNamespace(tree_recompute="auto", tree_activation_budget_gib=budget, gradient_checkpointing=True,
+                                 bf16=False, fp16=False),
+            model=model, accelerator=SimpleNamespace(unwrap_model=lambda m: m, device=torch.device("cpu")),
+            _metrics={"train": defaultdict(list)}, _unpriced=None,
+        )  # fmt: skip
+        return recompute_plan(trainer, [forest], forest.num_tree_tokens, keep_within_bound=keep_within_bound)
+
+    layers = model.config.num_hidden_layers
+    assert plan(None) == (layers, False)
+    count, keep = plan(1.0)  # 1 GiB holds every layer of this tiny forest whole
+    assert count == 0 and keep
 
 
 def spy_on_forests(monkeypatch) -> list:

@@ -24,10 +24,10 @@ class TreeAsyncGRPOConfig(AsyncGRPOConfig):
             "help": "Activation recompute of the tree forward, with gradient_checkpointing on. 'all': every "
             "checkpointed layer recomputes (TRL's behaviour). 'auto': as few layers (evenly spaced) as keep the "
             "forest's estimated activations within what TRL's own AsyncGRPOTrainer holds for the same row (its "
-            "unique tokens, every layer checkpointed), or within tree_activation_budget_gib where that is more; "
-            "where the shared-prefix kernels serve a forest, checkpointed layers keep their attention output, so "
-            "their recompute skips it. Layers the estimate does not price (experts, latent attention, recurrent "
-            "mixers) recompute whole under 'auto' too.",
+            "unique tokens, every layer checkpointed: so every layer, as 'all'), or within "
+            "tree_activation_budget_gib where that is more: then fewer layers recompute, and where the shared-prefix "
+            "kernels serve a forest the checkpointed layers keep their attention output, so their recompute skips "
+            "it. Layers the estimate does not price (experts, latent attention, recurrent mixers) recompute whole.",
             "choices": ["auto", "all"],
         },
     )

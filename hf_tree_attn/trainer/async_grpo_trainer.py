@@ -123,10 +123,10 @@ class _TreeConstruction:
         kinds = set(getattr(text_config, "layer_types", None) or ())
         # Some configs store the layer kinds under another name (`attribute_map`, e.g. Nemotron-H's
         # `layers_block_type`); the instance attribute goes, the class default (None) answers TRL's check.
-        name = getattr(text_config, "attribute_map", {}).get("layer_types", "layer_types")
-        if kinds - _TRL_ROUTED_KINDS and name in vars(text_config):
-            kept = vars(text_config).pop(name)
-            self._restore.append(lambda: vars(text_config).__setitem__(name, kept))
+        field = getattr(text_config, "attribute_map", {}).get("layer_types", "layer_types")
+        if kinds - _TRL_ROUTED_KINDS and field in vars(text_config):
+            kept = vars(text_config).pop(field)
+            self._restore.append(lambda: vars(text_config).__setitem__(field, kept))
         if any(name.endswith(".sinks") for name, _ in model.named_parameters()):
             named_parameters = model.named_parameters
 
@@ -161,8 +161,9 @@ class _ForestForward:
 
     def __call__(self, **trl_forward_kwargs) -> SimpleNamespace:
         trainer, forest = self.trainer, self.forest
-        # The recompute bound is TRL's own async trainer on the same row: its unique tokens, every layer checkpointed.
-        plan = recompute_plan(trainer, [forest], bound_tokens=forest.num_tree_tokens)
+        # The recompute bound is TRL's own async trainer on the same row: its unique tokens, every layer checkpointed
+        # (so attention outputs are kept only within tree_activation_budget_gib).
+        plan = recompute_plan(trainer, [forest], bound_tokens=forest.num_tree_tokens, keep_within_bound=True)
         (table,), (entropy,), aux_loss = score_forests(
             self.model, [forest], [torch.unique(self.rows)], temperature=trainer.temperature,
             autocast=trainer.accelerator.autocast, compute_entropy=True, compute_aux_loss=trainer.aux_loss_enabled,

@@ -16,7 +16,14 @@ import torch
 
 from ..logprobs import forest_logprobs, tree_router_aux_loss
 from ..prefix_attention import serves
-from ..recompute import _checkpointed_layers, checkpoint_count, keeps_attention, recompute_only, unpriced_reason
+from ..recompute import (
+    _checkpointed_layers,
+    checkpoint_count,
+    checkpoint_fits,
+    keeps_attention,
+    recompute_only,
+    unpriced_reason,
+)
 from ..tree import PackedForest
 
 __all__ = ["recompute_plan", "score_forests"]
@@ -29,7 +36,9 @@ def _log_once(level: int, message: str) -> None:
     logger.log(level, message)
 
 
-def recompute_plan(trainer, forests: Sequence[PackedForest], bound_tokens: int) -> tuple[int | None, bool]:
+def recompute_plan(
+    trainer, forests: Sequence[PackedForest], bound_tokens: int, keep_within_bound: bool = False
+) -> tuple[int | None, bool]:
     """`(count, keep_attention)`: how many checkpointed decoder layers the policy forward of `forests` recomputes,
     and whether those keep the shared-prefix kernels' outputs.
 
@@ -37,8 +46,9 @@ def recompute_plan(trainer, forests: Sequence[PackedForest], bound_tokens: int) 
     `_metrics`, and `_unpriced`: None until the layers were priced once). `tree_recompute="auto"`: as few layers as
     keep the forests' estimated activations within those of `bound_tokens` tokens with every layer checkpointed, or
     within `tree_activation_budget_gib` where that is more, and attention kept where the kernels serve a forest and the
-    model's checkpoint allows it (`hf_tree_attn.recompute`). `(None, False)` = leave the model's checkpointing as it
-    is ("all", or a forward without gradients). Logs `tree_checkpointed_layers` and `tree_kept_attention`.
+    model's checkpoint allows it (`hf_tree_attn.recompute`) — with `keep_within_bound`, only where the kept outputs
+    fit in the bound too. `(None, False)` = leave the model's checkpointing as it is ("all", or a forward without
+    gradients). Logs `tree_checkpointed_layers` and `tree_kept_attention`.
     """
     args = trainer.args
     if args.tree_recompute == "all" or not args.gradient_checkpointing:
@@ -62,11 +72,16 @@ def recompute_plan(trainer, forests: Sequence[PackedForest], bound_tokens: int) 
         return None, False
     device = trainer.accelerator.device.type
     keep = any(serves(forest, device) for forest in forests) and keeps_attention(model)
-    count = checkpoint_count(
-        config, sum(forest.seq_len for forest in forests), bound_tokens,
-        dtype_bytes=2 if args.bf16 or args.fp16 else 4, keep_attention=keep,
-        budget_gib=args.tree_activation_budget_gib,
-    )  # fmt: skip
+    tree_tokens, dtype_bytes = sum(forest.seq_len for forest in forests), 2 if args.bf16 or args.fp16 else 4
+    sizing = dict(dtype_bytes=dtype_bytes, budget_gib=args.tree_activation_budget_gib)
+    count = checkpoint_count(config, tree_tokens, bound_tokens, keep_attention=keep, **sizing)
+    if (
+        keep
+        and keep_within_bound
+        and not checkpoint_fits(config, tree_tokens, bound_tokens, count, keep_attention=True, **sizing)
+    ):
+        keep = False
+        count = checkpoint_count(config, tree_tokens, bound_tokens, **sizing)
     trainer._metrics["train"]["tree_checkpointed_layers"].append(count / config.num_hidden_layers)
     trainer._metrics["train"]["tree_kept_attention"].append(float(keep))
     return count, keep
