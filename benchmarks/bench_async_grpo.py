@@ -18,11 +18,13 @@ optimizer), with `dtype="bfloat16"` weights and an explicit `token_budget`. Work
 - `tau2_like`: conversations sharing a 4,800-token system prompt, U[10, 20] turns of a U[40, 200]-token message
   and two U[80, 400]-token responses, each response a sample holding the whole history before it.
 
-Per side: the wall time of each optimizer step after `--warmup` steps (CUDA-synchronized, planner, collator,
+Per side: the wall time of each optimizer step after `--warmup` steps (CUDA-synchronized; planner, collator,
 forward, backward, optimizer and weight sync included), trained tokens per second, MFU, peak memory. `mfu` counts
 the same model FLOPs for both sides: 3x the forward FLOPs of the step's samples as one prefix forest
 (`estimate_flops`' `tree_flops`; forward + backward, recompute not counted) per step second over 989 TFLOP/s;
-`trl_mfu_wall_clock` is TRL's own metric (its FLOP formula over each side's forwarded tokens).
+`trl_mfu_wall_clock` is TRL's own metric (its FLOP formula over each side's forwarded tokens). `--sides
+tree_budget` adds the tree with `tree_activation_budget_gib=--activation-budget-gib`: fewer layers recompute, at
+more memory (reported).
 
     python benchmarks/bench_async_grpo.py --models qwen3-1.7b --workloads grpo_mixed tau2_like \\
         --out benchmarks/results/async_grpo_h200_qwen3-1.7b.json
@@ -172,16 +174,18 @@ def step_flops(config, samples: list[dict]) -> float:
     return 3 * estimate_flops(config.get_text_config(), sequences, prompt_lengths=prompts)["tree_flops"]
 
 
-def run_side(tree: bool, path: str, samples: list, tokenizer, args, out_dir: Path) -> dict:
+def run_side(side: str, path: str, samples: list, tokenizer, args, out_dir: Path) -> dict:
     from datasets import Dataset
     from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 
     from hf_tree_attn.trainer import TreeAsyncGRPOConfig, TreeAsyncGRPOTrainer
 
+    tree = side != "trl"
     config_class, trainer_class = (TreeAsyncGRPOConfig, TreeAsyncGRPOTrainer) if tree else (
         AsyncGRPOConfig, AsyncGRPOTrainer)  # fmt: skip
     cuda = torch.cuda.is_available()
-    options = dict(
+    extra = {"tree_activation_budget_gib": args.activation_budget_gib} if side == "tree_budget" else {}
+    options = dict(**extra,
         output_dir=str(out_dir / trainer_class.__name__), max_steps=args.warmup + args.steps, dtype=args.dtype,
         token_budget=args.token_budget, logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True,
         use_cpu=not cuda, bf16=cuda, seed=0,
@@ -254,7 +258,14 @@ def main():
     parser.add_argument("--models", nargs="+", default=["qwen3-1.7b"], choices=[*MODELS, "tiny", "tiny-hybrid"])
     parser.add_argument("--workloads", nargs="+", default=["grpo_mixed"],
                         choices=["grpo_mixed", "grpo_P4096_C512", "tau2_like"])  # fmt: skip
-    parser.add_argument("--sides", nargs="+", default=["trl", "tree"], choices=["trl", "tree"])
+    parser.add_argument(
+        "--sides",
+        nargs="+",
+        default=["trl", "tree"],
+        choices=["trl", "tree", "tree_budget"],
+        help="tree_budget: the tree with tree_activation_budget_gib=--activation-budget-gib",
+    )
+    parser.add_argument("--activation-budget-gib", type=float, default=40.0)
     parser.add_argument("--token-budget", type=int, default=32768, help="TRL's token_budget: unique tokens per row")
     parser.add_argument("--steps", type=int, default=2, help="measured optimizer steps")
     parser.add_argument("--warmup", type=int, default=1, help="optimizer steps before the measured ones")
@@ -297,7 +308,7 @@ def main():
                 row = {"model": model_name, "workload": workload_name, "spec": spec, "sides": {}}
                 for side in args.sides:
                     try:
-                        row["sides"][side] = run_side(side == "tree", tmp, samples, tokenizer, args, Path(tmp))
+                        row["sides"][side] = run_side(side, tmp, samples, tokenizer, args, Path(tmp))
                     except Exception as error:  # a refusal (TRL on a hybrid) or a failure: recorded, next side
                         row["sides"][side] = {"error": f"{type(error).__name__}: {error}"[:2000]}
                         if not isinstance(error, ValueError):
@@ -306,6 +317,10 @@ def main():
                         if cuda:
                             torch.cuda.empty_cache()
                 sides = row["sides"]
+                if "median_step_s" in sides.get("trl", {}) and "median_step_s" in sides.get("tree_budget", {}):
+                    row["speedup_tree_budget_vs_trl"] = (
+                        sides["trl"]["median_step_s"] / sides["tree_budget"]["median_step_s"]
+                    )
                 if all("median_step_s" in sides.get(s, {}) for s in ("trl", "tree")):
                     row["speedup_tree_vs_trl"] = sides["trl"]["median_step_s"] / sides["tree"]["median_step_s"]
                     keys = ("samples_per_step", "trained_tokens_per_step")
