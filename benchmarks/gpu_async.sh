@@ -37,7 +37,7 @@ step() {  # step <seconds> <name> <command...>: run with a limit, log it, print 
   echo "=== $name: rc ${PIPESTATUS[0]}, $((SECONDS - start)) s" | tee -a "$LOG"
 }
 
-step 100 tests python3 -m pytest -q -rf -m gpu -p no:cacheprovider tests/test_gpu_async_grpo.py
+step 120 tests python3 -m pytest -q -rf -m gpu -p no:cacheprovider tests/test_gpu_async_grpo.py
 step 140 async-qwen3-1.7b python3 benchmarks/bench_async_grpo.py --models qwen3-1.7b \
   --workloads grpo_mixed tau2_like --out "$OUT/async_grpo_h200_qwen3-1.7b.json"
 step 100 async-qwen3-8b python3 benchmarks/bench_async_grpo.py --models qwen3-8b --workloads grpo_mixed \
@@ -46,6 +46,6 @@ step 80 sync-qwen3-1.7b python3 benchmarks/bench_sync_grpo.py --models qwen3-1.7
   --workloads grpo_P4096_C512 grpo_mixed --out "$OUT/sync_grpo_h200_qwen3-1.7b.json"
 step 60 async-qwen3.5 python3 benchmarks/bench_async_grpo.py --models qwen3.5-0.8b qwen3.5-2b \
   --workloads grpo_mixed --token-budget 16384 --out "$OUT/async_grpo_h200_qwen3.5.json"
-step 50 async-qwen3-1.7b-budget python3 benchmarks/bench_async_grpo.py --models qwen3-1.7b --workloads grpo_mixed \
+step 40 async-qwen3-1.7b-budget python3 benchmarks/bench_async_grpo.py --models qwen3-1.7b --workloads grpo_mixed \
   --sides tree_budget --activation-budget-gib 60 --out "$OUT/async_grpo_h200_qwen3-1.7b_budget.json"
 echo "=== total $SECONDS s" | tee -a "$LOG"

@@ -56,10 +56,10 @@ def flash_varlen_attention(
     if softcap:
         raise NotImplementedError("PyTorch's flash varlen op has no softcap; use varlen_attention.")
     left, right = window_size
+    window = {} if left < 0 else {"window_size_left": int(left), "window_size_right": max(int(right), 0)}
     out = torch.ops.aten._flash_attention_forward(
         q, k, v, cu_seqlens_q.int(), cu_seqlens_k.int(), int(max_seqlen_q), int(max_seqlen_k), 0.0, causal, False,
-        scale=softmax_scale, window_size_left=None if left < 0 else int(left),
-        window_size_right=None if right < 0 else int(right),
+        scale=softmax_scale, **window,
     )  # fmt: skip
     return out[0]
 
