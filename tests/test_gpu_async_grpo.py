@@ -11,7 +11,7 @@ import math
 
 import pytest
 import torch
-from test_async_grpo import check_against_eager, replayed_samples, save_model, spy_on_forests, train
+from async_grpo_helpers import check_against_eager, replayed_samples, save_model, spy_on_forests, train
 from transformers import Qwen3_5TextConfig, Qwen3Config
 from trl_varlen import flash_varlen_attention, varlen_attention
 
