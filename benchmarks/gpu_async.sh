@@ -4,13 +4,13 @@
 # trainers, most wanted first. Each step has its own time limit and writes its JSON row by row, so a step that runs
 # out of time keeps the rows it finished.
 #
-#   bash benchmarks/gpu_async.sh            (repository root; results and logs under $OUT)
+#   bash benchmarks/gpu_async.sh            (repository root, .whl/async carried; results and logs under $OUT)
 #
 # The H200 image has no trl or datasets. TRL 1.16's async trainer imports trl (pandas, pyarrow, jinja2, requests,
 # pyyaml, psutil: all on the image) and datasets (dill, multiprocess, xxhash, fsspec, pyarrow: the first two are
-# not), so four pure-Python wheels travel in .whl/ (1.8 MB), filled with
+# not), so four pure-Python wheels travel in .whl/async (1.8 MB, git-ignored), filled with
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#     --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl \
+#     --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl/async \
 #     trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
 set -uo pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 TOKENIZERS_PARALLELISM=false
@@ -19,7 +19,8 @@ OUT=${OUT:-/tmp/gpu_async_out}
 mkdir -p "$OUT"
 if ! python3 -c "import trl, datasets" 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-    .whl/trl-1.16.0-*.whl .whl/datasets-5.2.0-*.whl .whl/dill-0.4.1-*.whl .whl/multiprocess-0.70.19-*.whl || exit 1
+    .whl/async/trl-1.16.0-*.whl .whl/async/datasets-5.2.0-*.whl .whl/async/dill-0.4.1-*.whl \
+    .whl/async/multiprocess-0.70.19-*.whl || exit 1
 fi
 export PYTHONPATH=/tmp/site:$PWD
 LOG="$OUT/gpu_async.log"
