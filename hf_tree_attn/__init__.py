@@ -18,6 +18,8 @@ _register_recurrent()
 __version__ = "0.1.0"
 
 _TRAINER_CLASSES = (
+    "TreeAsyncGRPOConfig",
+    "TreeAsyncGRPOTrainer",
     "TreeDPOConfig",
     "TreeDPOTrainer",
     "TreeGRPOConfig",
@@ -39,6 +41,8 @@ def __getattr__(name: str):
 __all__ = [
     "ATTN_IMPLEMENTATION",
     "PackedForest",
+    "TreeAsyncGRPOConfig",
+    "TreeAsyncGRPOTrainer",
     "TreeDPOConfig",
     "TreeDPOTrainer",
     "TreeDataCollator",

@@ -19,7 +19,6 @@ only the layers its memory needs (`tree_recompute`, `hf_tree_attn.recompute`).
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import logging
 import os
@@ -36,10 +35,8 @@ from trl.trainer.utils import split_pixel_values_by_grid, split_tensor_dict, uns
 
 from ..attention import ATTN_IMPLEMENTATION
 from ..collator import TreeDataCollator
-from ..logprobs import forest_logprobs, tree_router_aux_loss
+from ..logprobs import forest_logprobs
 from ..metrics import estimate_flops
-from ..prefix_attention import serves
-from ..recompute import _checkpointed_layers, checkpoint_count, keeps_attention, recompute_only, unpriced_reason
 from ..support import (
     check_tree_model,
     config_support_error,
@@ -64,6 +61,7 @@ from .balance import (
     split_micro_batches,
     step_imbalance,
 )
+from .forest_step import _log_once, recompute_plan, score_forests
 from .grpo_config import TreeGRPOConfig, _balance_refusal
 from .reward import tree_reward_models
 from .rollouts import check_rollouts, checked_rollout_func
@@ -547,64 +545,23 @@ class TreeGRPOTrainer(GRPOTrainer):
         device = self.accelerator.device
         logps = torch.zeros(num_rows, logits_to_keep, dtype=torch.float32, device=device)
         entropies = torch.zeros_like(logps) if compute_entropy else None
-        router_logits = []
-        count, keep_attention = self._layers_to_checkpoint(packed)
-        with recompute_only(model, count, keep_attention=keep_attention):
-            for mb, rows, row_of, col_of, source_rows in packed:
-                with self.accelerator.autocast():
-                    table, entropy_table, *router = forest_logprobs(
-                        model, mb.forest, rows=rows, temperature=self.temperature, return_entropy=compute_entropy,
-                        return_router_logits=compute_aux_loss,
-                    )  # fmt: skip
-                router_logits += router
-                logps = logps.index_put((row_of, col_of), table[source_rows])
-                if compute_entropy:
-                    entropies = entropies.index_put((row_of, col_of), entropy_table[source_rows])
-        aux_loss = None
-        if compute_aux_loss:
-            aux_loss = tree_router_aux_loss(model, [mb.forest for mb, *_ in packed], router_logits)
+        tables, entropy_tables, aux_loss = score_forests(
+            model, [mb.forest for mb, *_ in packed], [rows for _, rows, *_ in packed], temperature=self.temperature,
+            autocast=self.accelerator.autocast, compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss,
+            recompute=self._layers_to_checkpoint(packed),
+        )  # fmt: skip
+        for (_, _, row_of, col_of, source_rows), table, entropy_table in zip(packed, tables, entropy_tables):
+            logps = logps.index_put((row_of, col_of), table[source_rows])
+            if compute_entropy:
+                entropies = entropies.index_put((row_of, col_of), entropy_table[source_rows])
         return logps, entropies, aux_loss
 
     def _layers_to_checkpoint(self, packed: list) -> tuple[int | None, bool]:
-        """`(count, keep_attention)`: how many checkpointed decoder layers the policy forward of one chunk's forests
-        recomputes, and whether those keep the shared-prefix kernels' outputs.
-
-        `tree_recompute="auto"`: as few as keep the forests' activations within those of the flat forward of the same
-        sequences (unpadded, so stricter than TRL's padded rows) with every layer checkpointed, or within
-        `tree_activation_budget_gib` where that is more, and attention kept
-        where the kernels serve a forest and the model's checkpoint allows it (`recompute.py`). None = leave the
-        model's checkpointing as it is ("all", or a forward without gradients).
-        """
-        if self.args.tree_recompute == "all" or not self.args.gradient_checkpointing:
-            return None, False
-        if not (self.model.training and torch.is_grad_enabled()):
-            return None, False
-        model = self.accelerator.unwrap_model(self.model)
-        config = model.config.get_text_config()
-        if self._unpriced is None:  # once per run: the layers do not change
-            layers = {type(m): m for m in _checkpointed_layers(model)}.values()
-            reasons = [r for r in (unpriced_reason(config, m) for m in layers or [None]) if r is not None]
-            self._unpriced = reasons[0] if reasons else ""
-            if reasons:
-                _log_once(
-                    logging.INFO,
-                    f"tree_recompute='auto' cannot bound this model's activations ({reasons[0]}): every checkpointed "
-                    "layer recomputes, as with tree_recompute='all' (logged as tree_checkpointed_layers=1).",
-                )
-        if self._unpriced:
-            self._metrics["train"]["tree_checkpointed_layers"].append(1.0)
-            return None, False
-        device = self.accelerator.device.type
-        keep = any(serves(mb.forest, device) for mb, *_ in packed) and keeps_attention(model)
-        tree_tokens = sum(mb.forest.seq_len for mb, *_ in packed)
+        """`(count, keep_attention)` for the policy forward of one chunk's forests (`forest_step.recompute_plan`),
+        bounded by the flat forward of the same sequences (unpadded, so stricter than TRL's padded rows) with every
+        layer checkpointed, or by `tree_activation_budget_gib` where that is more."""
         flat_tokens = sum(mb.forest.num_original_tokens for mb, *_ in packed)
-        count = checkpoint_count(
-            config, tree_tokens, flat_tokens, dtype_bytes=2 if self.args.bf16 or self.args.fp16 else 4,
-            keep_attention=keep, budget_gib=self.args.tree_activation_budget_gib,
-        )  # fmt: skip
-        self._metrics["train"]["tree_checkpointed_layers"].append(count / config.num_hidden_layers)
-        self._metrics["train"]["tree_kept_attention"].append(float(keep))
-        return count, keep
+        return recompute_plan(self, [mb.forest for mb, *_ in packed], flat_tokens)
 
 
 def liger_with_compile_warning(args, dynamo_plugin) -> str | None:
@@ -628,11 +585,6 @@ def liger_with_compile_warning(args, dynamo_plugin) -> str | None:
         "model's gradients against an eager run (benchmarks/grad_check.py in the hf_tree_attn repository), or turn "
         "one of the two off."
     )
-
-
-@functools.cache
-def _log_once(level: int, message: str) -> None:
-    logger.log(level, message)
 
 
 def micro_batch_order(permutation: torch.Tensor, num_batches: int) -> list[int]:
