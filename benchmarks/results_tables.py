@@ -14,14 +14,18 @@ import argparse
 import functools
 import json
 import re
+import statistics
 import sys
 from pathlib import Path
 
 from results_registry import (
+    ASYNC_ROWS,
     FLEX_OPTIONS,
     GPU_TEST_LOGS,
     GRAD_CHECKS,
     HYBRID_ROWS,
+    KERNEL_CHECKS,
+    KERNEL_RUNS,
     LEVELS,
     LOOP_ROWS,
     MEMORY_ROWS,
@@ -37,6 +41,7 @@ from results_registry import (
     PROFILES,
     README_ROWS,
     SOURCES,
+    SYNC_ROWS,
     THROUGH_TRAINER,
 )
 
@@ -48,7 +53,9 @@ BEGIN, END = "<!-- benchmarks/results_tables.py writes this table -->", "<!-- en
 MODELS = {"qwen3-0.6b": "Qwen3-0.6B", "qwen3-1.7b": "Qwen3-1.7B", "qwen3-8b": "Qwen3-8B", "gemma3-1b": "Gemma-3-1B",
           "qwen3.5-0.8b": "Qwen3.5-0.8B"}  # fmt: skip
 WORKLOADS = {"tau2_like_agent": "τ²-like agent", "agent_20_turns": "τ²-like agent, 20 turns",
-             "no_sharing": "no sharing", "grpo_mixed_prompts": "GRPO, mixed prompt lengths"}  # fmt: skip
+             "no_sharing": "no sharing", "grpo_mixed_prompts": "GRPO, mixed prompt lengths",
+             "grpo_P4096_C512": "P=4,096 + G=16 × C=512",
+             "grpo_mixed": "G=16, P ~ U[1,000, 6,000], C ~ U[64, 1,024]"}  # fmt: skip
 METHODS = {"tree": "", "tree_flex": ", FlexAttention", "tree_whole_recompute": ", whole-layer recompute",
            "tree_budget_40gib": ", budget 40 GiB", "tree_budget_80gib": ", budget 80 GiB"}  # fmt: skip
 VARIANTS = {"compile": "compiled layers", "liger": "Liger", "liger_compile": "Liger + compiled layers"}
@@ -72,15 +79,20 @@ def run_of(name: str, workload: str | None = None) -> dict:
     return run
 
 
+# A log's command line: environment settings, a time limit, then python, accelerate or a GPU job script of benchmarks/
+# (not run_h200.sh itself: a line naming its stage is followed by the stage's command).
+COMMAND_LINE = re.compile(
+    r"^#?\s*(?:commands?:\s*)?((?:[A-Z_]+=\S+ )*(?:timeout (?:-s \w+ )?\d+ )?"
+    r"(?:python|accelerate|bash (?!benchmarks/run_h200\.sh)\S+\.sh).*)"
+)
+
+
 def command_of(name: str) -> str | None:
     """The command a result file records: a JSON's `command` (or `meta.command`), a log's first command line."""
     if name.endswith(".json"):
         return load(name).get("command") or load(name).get("meta", {}).get("command")
     for line in text(name).splitlines()[:3] if name.endswith((".log", ".txt")) else []:
-        match = re.match(
-            r"^#?\s*(?:commands?:\s*)?((?:TORCH_LOGS=\S+ )?(?:timeout \d+ )?(?:python|accelerate).*)", line
-        )
-        if match:
+        if match := COMMAND_LINE.match(line):
             return match.group(1).split("   (")[0].rstrip(" \\")
     return None
 
@@ -115,6 +127,16 @@ def pct(value: float, digits: int = 0) -> str:
 
 def secs(value: float) -> str:
     return f"{value:.3f} s" if value < 10 else f"{value:.1f} s"
+
+
+def steps(values: list[float]) -> str:
+    """Each measured step's time, in order."""
+    return " / ".join(f"{v:.2f}" for v in values) + " s"
+
+
+def faster(ratio: float) -> str:
+    """A speed ratio, bold, saying which side is slower where it is below 1."""
+    return f"**{x(ratio)}**" + (" (tree slower)" if ratio < 1 else "")
 
 
 def table(headers: list[str], rows: list[list[str]]) -> list[str]:
@@ -188,6 +210,28 @@ def kernels_serve(spec: dict) -> bool:
 
 
 # ---- the sections ------------------------------------------------------------------------------------------------
+
+
+def trainer_row(name: str, wl: str) -> dict:
+    """The bench_sync_grpo.py / bench_async_grpo.py row of `wl` in `name`."""
+    (row,) = [r for r in load(name)["rows"] if r["workload"] == wl]
+    return row
+
+
+def sync_steps() -> list[str]:
+    notes, rows = Notes(), []
+    for name, wl in SYNC_ROWS:
+        row = trainer_row(name, wl)
+        trl, tree = row["sides"]["trl"], row["sides"]["tree"]
+        rows.append([
+            MODELS[row["model"]], WORKLOADS[wl], steps(trl["step_s"]), steps(tree["step_s"]),
+            faster(row["speedup_tree_vs_trl"]), f"{pct(tree['mfu'], 1)} / {pct(trl['mfu'], 1)}",
+            f"{tree['peak_gib']:.1f} / {trl['peak_gib']:.1f} ({x(row['peak_tree_over_trl'])})",
+            "yes" if row["same_completions"] else "**no**", notes.source(name),
+        ])  # fmt: skip
+    headers = ["model", "workload", "step, TRL (each measured step)", "step, tree", "tree vs TRL (median step)",
+               "MFU tree / TRL", "peak GiB tree / TRL", "same completions", "source"]  # fmt: skip
+    return table(headers, rows + pending("sync", len(headers))) + notes.lines()
 
 
 def through_trainer() -> list[str]:
@@ -412,6 +456,53 @@ def hybrids() -> list[str]:
     )
 
 
+PACKAGES = {"flash-qla": "FlashQLA", "flash-linear-attention": "fla", "tilelang": "TileLang"}
+# A step line of gpu_hybrid_kernels.sh: `NAME: rc=N in|at T s ...` or `NAME: skipped, out of time ...`.
+STEP_LINE = re.compile(r"^(?!check )(\S.*?): (rc=\d+ (?:in|at) \d+ s.*|skipped, out of time.*)$")
+
+
+def kernel_checks() -> list[str]:
+    """The Gated DeltaNet kernel routes against the torch reference (gdn_kernel_check.py), then what the calls of
+    gpu_hybrid_kernels.sh ran on them (parity tests, benchmark rows) and how each step ended."""
+    data, rows = load(KERNEL_CHECKS), []
+    exits = dict(re.findall(r"^check (\S+): rc=(\d+)", "\n".join(data["steps"]), flags=re.M))
+    for label, check in data["checks"].items():
+        versions = check["versions"]
+        packages = ", ".join(f"{PACKAGES[k]} {versions[k]}" for k in PACKAGES if versions.get(k))
+        ran = {"0": "all its cases", "124": f"its time limit stopped it after {len(check['cases'])} case(s)"}
+        for case in check["cases"]:
+            nan = [k for k, e in case.get("errors", {}).items() if e["nan"]]
+            calls = (
+                f"{case['first_call_s']:.0f} s / {1000 * case['second_call_s']:.0f} ms"
+                if "second_call_s" in case
+                else "—"
+            )
+            rows.append([
+                f"`{label}`", packages, case.get("kernels") or case.get("reason", "—"),
+                f"K = V = {case['K']}, {case['heads']} heads, {case['dtype']}",
+                "yes" if case["guard_lifted"] else "no",
+                f"{case['worst_rms_ratio']:.1e} (≤ {case['tolerance']:.0e})" if "worst_rms_ratio" in case else "—",
+                ", ".join(nan) or "none",
+                calls,
+                f"**{case['status']}**", ran.get(exits.get(label), f"exit {exits.get(label)}"),
+            ])  # fmt: skip
+    headers = ["route", "packages", "kernels that ran", "case", "fla's Hopper refusal lifted",
+               "worst rms(diff) / rms(reference)", "NaN", "first / second call", "result", "the check"]  # fmt: skip
+    run_rows = []
+    for name in KERNEL_RUNS:
+        for line in text(name).splitlines():
+            if match := STEP_LINE.match(line):
+                run_rows.append([match.group(1), match.group(2), Notes().source(name)])
+    return (
+        [f"Each route's kernel check ({Notes().source(KERNEL_CHECKS)}): the gate case first, the others as time "
+         "allowed:", ""]
+        + table(headers, rows)
+        + ["What ran on the routes after their checks, step by step (exit 124: the step's time limit; pytest's "
+           "exit 5: no test selected):", ""]
+        + table(["step", "how it ended", "source"], run_rows)
+    )  # fmt: skip
+
+
 def prefix_kernels() -> list[str]:
     first, second = (load(name)["rows"] for name in PREFIX_RUNS)
     rows = []
@@ -485,8 +576,77 @@ def balance() -> list[str]:
     )
 
 
+def rollout_workload(row: dict) -> str:
+    """A bench_async_grpo.py row's workload from its spec."""
+    spec = row["spec"]
+    if "system" in spec:
+        return (f"τ²-like agent: {spec['system']:,}-token system prompt, {spec['turns']} turns, "
+                f"{spec['branches']} responses per turn")  # fmt: skip
+    return f"G={spec['G']}, P ~ {spec['prompt']}, C ~ {spec['completion']}"
+
+
 def peers() -> list[str]:
-    return table(["measurement", "result"], pending("peers", 2))
+    notes, rows, uneven = Notes(), [], []
+    for name, wl in ASYNC_ROWS:
+        row = trainer_row(name, wl)
+        trl, tree = row["sides"]["trl"], row["sides"]["tree"]
+        forwarded = [statistics.mean(side["forwarded_tokens_per_step"]) for side in (tree, trl)]
+        rows.append([
+            MODELS[row["model"]], rollout_workload(row), " / ".join(f"{n:,.0f}" for n in forwarded),
+            steps(trl["step_s"]), steps(tree["step_s"]), faster(row["speedup_tree_vs_trl"]),
+            f"{pct(tree['mfu'], 1)} / {pct(trl['mfu'], 1)}", f"{tree['tree_checkpointed_layers']:.0%}",
+            f"{tree['peak_gib']:.1f} / {trl['peak_gib']:.1f}", notes.source(name),
+        ])  # fmt: skip
+        if max(tree["step_s"]) > 2 * min(tree["step_s"]):
+            uneven.append(
+                f"`{wl}` at {MODELS[row['model']]}: the tree's steps took {steps(tree['step_s'])}, TRL's "
+                f"{steps(trl['step_s'])}. With two measured steps the median is their mean, so the tree's first-step "
+                f"cost weighs half of the ratio. The tree's last step alone vs TRL's median step: "
+                f"{x(trl['median_step_s'] / tree['step_s'][-1])}. What the first step spent is not broken down."
+            )
+    headers = ["model", "workload", "tokens forwarded per step, tree / TRL", "step, TRL (each measured step)",
+               "step, tree", "tree vs TRL (median step)", "MFU tree / TRL", "tree layers recomputed",
+               "peak GiB tree / TRL", "source"]  # fmt: skip
+    return (
+        table(headers, rows)
+        + notes.lines()
+        + [line + "  " for line in uneven[:-1]]
+        + uneven[-1:]
+        + [""] * bool(uneven)
+        + table(["measurement", "result"], pending("peers", 2))
+    )
+
+
+def test_outcome(name: str) -> str:
+    """What a pytest log says: its summary line, else the outcomes it printed (`-v` lines or `-q` progress marks);
+    the failures by name, with the first assertion's text; the test a time limit stopped a `-v` run in."""
+    lines = [line for line in text(name).splitlines() if line.strip()]
+    marks = {".": "passed", "F": "failed", "s": "skipped", "E": "error", "x": "xfailed"}
+    outcomes, current, failed = [], None, []
+    for line in lines:
+        if match := re.match(r"tests/\S+::(\S+)", line):
+            current = match.group(1)
+        if (match := re.search(r"\b(PASSED|FAILED|SKIPPED|ERROR)$", line.strip())) and current:  # -v
+            outcomes.append(match.group(1).lower())
+            failed += [current] * (match.group(1) == "FAILED")
+            current = None
+        if match := re.match(r"^([.FEsx]+)\s+\[\s*\d+%\]$", line):  # -q
+            outcomes += [marks[mark] for mark in match.group(1)]
+        if match := re.match(r"^FAILED tests/\S+::(\S+)", line):
+            failed += [match.group(1)] * (match.group(1) not in failed)
+    summary = [line for line in lines if re.search(r"\d+ (passed|failed)", line)]
+    if summary:
+        result = re.sub(r"=+", "", summary[-1]).strip()
+    else:
+        result = ", ".join(f"{outcomes.count(o)} {o}" for o in marks.values() if o in outcomes)
+    if failed:
+        error = next((line.split(maxsplit=1)[1] for line in lines if re.match(r"^E\s+AssertionError", line)), None)
+        result += "; failed: " + ", ".join(f"`{test}`" for test in failed) + (f" (`{error}`)" if error else "")
+    if match := re.match(r"tests/\S+::(\S+)$", lines[-1].strip()):  # a -v run that ended inside a test
+        result += f"; stopped by its time limit in `{match.group(1)}`"
+    elif "KeyboardInterrupt" in text(name):
+        result += "; stopped by its time limit"
+    return result
 
 
 def correctness() -> list[str]:
@@ -504,10 +664,9 @@ def correctness() -> list[str]:
                 ])  # fmt: skip
     headers = ["layer kernels", "layers of the Qwen3-8B shape", "method", "gradient cosine to eager (min)",
                "norm ratio", "", "source"]  # fmt: skip
-    test_rows = []
+    notes, test_rows = Notes(), []
     for name, tests in GPU_TEST_LOGS.items():
-        summary = [line for line in text(name).splitlines() if re.search(r"\d+ (passed|failed)", line)][-1]
-        test_rows.append([tests, re.sub(r"=+", "", summary).strip(), Notes().source(name)])
+        test_rows.append([tests, test_outcome(name), notes.source(name)])
     return (
         [
             "Each method's gradients with fused layer kernels against the same method with eager layers, same "
@@ -517,6 +676,7 @@ def correctness() -> list[str]:
         + table(headers, rows + pending("gradients", len(headers)))
         + ["GPU tests (`pytest -m gpu`):", ""]
         + table(["tests", "result", "source"], test_rows)
+        + notes.lines()
     )
 
 
@@ -576,6 +736,15 @@ def result_files() -> list[str]:
 
 SECTIONS = [  # (heading level, title, section, what it measures)
     (2, "Trainer phase", None, None),
+    (3, "Through the trainer, generation stubbed", sync_steps,
+     "`TreeGRPOTrainer` against `trl.GRPOTrainer`, each through `trainer.train()` at TRL's defaults (padded rows, "
+     "SDPA, gradient checkpointing, bf16; the tree's own defaults at theirs), one after the other in one process on "
+     "one GPU. Generation is TRL's `rollout_func` returning the prompt's tokens and random completions seeded by the "
+     "prompt, so both trainers train the same rows and generation costs nothing: the step is the trainer's work "
+     "(log-prob forwards, backward, optimizer). One prompt with G=16 completions per optimizer step; two measured "
+     "steps after a warm-up step; the ratio is of the median steps. MFU counts each side's own layout (TRL's "
+     "unpadded sequences, the tree's forest; forward + backward, recompute not counted) over 989 TFLOPS "
+     "(`bench_sync_grpo.py`)."),
     (3, "Through the trainer at TRL's defaults", through_trainer,
      "`TreeGRPOTrainer` against `trl.GRPOTrainer`, each through `trainer.train()` with the same config: TRL's "
      "defaults (gradient checkpointing and bf16 among them; the tree's own at theirs), one prompt's G completions "
@@ -616,14 +785,32 @@ SECTIONS = [  # (heading level, title, section, what it measures)
     (2, "Hybrid models", hybrids,
      "Qwen3.5 shape, 18 Gated DeltaNet and 6 attention layers: the recurrent layers run segment by segment, level by "
      "level, on transformers' torch kernels in the tree and in flat alike (the benchmark loop; flat packed is a "
-     "forest without sharing)."),
+     "forest without sharing). Every hybrid row here is on the torch kernels."),
+    (3, "Gated DeltaNet kernels on the H200", kernel_checks,
+     "The varlen kernels a tree level calls (`benchmarks/gdn_kernels.py` routes: FlashQLA; fla's Triton kernels "
+     "with TileLang's dqkwg backward; fla's Triton kernels with fla 0.6's Hopper refusal lifted where the tile is "
+     "BK = 128; fla 0.4.2), each checked by `gdn_kernel_check.py`: one varlen forward + backward over segments of "
+     "4,096, 257, 1, 64 and 700 tokens with initial states, against transformers' torch reference run per segment "
+     "in float32. The gate case is Qwen3.5's heads (K = V = 128) in bf16; the other cases (fp32, K = 64) show the "
+     "route elsewhere. A route that passes the gate has not yet passed the model-level parity tests or given a "
+     "benchmark row: the torch kernels remain the measured path."),
     (2, "Shared-prefix attention kernels", prefix_kernels,
      "Attention alone (`bench_prefix_attention.py`), bf16, Qwen3 heads of 128, one GRPO forest: FlexAttention's tree "
      "mask against the shared-prefix kernels, median of 10 after a warm-up; a step is two forwards and one backward, "
      "as in training. *The CUDA rule picks* is `fast_on_cuda` on the shape; `tests/test_prefix_attention.py` checks "
      "it against both runs."),
     (2, "Data-parallel balance", balance, None),
-    (2, "Peers side by side", peers, "Other tree-training code, on the same GPU and workloads as the rows above."),
+    (2, "Peers side by side", peers,
+     "TRL 1.16's own tree packing, `trl.experimental.async_grpo.AsyncGRPOTrainer` (each rank's samples in one "
+     "prefix trie, `TreeRow`), against `TreeAsyncGRPOTrainer`, both through `trainer.train()` on the same replayed "
+     "samples in the same order, so both train the same micro-batches (`bench_async_grpo.py`). TRL's attention "
+     "kernel, FlashAttention-3, is downloaded from the Hub at run time, which the offline H200 cannot do: its side "
+     "ran PyTorch's FlashAttention-2 varlen op (`aten._flash_attention_forward`) instead. The tree side ran "
+     "`tree_flex` at its defaults (FlexAttention, or the shared-prefix kernels where the CUDA rule picks them, "
+     "`tree_recompute='auto'`). bf16 weights, TRL's defaults otherwise (gradient checkpointing, one micro-batch per "
+     "step), a token budget of 32,768 per step; two measured steps after a warm-up step, the ratio of the median "
+     "steps. Both sides forward about the same tokens: TRL's packing already computes each shared prefix once. MFU "
+     "counts the same model FLOPs for both sides (the step's samples as one forest). Here the tree is slower."),
     (2, "Correctness on the GPU", correctness, None),
     (2, "Other runs", other_runs, None),
     (2, "Result files", result_files,
@@ -675,15 +862,20 @@ def readme_table() -> str:
     rows = []
     for model, wl, trainer, eager, compiled in README_ROWS:
         through = "not yet measured"
-        if trainer:
+        if trainer and trainer[0].startswith("sync_grpo_"):  # bench_sync_grpo.py: whole steps, median
+            name, key = trainer
+            row = trainer_row(name, key)
+            speed, peak = row["speedup_tree_vs_trl"], row["peak_tree_over_trl"]
+            through = f"**[{x(speed)}](benchmarks/results/{name})** per step, memory {x(peak)}"
+        elif trainer:  # bench_generation_modes.py: the trainer phase, mean
             name, mode = trainer
             tree, flat = (load(name)["results"][mode][side] for side in ("tree", "flat"))
             speed = flat["mean"]["trainer_phase"] / tree["mean"]["trainer_phase"]
             peak = tree["peak_memory_gib"] / flat["peak_memory_gib"]
-            through = f"**[{x(speed)}](benchmarks/results/{name})**, memory {x(peak)}"
+            through = f"**[{x(speed)}](benchmarks/results/{name})** trainer phase, memory {x(peak)}"
         rows.append([model, wl, through, loop(eager), loop(compiled)])
-    headers = ["model shape", "workload", "trainer phase vs `trl.GRPOTrainer`, through `trainer.train()` at TRL's "
-               "defaults", "trainer phase vs flat padded, hand-written loop, eager layers", "the same, compiled "
+    headers = ["model shape", "workload", "tree vs `trl.GRPOTrainer` through `trainer.train()` at TRL's defaults",
+               "trainer phase vs flat padded, hand-written loop, eager layers", "the same, compiled "
                "layers"]  # fmt: skip
     return "\n".join([BEGIN, *table(headers, rows)[:-1], END])
 

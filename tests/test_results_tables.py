@@ -34,12 +34,19 @@ def test_every_result_file_is_registered_and_shown():
 
 
 def stage_bodies() -> dict[str, str]:
-    """run_h200.sh's stages: name -> its commands, continuation lines joined, quotes dropped."""
-    script = (REPO / "benchmarks" / "run_h200.sh").read_text().replace("\\\n", " ")
-    cases = script.split("case $stage in", 1)[1].split("\n  esac", 1)[0]
+    """run_h200.sh's stages: name -> its commands, continuation lines joined, quotes dropped; a stage that runs a job
+    script of benchmarks/ (`bash benchmarks/X.sh`) also holds that script's commands."""
+
+    def read(name: str) -> str:
+        return (REPO / "benchmarks" / name).read_text().replace("\\\n", " ")
+
+    cases = read("run_h200.sh").split("case $stage in", 1)[1].split("\n  esac", 1)[0]
     bodies = {}
     for match in re.finditer(r"^    ([\w.\-]+)\)(.*?);;", cases, flags=re.M | re.S):
-        body = match.group(2).replace("python3 -m accelerate.commands.launch", "accelerate launch")
+        body = match.group(2) + "".join(
+            read(name) for name in re.findall(r"\bbash benchmarks/(\w+\.sh)", match.group(2))
+        )
+        body = body.replace("python3 -m accelerate.commands.launch", "accelerate launch")
         bodies[match.group(1)] = " ".join(body.replace('"', "").replace("'", "").split())
     return bodies
 
@@ -51,12 +58,15 @@ def without_out(command: str) -> str:
         del words[words.index("--out") : words.index("--out") + 2]
     while words and (words[0] in ("python", "python3", "timeout") or words[0].isdigit()):
         words.pop(0)
+        if words[:1] == ["-s"]:  # timeout's signal
+            del words[:2]
     return " ".join(words).replace('"', "")
 
 
 def test_each_gpu_result_is_what_its_stage_runs():
     bodies = stage_bodies()
     assert {"trainer-phase-8b", "gpu-tests-kernels", "fsdp2-main-job"} <= set(bodies)  # the parser found the stages
+    assert "benchmarks/bench_async_grpo.py" in bodies["async-grpo"]  # and read the job script a stage runs
     for name, stage in results_registry.SOURCES.items():
         if stage is None:
             continue
