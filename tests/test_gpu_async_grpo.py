@@ -59,20 +59,33 @@ def test_flash_varlen_matches_reference():
             assert torch.nn.functional.cosine_similarity(g.flatten().float(), w.flatten(), dim=0) > 0.999, window
 
 
+def _relative_error(grads: dict, exact: dict) -> float:
+    """|grads - exact| / |exact| over all parameters as one vector."""
+    diff = sum(float((grads[n].float() - g.float()).square().sum()) for n, g in exact.items())
+    return (diff / sum(float(g.float().square().sum()) for g in exact.values())) ** 0.5
+
+
 def test_same_as_trl_async_on_cuda(tmp_path):
     """TRL's defaults on the GPU (fp32 weights, bf16 autocast, gradient checkpointing): the tree (FlexAttention or
-    the shared-prefix kernels) and TRL's packing (flash varlen) give the same losses and gradients within bf16."""
+    the shared-prefix kernels) is as close to the float32 run (TRL's trainer, plain-torch attention, no autocast) as
+    TRL's packing on flash varlen is: losses and every step's gradients within twice TRL's error plus one bf16
+    rounding. (The two bf16 runs compared with each other alone measured a gradient cosine of 0.985 on an H200, with
+    no reference to say which was off; this bound asks the question the test is for.)"""
     path = save_model(QWEN3, tmp_path / "model")
     samples = replayed_samples(path, samples=_samples())
-    options = dict(use_cpu=False, bf16=True, token_budget=2048, gradient_accumulation_steps=2)
-    trl, trl_losses, trl_grads = train(False, path, samples, tmp_path, kernel=flash_varlen_attention, **options)
-    tree, tree_losses, tree_grads = train(True, path, samples, tmp_path, **options)
-    assert len(tree_losses) == len(trl_losses) == 4
-    torch.testing.assert_close(torch.tensor(tree_losses), torch.tensor(trl_losses), rtol=2e-2, atol=2e-3)
-    for got, want in zip(tree_grads.steps, trl_grads.steps):
-        flat_got = torch.cat([got[name].flatten().float() for name in want])
-        flat_want = torch.cat([grad.flatten().float() for grad in want.values()])
-        assert torch.nn.functional.cosine_similarity(flat_got, flat_want, dim=0) > 0.995
+    options = dict(use_cpu=False, token_budget=2048, gradient_accumulation_steps=2)
+    _, ref_losses, ref_grads = train(False, path, samples, tmp_path / "fp32", bf16=False, **options)
+    trl, trl_losses, trl_grads = train(
+        False, path, samples, tmp_path, kernel=flash_varlen_attention, bf16=True, **options
+    )
+    tree, tree_losses, tree_grads = train(True, path, samples, tmp_path, bf16=True, **options)
+    assert len(tree_losses) == len(trl_losses) == len(ref_losses) == 4
+    u = torch.finfo(torch.bfloat16).eps / 2
+    ref, trl_l, tree_l = (torch.tensor(x) for x in (ref_losses, trl_losses, tree_losses))
+    assert ((tree_l - ref).abs() <= 2 * (trl_l - ref).abs() + u * ref.abs()).all(), (tree_l, trl_l, ref)
+    for step, (got, want, exact) in enumerate(zip(tree_grads.steps, trl_grads.steps, ref_grads.steps)):
+        tree_error, trl_error = (_relative_error(grads, exact) for grads in (got, want))
+        assert tree_error <= 2 * trl_error + u, (step, tree_error, trl_error)
     for key in ("ratio", "kl", "entropy"):
         got, want = (trainer.state.log_history[0][key] for trainer in (tree, trl))
         assert got == pytest.approx(want, rel=2e-2, abs=1e-3), key
