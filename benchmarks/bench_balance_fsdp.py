@@ -48,9 +48,11 @@ CONFIGS = {
 }
 
 
-def stub_rollout(length_scale: float):
-    """TRL `rollout_func`: the prompt's tokens and a random completion of U[100, 1000] tokens (times `length_scale`)
-    per row, seeded by the prompt and its index in the group: every configuration trains on the same completions."""
+def stub_rollout(length_scale: float, completion_range: tuple[int, int] = (100, 1000)):
+    """TRL `rollout_func`: the prompt's tokens and a random completion of U[completion_range] tokens (times
+    `length_scale`) per row, seeded by the prompt and its index in the group: every configuration trains on the same
+    completions."""
+    low, high = (round(n * length_scale) for n in completion_range)
 
     def rollout(prompts: list[str], trainer) -> dict:
         prompt_ids = trainer.processing_class(prompts, add_special_tokens=False)["input_ids"]
@@ -58,7 +60,7 @@ def stub_rollout(length_scale: float):
         for prompt in prompts:
             k = seen[prompt] = seen.get(prompt, -1) + 1
             rng = random.Random(zlib.crc32(prompt.encode()) * 64 + k)
-            length = rng.randint(round(100 * length_scale), round(1000 * length_scale))
+            length = rng.randint(low, high)
             completion_ids.append([rng.randrange(3, 40) for _ in range(length)])
         return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": None}
 

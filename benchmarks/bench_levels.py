@@ -10,14 +10,18 @@ flash-linear-attention's varlen kernel on CUDA where installed), forward + backw
 
 `by_level / one_call - 1` is what going level by level costs on top of the unavoidable scan work (per-call launch,
 gathers and scatters, and on the padded CPU path the padding of each level's batch to its longest segment).
+The log decay is float32, as Qwen3.5's layers compute it. On CUDA, `--gdn-route` picks the kernels
+(`benchmarks/gdn_kernels.py`) and each run records the ones that really ran.
 
     python benchmarks/bench_levels.py --device cpu --out benchmarks/results/levels_cpu.json
     python benchmarks/bench_levels.py --device cuda --heads 16 --dim 128 --scale 1 --out ...levels_h200.json
+    python benchmarks/bench_levels.py --device cuda --heads 16 --dim 128 --scale 1 --gdn-route flash_qla --out ...
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import platform
@@ -25,6 +29,7 @@ import random
 import sys
 import time
 
+import gdn_kernels
 import torch
 import transformers
 import transformers.models.qwen3_5.modeling_qwen3_5 as qwen3_5
@@ -70,16 +75,16 @@ def _time(fn, repeats: int, device) -> float:
     return min(times)  # the least disturbed run: other jobs share the machine
 
 
-def measure(sequences, heads: int, dim: int, device, dtype, repeats: int) -> dict:
+def measure(sequences, heads: int, dim: int, device, dtype, repeats: int, route: str | None = None) -> dict:
     (forest,) = hf_tree_attn.pack_forest(sequences)
     forest = forest.to(device)
-    kernel = qwen3_5.torch_chunk_gated_delta_rule.tree_original
+    kernel = qwen3_5.torch_chunk_gated_delta_rule.tree_original  # what the tree calls per level
     g = torch.Generator(device=device).manual_seed(0)
     size = forest.seq_len
 
     def inputs(length):
         q, k, v = (torch.randn(1, length, heads, dim, generator=g, device=device, dtype=dtype) for _ in range(3))
-        decay = -torch.rand(1, length, heads, generator=g, device=device).to(dtype)
+        decay = -torch.rand(1, length, heads, generator=g, device=device)
         beta = torch.rand(1, length, heads, generator=g, device=device, dtype=dtype)
         return [t.requires_grad_() for t in (q, k, v, decay, beta)]
 
@@ -95,6 +100,8 @@ def measure(sequences, heads: int, dim: int, device, dtype, repeats: int) -> dic
         out, _ = kernel(q, k, v, g=decay, beta=beta, use_qk_l2norm_in_kernel=True)
         out.float().sum().backward()
 
+    with gdn_kernels.KernelProbe() as probe:
+        by_level_s = _time(by_level, repeats, device)
     result = {
         "sequences": len(sequences),
         "total_tokens": sum(map(len, sequences)),
@@ -102,9 +109,12 @@ def measure(sequences, heads: int, dim: int, device, dtype, repeats: int) -> dic
         "levels": forest.num_levels,
         "segments": forest.num_segments,
         "varlen": recurrent._use_varlen(kernel, device),
-        "by_level_s": _time(by_level, repeats, device),
+        "by_level_s": by_level_s,
         "one_call_s": _time(one_call, repeats, device),
+        "kernels": gdn_kernels.describe(probe.calls),
     }
+    if route is not None and (problem := gdn_kernels.route_problem(route, probe.calls)) is not None:
+        result["route_problem"] = problem
     result["by_level_over_one_call"] = result["by_level_s"] / result["one_call_s"] - 1
     result["per_level_ms"] = 1e3 * (result["by_level_s"] - result["one_call_s"]) / forest.num_levels
     if result["varlen"]:
@@ -124,21 +134,36 @@ def main():
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--scale", type=float, default=0.1, help="multiply every length of the workloads")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--gdn-route",
+        choices=gdn_kernels.ROUTES,
+        default=None,
+        help="Gated DeltaNet kernels on CUDA (benchmarks/gdn_kernels.py; default: as resolved)",
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     device = torch.device(args.device)
+    route = contextlib.nullcontext()
+    if args.gdn_route is not None:
+        if (reason := gdn_kernels.unavailable(args.gdn_route, args.dim, torch.bfloat16, lift_guard=True)) is not None:
+            raise SystemExit(f"--gdn-route {args.gdn_route}: {reason}")
+        route = gdn_kernels.select(args.gdn_route, lift_guard=True)
+    gdn_kernels.install_probes()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     rng = random.Random(0)
     cpu = f"cpu ({torch.get_num_threads()} threads)"
     workloads = {"agent_20_turns": agent_tree(rng, args.scale), "grpo_G16_P4096_C512": grpo_group(rng, args.scale)}
+    with route:
+        runs = {name: measure(seqs, args.heads, args.dim, device, dtype, args.repeats, args.gdn_route)
+                for name, seqs in workloads.items()}  # fmt: skip
     results = {
         "command": "python " + " ".join(sys.argv),
         "device": torch.cuda.get_device_name() if device.type == "cuda" else cpu,
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
-                     "python": platform.python_version()},  # fmt: skip
-        "heads": args.heads, "dim": args.dim, "dtype": str(dtype), "scale": args.scale,
-        "runs": {name: measure(seqs, args.heads, args.dim, device, dtype, args.repeats)
-                 for name, seqs in workloads.items()},
+                     "python": platform.python_version(),
+                     **{k: v for k, v in gdn_kernels.versions().items() if k not in ("torch", "transformers", "gpu")}},
+        "gdn_route": args.gdn_route, "heads": args.heads, "dim": args.dim, "dtype": str(dtype), "scale": args.scale,
+        "runs": runs,
     }  # fmt: skip
     for name, run in results["runs"].items():
         line = f"{name:<22} levels {run['levels']:>3}  tree tokens {run['tree_tokens']:>6}"
@@ -146,7 +171,7 @@ def main():
         line += f"  (+{100 * run['by_level_over_one_call']:.1f}%, {run['per_level_ms']:.2f} ms/level)"
         if "one_level_s" in run:
             line += f"  one level {run['one_level_s']:.4f}s (+{100 * run['by_level_over_one_level']:.1f}%)"
-        print(line, flush=True)
+        print(line + f"  [{run['kernels']}]" + ("  KERNEL MISMATCH" if "route_problem" in run else ""), flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)

@@ -32,23 +32,34 @@ forward, the policy forward and the backward; recompute not counted) / time / `P
 
 For hybrids each tree run is also timed with every segment made a root ("tree_one_level": the same tokens and
 kernels in one call per layer, wrong states — timing only): `level_overhead` = the share of the tree's time that
-going level by level costs. Only with flash-linear-attention installed: without a varlen kernel one call pads
-every segment to the longest, which is no level cost (benchmarks/bench_levels.py measures it kernel by kernel).
+going level by level costs. Only with a varlen Gated DeltaNet kernel (flash-linear-attention): without one, one
+call pads every segment to the longest, which is no level cost (benchmarks/bench_levels.py measures it kernel by
+kernel).
+
+`--gdn-route` picks the Gated DeltaNet kernels of every method alike (`benchmarks/gdn_kernels.py`: torch,
+flash_qla, fla_tilelang, fla_triton; default: whatever transformers resolved). Each method's `gdn_kernels` records the
+kernels its timed steps really called (counted at the kernels' entry points), and `gdn_route_problem` any call that
+was not the route's.
+
+    python benchmarks/bench_tree_vs_flat.py --models qwen3.5-0.8b --workloads grpo_G16_P4096_C512 --scale 0.5 \
+        --gdn-route flash_qla --out benchmarks/results/tree_vs_flat_h200_qwen3.5-0.8b_flash_qla.json
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
-import importlib.util
 import json
 import platform
 import random
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 
+import gdn_kernels
 import torch
 import transformers
 from transformers import AutoModelForCausalLM, Gemma3TextConfig, Qwen3_5TextConfig, Qwen3Config
@@ -63,7 +74,7 @@ from hf_tree_attn.recompute import (
     recompute_only,
     unpriced_reason,
 )
-from hf_tree_attn.recurrent import tree_layer_types
+from hf_tree_attn.recurrent import _use_varlen, tree_layer_types
 from hf_tree_attn.tree import PackedForest
 
 # H200 SXM dense bf16 tensor-core peak (NVIDIA's datasheet gives 1,979 TFLOPS with 2:4 sparsity; dense is half).
@@ -404,23 +415,39 @@ METHODS = {"flat_padded": flat_padded_step, "flat_packed": flat_packed_step, "tr
 FALLBACK_RATIO = 0.9  # TreeGRPOConfig.tree_max_token_ratio's default
 
 
+GDN_ROUTE: str | None = None  # `--gdn-route`, checked against the kernels each method calls
+
+
 def time_method(fn, model, wl, budget, device, repeats: int) -> dict:
     fn(model, wl, budget, device)  # warm-up: compiles, allocator
     model.zero_grad(set_to_none=True)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     times, extras = [], []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        extras.append(fn(model, wl, budget, device))
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-        model.zero_grad(set_to_none=True)
+    with gdn_kernels.KernelProbe() as probe:
+        for _ in range(repeats):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            extras.append(fn(model, wl, budget, device))
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+            model.zero_grad(set_to_none=True)
     out = {"time_s": statistics.median(times), "times_s": times, "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
     for key in extras[0]:
         out[key] = statistics.median(e[key] for e in extras)
+    if probe.calls:  # a model with Gated DeltaNet layers: which kernels the timed steps called
+        out["gdn_kernels"] = gdn_kernels.describe(probe.calls)
+        out["gdn_calls"] = dict(probe.calls)
+        if GDN_ROUTE is not None and (problem := gdn_kernels.route_problem(GDN_ROUTE, probe.calls)) is not None:
+            out["gdn_route_problem"] = problem
     return out
+
+
+def gdn_varlen(model) -> bool:
+    """Whether the model's Gated DeltaNet layers run varlen kernel calls (one per level, no padding)."""
+    modules = {type(m).__module__ for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")}
+    kernels = [sys.modules[name].torch_chunk_gated_delta_rule.tree_original for name in modules]
+    return any(_use_varlen(kernel, torch.device("cuda")) for kernel in kernels)
 
 
 def grad_probe(model, fn, wl, budget, device) -> torch.Tensor:
@@ -565,8 +592,26 @@ def main():
     )
     parser.add_argument("--flex-kernel-options", type=json.loads, default=None,
                         help='FlexAttention kernel_options as JSON, e.g. {"BLOCK_M": 128, "BLOCK_N": 64}')  # fmt: skip
+    parser.add_argument(
+        "--gdn-route",
+        choices=["installed", *gdn_kernels.ROUTES],
+        default="installed",
+        help="Gated DeltaNet kernels for every method (benchmarks/gdn_kernels.py); fla_triton lifts fla's Hopper "
+        "refusal, which the models' K = 128 tiles allow",
+    )
     parser.add_argument("--out", default="benchmarks/results/tree_vs_flat.json")
     args = parser.parse_args()
+    global GDN_ROUTE
+    stack = contextlib.ExitStack()
+    if args.gdn_route != "installed":
+        for name in args.models:
+            head_dim = MODELS[name].get("linear_key_head_dim")
+            if head_dim is not None and (reason := gdn_kernels.unavailable(args.gdn_route, head_dim, torch.bfloat16,
+                                                                           lift_guard=True)):  # fmt: skip
+                raise SystemExit(f"--gdn-route {args.gdn_route} cannot run {name} here: {reason}")
+        GDN_ROUTE = args.gdn_route
+        stack.enter_context(gdn_kernels.select(args.gdn_route, lift_guard=True))
+    gdn_kernels.install_probes()
 
     device = torch.device("cuda")
     MaskTimer.install()
@@ -577,13 +622,16 @@ def main():
         workloads = [w for w in workloads if w.name in args.workloads]
 
     results = {
-        "command": "python " + " ".join(__import__("sys").argv),
+        "command": "python " + " ".join(sys.argv),
         "gpu": torch.cuda.get_device_name(),
         "versions": {
             "torch": torch.__version__,
             "transformers": transformers.__version__,
             "python": platform.python_version(),
+            **{k: v for k, v in gdn_kernels.versions().items() if k not in ("torch", "transformers", "gpu")},
         },  # fmt: skip
+        "gdn_route": args.gdn_route,
+        "gdn_resolved": gdn_kernels.resolved_kernels(),
         "max_tokens_per_mb": args.max_tokens_per_mb,
         "kernels": {
             "liger": args.liger,
@@ -623,8 +671,8 @@ def main():
                 run[method] = time_method(fn, model, wl, args.max_tokens_per_mb, device, args.repeats)
                 probes[method] = grad_probe(model, fn, wl, args.max_tokens_per_mb, device)
                 run[method]["mfu"] = model_flops(method, run[method], flops) / run[method]["time_s"] / PEAK_FLOPS
-            if hybrid and importlib.util.find_spec("fla") is not None:  # the cost of going level by level: same
-                # tokens and kernels, one varlen call per layer
+            if hybrid and gdn_varlen(model):  # the cost of going level by level: same tokens and kernels, one
+                # varlen call per layer
                 one_level = functools.partial(tree_step, one_level=True)
                 run["tree_one_level"] = time_method(one_level, model, wl, args.max_tokens_per_mb, device, args.repeats)
                 run["level_overhead"] = 1 - run["tree_one_level"]["time_s"] / run["tree"]["time_s"]
@@ -658,6 +706,8 @@ def main():
                   f"{100 * run['pack_and_mask_share']:>8.1f}% {tree['grad_cos_vs_flat_padded']:>8.5f} "
                   f"{100 * tree['mfu']:>7.1f}% {100 * best_flat_mfu:>5.1f}%"
                   + (f"  levels {tree.get('levels')}" if hybrid else "")
+                  + (f"  [{tree['gdn_kernels']}]" if "gdn_kernels" in tree else "")
+                  + ("  KERNEL MISMATCH" if any("gdn_route_problem" in run[m] for m in methods) else "")
                   + (f", by level +{100 * run['level_overhead']:.1f}%" if "level_overhead" in run else "")
                   + (f"  vs tree_flex {run['speedup_vs_tree_flex']:.3f}x (mfu {100 * run['tree_flex']['mfu']:.1f}%)"
                      if args.compare_flex else "")
@@ -671,6 +721,7 @@ def main():
                       f"speed, mfu {100 * other['mfu']:.1f}%, {100 * other.get('checkpointed_layers', 1):.0f}% of "
                       f"layers checkpointed, peak {other['peak_gib']:.1f} GiB (default {tree['peak_gib']:.1f}, flat "
                       f"padded {run['flat_padded']['peak_gib']:.1f})", flush=True)  # fmt: skip
+            results["fla_log"] = gdn_kernels.fla_log()
             with open(args.out, "w") as f:
                 json.dump(results, f, indent=1)
         if args.e2e:
@@ -683,6 +734,7 @@ def main():
         torch.cuda.empty_cache()
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
+    stack.close()
 
 
 if __name__ == "__main__":

@@ -1,11 +1,11 @@
-"""Model-FLOPs utilisation of `bench_tree_vs_flat.py` results recorded before the benchmark reported it (CPU only).
+"""Model-FLOPs utilisation of `bench_tree_vs_flat.py` result files that do not record it (CPU only).
 
 Rebuilds each run's workload from its recorded scale (the benchmark's workloads are seeded), prices it with
 `estimate_flops`, and divides 4 forwards' model FLOPs (old-logprob forward, policy forward, backward; recompute not
 counted) by the recorded time and `PEAK_FLOPS` — the same definition as the benchmark's `mfu`.
 
-    cd benchmarks/results && python ../mfu_of_results.py tree_vs_flat_h200_qwen3-1.7b.json:0.5 \\
-        tree_vs_flat_h200_qwen3-1.7b_agent.json:0.5 tree_vs_flat_h200_qwen3-8b.json:0.25
+    cd benchmarks/results && python ../mfu_of_results.py tree_vs_flat_h200_qwen3-1.7b_agent.json:0.5 \\
+        tree_vs_flat_h200_qwen3-8b.json:0.25
 """
 
 from __future__ import annotations

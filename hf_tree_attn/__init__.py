@@ -17,7 +17,16 @@ _register_recurrent()
 
 __version__ = "0.1.0"
 
-_TRAINER_CLASSES = ("TreeGRPOConfig", "TreeGRPOTrainer")
+_TRAINER_CLASSES = (
+    "TreeAsyncGRPOConfig",
+    "TreeAsyncGRPOTrainer",
+    "TreeDPOConfig",
+    "TreeDPOTrainer",
+    "TreeGRPOConfig",
+    "TreeGRPOTrainer",
+    "TreeSFTConfig",
+    "TreeSFTTrainer",
+)
 
 
 def __getattr__(name: str):
@@ -32,10 +41,16 @@ def __getattr__(name: str):
 __all__ = [
     "ATTN_IMPLEMENTATION",
     "PackedForest",
+    "TreeAsyncGRPOConfig",
+    "TreeAsyncGRPOTrainer",
+    "TreeDPOConfig",
+    "TreeDPOTrainer",
     "TreeDataCollator",
     "TreeGRPOConfig",
     "TreeGRPOTrainer",
     "TreeMicroBatch",
+    "TreeSFTConfig",
+    "TreeSFTTrainer",
     "check_tree_model",
     "estimate_flops",
     "forest_logprobs",

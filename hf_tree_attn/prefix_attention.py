@@ -65,7 +65,7 @@ if MODE is None:
         f"HF_TREE_ATTN_PREFIX_ATTENTION={os.environ['HF_TREE_ATTN_PREFIX_ATTENTION']!r}: use auto, always or never."
     )
 
-# `fast_on_cuda`'s rule, from `benchmarks/results/prefix_attention_h200.json` and `..._s8_first.json` (two runs; H200,
+# `fast_on_cuda`'s rule, from `benchmarks/results/prefix_attention_h200.json` and `..._repeat.json` (two runs; H200,
 # torch 2.11, cuDNN 9.19; attention alone, forward twice + backward once as in a training step, Qwen3 heads). Each
 # tree costs the kernels ~0.5 ms per forward whatever its size (the host's time to issue three cuDNN calls and a
 # merge, `prefix_attention_parts_h200.json`), so they lose on small trees: 8 trees

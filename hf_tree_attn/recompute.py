@@ -50,6 +50,7 @@ __all__ = [
     "activation_bytes",
     "attention_output_bytes",
     "checkpoint_count",
+    "checkpoint_fits",
     "keeps_attention",
     "layers_to_checkpoint",
     "recompute_only",
@@ -134,11 +135,14 @@ def layers_to_checkpoint(
     checkpointed layers keep more than flat's."""
     budget = max(flat_tokens * (num_layers * checkpointed + whole), budget_bytes)
     for count in range(num_layers + 1):
-        transient = whole if count else 0  # a checkpointed layer is rebuilt whole during the backward
-        kept = count * (checkpointed + kept_attention) + (num_layers - count) * whole + transient
-        if tree_tokens * kept <= budget:
+        if tree_tokens * _kept_bytes(num_layers, count, whole, checkpointed, kept_attention) <= budget:
             return count
     return num_layers
+
+
+def _kept_bytes(num_layers: int, count: int, whole: int, checkpointed: int, kept_attention: int) -> int:
+    transient = whole if count else 0  # a checkpointed layer is rebuilt whole during the backward
+    return count * (checkpointed + kept_attention) + (num_layers - count) * whole + transient
 
 
 def checkpoint_count(
@@ -158,6 +162,25 @@ def checkpoint_count(
     return layers_to_checkpoint(
         config.num_hidden_layers, tree_tokens, flat_tokens, whole, kept, attention, budget_bytes=budget_bytes
     )
+
+
+def checkpoint_fits(
+    config,
+    tree_tokens: int,
+    flat_tokens: int,
+    count: int,
+    dtype_bytes: int = 2,
+    keep_attention: bool = False,
+    budget_gib: float | None = None,
+) -> bool:
+    """Whether `count` checkpointed layers (keeping their attention outputs if `keep_attention`) hold the
+    activations of `tree_tokens` within `checkpoint_count`'s bound: `checkpoint_count` answers every layer both when
+    every layer fits and when nothing does."""
+    whole, kept = activation_bytes(config, dtype_bytes=dtype_bytes)
+    attention = attention_output_bytes(config, dtype_bytes) if keep_attention else 0
+    layers = config.num_hidden_layers
+    budget = max(flat_tokens * (layers * kept + whole), int((budget_gib or 0) * 2**30))
+    return tree_tokens * _kept_bytes(layers, count, whole, kept, attention) <= budget
 
 
 def spread(num_layers: int, count: int) -> list[bool]:

@@ -176,6 +176,57 @@ def test_loss_and_grads_match_flat_trainer(tiny, tmp_path, loss_type, beta, num_
         assert len(tree._metrics["train"]["tree_token_ratio"]) == 1  # the forest was built once
 
 
+# TRL's precisions: (weights dtype, `bf16=` i.e. accelerate's bf16 autocast around the forward).
+PRECISIONS = {"fp32+bf16autocast": (torch.float32, True), "bf16+bf16autocast": (torch.bfloat16, True)}
+PRECISIONS["bf16"] = (torch.bfloat16, False)
+
+
+def _loss_and_grads_as_trained(trainer, inputs):
+    """`_loss_and_grads` with the forward under the trainer's autocast, as accelerate wraps a prepared model's
+    forward in `train()` (`bf16=True`: `torch.autocast` to bf16, on the CPU too)."""
+    trainer.model.zero_grad(set_to_none=True)
+    assert trainer.accelerator.mixed_precision == ("bf16" if trainer.args.bf16 else "no")
+    with trainer.accelerator.autocast():
+        loss = trainer.compute_loss(trainer.model, inputs)
+    loss.backward()
+    grads = {name: p.grad.float() for name, p in trainer.model.named_parameters() if p.grad is not None}
+    return loss.detach().float(), grads
+
+
+@pytest.mark.parametrize("two_level", [True, False], ids=["prefix-kernels", "dense-mask"])
+@pytest.mark.parametrize("loss_type, beta, num_iterations", [("dapo", 0.04, 2), ("grpo", 0.0, 1)])
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_loss_and_grads_match_flat_trainer_under_mixed_precision(
+    tiny, tmp_path, precision, loss_type, beta, num_iterations, two_level
+):
+    """As TRL trains (`bf16=True`: fp32 or bf16 weights under bf16 autocast; or bf16 weights alone), the tree's loss
+    and gradients are as close to the float32 ones as TRL's flat trainer's under the same precision: within twice
+    its error plus one bf16 rounding (see tests/test_precision.py for why that bound). The batch's forest laid out
+    two-level (the shared-prefix kernels) or as its trie (the dense mask)."""
+    weights, autocast = PRECISIONS[precision]
+    overrides = dict(loss_type=loss_type, beta=beta, num_iterations=num_iterations)
+    _, reference = _pair(tiny, tmp_path / "fp32", **overrides)
+    tree, flat = _pair(tiny, tmp_path, **overrides, bf16=autocast, model_init_kwargs={"dtype": weights})
+    assert next(tree.model.parameters()).dtype == weights
+    tree._tree_collator.two_level = two_level
+    inputs = _inputs(reference, reference, tiny[1], beta, num_iterations)
+    ref_loss, ref_grads = _loss_and_grads(reference, inputs)
+    (tree_loss, tree_grads), (flat_loss, flat_grads) = (_loss_and_grads_as_trained(t, inputs) for t in (tree, flat))
+    u = torch.finfo(torch.bfloat16).eps / 2
+
+    def grad_error(grads):
+        diff = sum(float((grads[n] - g).square().sum()) for n, g in ref_grads.items())
+        return (diff / sum(float(g.square().sum()) for g in ref_grads.values())) ** 0.5
+
+    flat_error, tree_error = float((flat_loss - ref_loss).abs()), float((tree_loss - ref_loss).abs())
+    assert tree_error <= 2 * flat_error + u * float(ref_loss.abs()), (tree_error, flat_error)
+    assert tree_grads.keys() == ref_grads.keys()
+    assert grad_error(tree_grads) <= 2 * grad_error(flat_grads) + u, (grad_error(tree_grads), grad_error(flat_grads))
+    assert tree._metrics["train"]["tree_fallback"] == [0.0]
+    (forest,) = (mb.forest for mb, *_ in next(iter(tree._tree_cache.values())))
+    assert (forest.prefix_plan is not None) == two_level
+
+
 @pytest.fixture(scope="module")
 def tiny_hybrid(tmp_path_factory):
     """The embedded task's tiny Qwen3.5 (a Gated DeltaNet layer, then full attention) + char tokenizer, saved."""
@@ -345,10 +396,13 @@ def test_fsdp_activation_checkpointing_conflict_is_flagged(tmp_path, monkeypatch
         _config(TreeGRPOConfig, tmp_path, gradient_checkpointing=True)
 
 
-def _tree_trainer(model, tmp_path, tokenizer, **overrides):
+def _tree_trainer(model, tmp_path, tokenizer, rollout_func=None, **overrides):
     args = _config(TreeGRPOConfig, tmp_path, **overrides)
     dataset = toy_task.build_dataset(8)
-    return TreeGRPOTrainer(model, toy_task.copy_letter_reward, args, train_dataset=dataset, processing_class=tokenizer)
+    return TreeGRPOTrainer(
+        model, toy_task.copy_letter_reward, args, train_dataset=dataset, processing_class=tokenizer,
+        rollout_func=rollout_func,
+    )  # fmt: skip
 
 
 def test_split_groups_are_warned_about_with_the_fix(tiny, tmp_path):
@@ -378,6 +432,53 @@ def test_attention_implementation_is_selected_or_refused(tiny, tmp_path):
     assert not trainer.tree_packing and model.config._attn_implementation == "flex_attention"
     with pytest.raises(TypeError, match="TreeGRPOConfig"):
         TreeGRPOTrainer(path, toy_task.copy_letter_reward, _config(GRPOConfig, tmp_path))
+
+
+@pytest.mark.parametrize(
+    "prompt_ids, completion_ids, match",
+    [
+        ([[5, 6], [5, 6]], [[7], []], r"returned an empty completion for sample 1 .*Return the EOS token"),
+        ([[5, 6], []], [[7], [8]], r"rollout_func returned an empty prompt for sample 1 .*at least one token"),
+    ],
+    ids=["empty-completion", "empty-prompt"],
+)
+def test_empty_rollouts_are_refused_naming_the_sample(tiny, tmp_path, prompt_ids, completion_ids, match):
+    """A `rollout_func` that returns an empty completion (TRL: IndexError in its metrics) or an empty prompt (TRL:
+    the first completion token scored from a padding position) is stopped with the sample and the fix."""
+    calls = []
+
+    def rollout_func(prompts, trainer):
+        calls.append(prompts)
+        logprobs = [[0.0] * len(c) for c in completion_ids]
+        return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": logprobs}
+
+    path, tokenizer = tiny
+    trainer = _tree_trainer(path, tmp_path, tokenizer, rollout_func=rollout_func)
+    with pytest.raises(ValueError, match=match):
+        trainer._generate(["a", "b"])
+    assert calls == [["a", "b"]] and trainer.rollout_func.__wrapped__ is rollout_func
+
+
+@pytest.mark.parametrize(
+    "config_field, init_kwargs, expected",
+    [(True, {}, True), (False, {}, False), (False, {"trust_remote_code": True}, True)],
+)
+def test_trust_remote_code_reaches_the_config_check(tiny, tmp_path, monkeypatch, config_field, init_kwargs, expected):
+    """The gate reads a model path's config as TRL then loads it: `trust_remote_code` from `model_init_kwargs`, else
+    `GRPOConfig.trust_remote_code` (a remote-code model refused its config before TRL could load it)."""
+    from hf_tree_attn.trainer import grpo_trainer
+
+    seen = {}
+    real = grpo_trainer.AutoConfig.from_pretrained
+
+    def from_pretrained(path, **kwargs):
+        seen.update(kwargs)
+        return real(path, **{k: v for k, v in kwargs.items() if k != "trust_remote_code"})
+
+    monkeypatch.setattr(grpo_trainer.AutoConfig, "from_pretrained", from_pretrained)
+    args = _config(TreeGRPOConfig, tmp_path, trust_remote_code=config_field, model_init_kwargs=init_kwargs)
+    grpo_trainer._select_tree_attention(tiny[0], args)
+    assert seen["trust_remote_code"] is expected
 
 
 def _tiny_family_model(model_type: str, tokenizer):

@@ -4,8 +4,8 @@ The matrix: precision (fp32 weights under bf16 / fp16 autocast, bf16 weights wit
 checkpointing (none; every layer, as `tree_recompute="all"`; one layer of two keeping the shared-prefix kernels'
 attention, as `"auto"`) x attention path (the shared-prefix kernels on a two-level forest; the dense mask + SDPA on
 a deep one; FlexAttention on CUDA) x models (Qwen3: q / k norms keep float32 under autocast beside bf16
-projections; Gemma 2: softcap, eager math; a sink model; a Gated DeltaNet hybrid and a Mamba-2 hybrid: the segment
-scans).
+projections; Gemma 2: softcap, eager math; GPT-OSS: sinks; the segment scans of a Gated DeltaNet hybrid, a Mamba-2
+hybrid and a short-convolution hybrid).
 
 Tolerance, from the dtype and the computation: tree and flat under precision P are two roundings of the same
 float32 function, each off the float32 value by the precision's own error. So the tree must be no farther from
@@ -34,7 +34,8 @@ PRECISIONS = {  # name: (weights dtype, autocast dtype or None)
     "bf16+bf16autocast": (torch.bfloat16, torch.bfloat16),
 }
 CHECKPOINTING = ("none", "all", "auto")
-MODELS = ("qwen3", "gemma2", "gpt_oss", "qwen3_5", "nemotron_h")
+MODELS = ("qwen3", "gemma2", "gpt_oss", "qwen3_5", "nemotron_h", "lfm2")
+HYBRIDS = ("qwen3_5", "nemotron_h", "lfm2")
 
 
 def _unit_roundoff(precision: str) -> float:
@@ -45,7 +46,7 @@ def _unit_roundoff(precision: str) -> float:
 
 def _twins(name: str) -> tuple[torch.nn.Module, torch.nn.Module]:
     """`(tree_model, flat_model)`, fp32, identical weights; the flat one on transformers' stock attention."""
-    if name in ("qwen3_5", "nemotron_h"):
+    if name in HYBRIDS:
         return hybrid_twin_models(name)
     if name == "gpt_oss":  # attention sinks, alternating sliding windows, MoE
         config = GptOssConfig(

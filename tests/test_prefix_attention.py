@@ -186,7 +186,7 @@ def test_cuda_rule_picks_the_faster_kernel_where_measured():
     kernels): it chooses the shared-prefix kernels exactly where they were faster per training step (two forwards
     and one backward)."""
     results = Path(__file__).parents[1] / "benchmarks" / "results"
-    for file in ("prefix_attention_h200.json", "prefix_attention_h200_s8_first.json"):
+    for file in ("prefix_attention_h200.json", "prefix_attention_h200_repeat.json"):
         rows = json.loads((results / file).read_text())["rows"]
         assert len(rows) >= 5
         for name, row in rows.items():

@@ -17,6 +17,8 @@ from hf_tree_attn.logprobs import _final_hidden_states, forest_forward_kwargs, f
 from hf_tree_attn.recompute import (
     activation_bytes,
     attention_output_bytes,
+    checkpoint_count,
+    checkpoint_fits,
     keeps_attention,
     layers_to_checkpoint,
     recompute_only,
@@ -299,12 +301,12 @@ def test_trainer_keeps_attention_exactly(tiny, tmp_path, monkeypatch):  # noqa: 
     attention and run no kernel again in the backward; loss and gradients are exactly those of "all"."""
     import test_grpo_trainer
 
-    from hf_tree_attn.trainer import grpo_trainer
+    from hf_tree_attn.trainer import forest_step
 
     monkeypatch.setattr(test_grpo_trainer, "PROMPTS", ["id 1. letter: a", "xy 22. letter: b"])
     completions = ["abc", "bca", "cab", "dd", "ab", "ba", "c", "d"]
     monkeypatch.setattr(test_grpo_trainer, "COMPLETIONS", [(text, True, False) for text in completions])
-    monkeypatch.setattr(grpo_trainer, "checkpoint_count", lambda *args, **kwargs: 1)
+    monkeypatch.setattr(forest_step, "checkpoint_count", lambda *args, **kwargs: 1)
     calls = _kernel_calls(monkeypatch)
     results = {}
     for mode in ("all", "auto"):
@@ -446,3 +448,23 @@ def test_trainer_activation_budget_lowers_the_count():
     assert count(all_layers / 1000) == 4
     assert count(all_layers) == 0
     assert 0 < count(all_layers * 0.6) < 4  # a checkpointed layer keeps far less than a whole one
+
+
+def test_checkpoint_fits_tells_a_fit_from_no_fit():
+    """`checkpoint_count` answers every layer both when all of them fit and when nothing does; `checkpoint_fits`
+    tells the two apart, and agrees with the count wherever the count is below every layer."""
+    config = _qwen3(4).config
+    whole, _ = activation_bytes(config, dtype_bytes=2)
+    for tree_tokens, flat_tokens in [(100, 100), (100, 400), (400, 100), (128, 1000), (1000, 1000)]:
+        for keep in (False, True):
+            count = checkpoint_count(config, tree_tokens, flat_tokens, keep_attention=keep)
+            fits = checkpoint_fits(config, tree_tokens, flat_tokens, count, keep_attention=keep)
+            if count < config.num_hidden_layers:
+                assert fits
+            if count > 0:
+                assert not checkpoint_fits(config, tree_tokens, flat_tokens, count - 1, keep_attention=keep)
+    # Every layer checkpointed, each keeping its attention output: never within the same tokens' every-layer bound,
+    # within a budget that holds it.
+    layers = config.num_hidden_layers
+    assert not checkpoint_fits(config, 1000, 1000, layers, keep_attention=True)
+    assert checkpoint_fits(config, 1000, 1000, layers, keep_attention=True, budget_gib=1000 * layers * whole / 2**30)

@@ -1,9 +1,37 @@
 """TRL trainers on packed prefix trees (needs `trl`: `pip install hf_tree_attn[train]`).
 
-`hf_tree_attn` itself imports without trl; this subpackage is where the trl-dependent classes live.
+`hf_tree_attn` itself imports without trl; this subpackage is where the trl-dependent classes live. The asynchronous
+trainer builds on `trl.experimental`, which warns on import: it is loaded on first use.
 """
 
+from .dpo_config import TreeDPOConfig
+from .dpo_trainer import TreeDPOTrainer
 from .grpo_config import TreeGRPOConfig
 from .grpo_trainer import TreeGRPOTrainer
+from .sft_config import TreeSFTConfig
+from .sft_trainer import TreeSFTTrainer
 
-__all__ = ["TreeGRPOConfig", "TreeGRPOTrainer"]
+_ASYNC_CLASSES = {
+    "TreeAsyncGRPOConfig": "async_grpo_config",
+    "TreeAsyncGRPOTrainer": "async_grpo_trainer",
+}
+
+
+def __getattr__(name: str):
+    if name in _ASYNC_CLASSES:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_ASYNC_CLASSES[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = [
+    "TreeAsyncGRPOConfig",
+    "TreeAsyncGRPOTrainer",
+    "TreeDPOConfig",
+    "TreeDPOTrainer",
+    "TreeGRPOConfig",
+    "TreeGRPOTrainer",
+    "TreeSFTConfig",
+    "TreeSFTTrainer",
+]

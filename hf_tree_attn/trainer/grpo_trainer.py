@@ -7,7 +7,8 @@ forest instead of one padded row per completion. Everything else — generation,
 built once per generation batch and reused by the old-policy, reference and every policy forward
 (`num_iterations`). `_prepare_inputs` is overridden only to keep each prompt's completions in one micro-batch
 (drawing TRL's own shuffle, so a seed gives TRL's run), `_generate_single_turn` only to run transformers'
-continuous batching with a stock attention, and `save_model` / `create_model_card` to write TRL's model card with
+continuous batching with a stock attention and to refuse empty prompts or completions (as a `rollout_func`'s
+output is checked, `rollouts.py`), and `save_model` / `create_model_card` to write TRL's model card with
 the tree settings.
 
 Two additions leave the math unchanged: with several processes, whole groups move between ranks after generation
@@ -18,7 +19,6 @@ only the layers its memory needs (`tree_recompute`, `hf_tree_attn.recompute`).
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import logging
 import os
@@ -35,10 +35,8 @@ from trl.trainer.utils import split_pixel_values_by_grid, split_tensor_dict, uns
 
 from ..attention import ATTN_IMPLEMENTATION
 from ..collator import TreeDataCollator
-from ..logprobs import forest_logprobs, tree_router_aux_loss
+from ..logprobs import forest_logprobs
 from ..metrics import estimate_flops
-from ..prefix_attention import serves
-from ..recompute import _checkpointed_layers, checkpoint_count, keeps_attention, recompute_only, unpriced_reason
 from ..support import (
     check_tree_model,
     config_support_error,
@@ -63,7 +61,10 @@ from .balance import (
     split_micro_batches,
     step_imbalance,
 )
+from .forest_step import _log_once, recompute_plan, score_forests
 from .grpo_config import TreeGRPOConfig, _balance_refusal
+from .reward import tree_reward_models
+from .rollouts import check_rollouts, checked_rollout_func
 
 __all__ = ["TreeGRPOTrainer", "micro_batch_order", "stock_attention"]
 
@@ -127,6 +128,8 @@ class TreeGRPOTrainer(GRPOTrainer):
                 f"tree_packing='auto': {reason} Training on TRL's flat path instead (logged as tree_fallback=1).",
                 stacklevel=2,
             )
+        if self.rollout_func is not None:  # an empty prompt or completion is named before TRL's code trips on it
+            self.rollout_func = checked_rollout_func(self.rollout_func, self._tokenizer.decode)
         message = liger_with_compile_warning(args, getattr(self.accelerator.state, "dynamo_plugin", None))
         if message is not None:
             warnings.warn(message, stacklevel=2)
@@ -298,6 +301,18 @@ class TreeGRPOTrainer(GRPOTrainer):
                 moved[key] = moved[key][:, :completion_keep]
         return split_micro_batches(moved, len(micro_batches))
 
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        """TRL's reward computation; sequence-classification reward models score the batch on packed trees (each
+        prompt once for its group's completions; `reward.py`), equal to TRL's per-completion forwards."""
+        args = (inputs, prompts, completions, completion_ids_list)
+        if self.args.tree_packing is False:
+            return super()._calculate_rewards(*args)
+        mode = "train" if self.model.training else "eval"
+        record = lambda name, value: self._metrics[mode][name].append(value)  # noqa: E731
+        # One forest (no token budget): never larger than TRL's padded batch, and one forward per rank as in TRL.
+        with tree_reward_models(self.reward_funcs, None, self.args.tree_max_token_ratio, record):
+            return super()._calculate_rewards(*args)
+
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         """TRL's generation; transformers' continuous batching runs with `tree_flex`'s stock twin, then switches back.
 
@@ -305,12 +320,16 @@ class TreeGRPOTrainer(GRPOTrainer):
         Outside a tree `tree_flex` computes exactly what `sdpa` does (`eager` for attention-softcapping models),
         so generating with that implementation changes nothing. HF `generate` (static cache included) and vLLM need
         no switch: the former runs `tree_flex` as `sdpa`, the latter never sees the training model's attention.
+        An empty prompt or completion is refused here, naming the sample (`check_rollouts`).
         """
         args = (prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
         if not (self.tree_packing and self.use_transformers_continuous_batching):
-            return super()._generate_single_turn(*args)
-        with stock_attention(self.accelerator.unwrap_model(self.model)):
-            return super()._generate_single_turn(*args)
+            completion_ids, logprobs = super()._generate_single_turn(*args)
+        else:
+            with stock_attention(self.accelerator.unwrap_model(self.model)):
+                completion_ids, logprobs = super()._generate_single_turn(*args)
+        check_rollouts(prompt_ids, completion_ids, "generation", self._tokenizer.decode)
+        return completion_ids, logprobs
 
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
         """TRL's model card (`README.md` in `output_dir`), plus a section with the tree-packing settings."""
@@ -556,65 +575,25 @@ class TreeGRPOTrainer(GRPOTrainer):
         device = self.accelerator.device
         logps = torch.zeros(num_rows, logits_to_keep, dtype=torch.float32, device=device)
         entropies = torch.zeros_like(logps) if compute_entropy else None
-        router_logits = []
-        count, keep_attention = self._layers_to_checkpoint(packed)
-        with recompute_only(model, count, keep_attention=keep_attention):
-            for mb, rows, row_of, col_of, source_rows in packed:
-                with self.accelerator.autocast():
-                    table, entropy_table, *router = forest_logprobs(
-                        model, mb.forest, rows=rows, temperature=self.temperature, return_entropy=compute_entropy,
-                        return_router_logits=compute_aux_loss,
-                    )  # fmt: skip
-                router_logits += router
-                logps = logps.index_put((row_of, col_of), table[source_rows])
-                if compute_entropy:
-                    entropies = entropies.index_put((row_of, col_of), entropy_table[source_rows])
-        aux_loss = None
-        if compute_aux_loss:
-            aux_loss = tree_router_aux_loss(model, [mb.forest for mb, *_ in packed], router_logits)
+        tables, entropy_tables, aux_loss = score_forests(
+            model, [mb.forest for mb, *_ in packed], [rows for _, rows, *_ in packed], temperature=self.temperature,
+            autocast=self.accelerator.autocast, compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss,
+            recompute=self._layers_to_checkpoint(packed),
+        )  # fmt: skip
+        for (_, _, row_of, col_of, source_rows), table, entropy_table in zip(packed, tables, entropy_tables):
+            logps = logps.index_put((row_of, col_of), table[source_rows])
+            if compute_entropy:
+                entropies = entropies.index_put((row_of, col_of), entropy_table[source_rows])
         return logps, entropies, aux_loss
 
     def _layers_to_checkpoint(self, packed: list) -> tuple[int | None, bool]:
-        """`(count, keep_attention)`: how many checkpointed decoder layers the policy forward of one chunk's forests
-        recomputes, and whether those keep the shared-prefix kernels' outputs.
-
-        `tree_recompute="auto"`: as few as keep the forests' activations within those of the flat forward of the same
-        sequences (unpadded, so stricter than TRL's padded rows) with every layer checkpointed, or within
-        `tree_activation_budget_gib` where that is more, and attention kept
-        where the kernels serve a forest and the model's checkpoint allows it (`recompute.py`). None = leave the
-        model's checkpointing as it is ("all", or a forward without gradients).
-        """
-        if self.args.tree_recompute == "all" or not self.args.gradient_checkpointing:
-            return None, False
-        if not (self.model.training and torch.is_grad_enabled()):
-            return None, False
-        model = self.accelerator.unwrap_model(self.model)
-        config = model.config.get_text_config()
-        if self._unpriced is None:  # once per run: the layers do not change
-            layers = {type(m): m for m in _checkpointed_layers(model)}.values()
-            reasons = [r for r in (unpriced_reason(config, m) for m in layers or [None]) if r is not None]
-            self._unpriced = reasons[0] if reasons else ""
-            if reasons:
-                _log_once(
-                    logging.INFO,
-                    f"tree_recompute='auto' cannot bound this model's activations ({reasons[0]}): every checkpointed "
-                    "layer recomputes, as with tree_recompute='all' (logged as tree_checkpointed_layers=1).",
-                )
-        if self._unpriced:
-            self._metrics["train"]["tree_checkpointed_layers"].append(1.0)
-            return None, False
-        device = self.accelerator.device.type
-        keep = any(serves(mb.forest, device) for mb, *_ in packed) and keeps_attention(model)
-        tree_tokens = sum(mb.forest.seq_len for mb, *_ in packed)
+        """`(count, keep_attention)` for the policy forward of one chunk's forests (`forest_step.recompute_plan`),
+        bounded by the flat forward of the same sequences (unpadded, so stricter than TRL's padded rows) with every
+        layer checkpointed, or by `tree_activation_budget_gib` where that is more."""
         flat_tokens = sum(mb.forest.num_original_tokens for mb, *_ in packed)
-        count = checkpoint_count(
-            config, tree_tokens, flat_tokens, dtype_bytes=2 if self.args.bf16 or self.args.fp16 else 4,
-            keep_attention=keep, budget_gib=self.args.tree_activation_budget_gib,
-        )  # fmt: skip
-        if self._lockstep():  # the same layers recompute on every rank: the most any rank needs
+        count, keep = recompute_plan(self, [mb.forest for mb, *_ in packed], flat_tokens)
+        if count is not None and self._lockstep():  # the same layers recompute on every rank: the most any needs
             count = int(self.accelerator.gather(torch.tensor([count], device=self.accelerator.device)).max())
-        self._metrics["train"]["tree_checkpointed_layers"].append(count / config.num_hidden_layers)
-        self._metrics["train"]["tree_kept_attention"].append(float(keep))
         return count, keep
 
 
@@ -639,11 +618,6 @@ def liger_with_compile_warning(args, dynamo_plugin) -> str | None:
         "model's gradients against an eager run (benchmarks/grad_check.py in the hf_tree_attn repository), or turn "
         "one of the two off."
     )
-
-
-@functools.cache
-def _log_once(level: int, message: str) -> None:
-    logger.log(level, message)
 
 
 def micro_batch_order(permutation: torch.Tensor, num_batches: int) -> list[int]:
@@ -687,7 +661,8 @@ def _select_tree_attention(model, args: TreeGRPOConfig):
         config = AutoConfig.from_pretrained(
             model,
             revision=model_init_kwargs.get("revision"),
-            trust_remote_code=model_init_kwargs.get("trust_remote_code", False),
+            # As TRL loads it: `trust_remote_code` from model_init_kwargs, else the config's own field.
+            trust_remote_code=model_init_kwargs.get("trust_remote_code", getattr(args, "trust_remote_code", False)),
         )
         reason = config_support_error(config)
         if reason is not None:

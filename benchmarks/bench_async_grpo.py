@@ -1,0 +1,350 @@
+"""TreeAsyncGRPOTrainer vs TRL's own AsyncGRPOTrainer through `trainer.train()`, on the same replayed samples.
+
+Asynchronous GRPO (`trl.experimental.async_grpo`): a vLLM server generates while the trainer trains, so the trainer
+step is the step. Both trainers here get the same rollouts from `hf_tree_attn.trainer.replay.ReplayRolloutWorker`
+(no server; `NoWeightTransfer` syncs nothing) in the same order, through TRL's token-budget planner, so they train
+the same micro-batches. TRL's trainer packs each rank's samples into its own trie and attends with FlashAttention-3
+from the Hub, which the H200 cannot download: its side runs PyTorch's FlashAttention-2 varlen op instead
+(`torch.ops.aten._flash_attention_forward`, `tests/trl_varlen.py`), checked against a plain-torch reference first.
+The tree side runs `tree_flex` (FlexAttention, or the shared-prefix kernels where they are faster).
+
+Models: random bf16 weights from configs shaped like Qwen3-1.7B / 8B and Qwen3.5-0.8B / 2B (no download; the
+Qwen3.5 hybrids on the tree side alone: TRL refuses them, and its refusal is recorded). Everything else is TRL's
+default (`AsyncGRPOConfig`: gradient checkpointing, bf16 autocast, one micro-batch per step, its learning rate and
+optimizer), with `dtype="bfloat16"` weights and an explicit `token_budget`. Workloads:
+
+- `grpo_mixed`: groups of G=16 completions, prompts U[1000, 6000] tokens, completions U[64, 1024];
+- `grpo_P4096_C512`: G=16, 4,096-token prompts, 512-token completions;
+- `tau2_like`: conversations sharing a 4,800-token system prompt, U[10, 20] turns of a U[40, 200]-token message
+  and two U[80, 400]-token responses, each response a sample holding the whole history before it.
+
+Per side: the wall time of each optimizer step after `--warmup` steps (CUDA-synchronized; planner, collator,
+forward, backward, optimizer and weight sync included), trained tokens per second, MFU, peak memory. `mfu` counts
+the same model FLOPs for both sides: 3x the forward FLOPs of the step's samples as one prefix forest
+(`estimate_flops`' `tree_flops`; forward + backward, recompute not counted) per step second over 989 TFLOP/s;
+`trl_mfu_wall_clock` is TRL's own metric (its FLOP formula over each side's forwarded tokens). `--sides
+tree_budget` adds the tree with `tree_activation_budget_gib=--activation-budget-gib`: fewer layers recompute, at
+more memory (reported).
+
+    python benchmarks/bench_async_grpo.py --models qwen3-1.7b --workloads grpo_mixed tau2_like \\
+        --out benchmarks/results/async_grpo_h200_qwen3-1.7b.json
+    python benchmarks/bench_async_grpo.py --models qwen3.5-0.8b --workloads grpo_mixed --token-budget 16384
+    python benchmarks/bench_async_grpo.py --models tiny tiny-hybrid --scale 0.02 --token-budget 512   # CPU smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import math
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import AutoConfig, AutoModelForCausalLM, Qwen3_5TextConfig, Qwen3Config, TrainerCallback
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(REPO), str(REPO / "benchmarks"), str(REPO / "tests")]
+from bench_tree_vs_flat import CONFIG_CLASSES, MODELS, PEAK_FLOPS  # noqa: E402
+from trl_varlen import flash_varlen_attention, use_kernel, varlen_attention  # noqa: E402
+
+import hf_tree_attn  # noqa: E402
+from hf_tree_attn.metrics import estimate_flops  # noqa: E402
+from hf_tree_attn.trainer.replay import NoWeightTransfer, ReplayRolloutWorker, agent_samples, grpo_samples  # noqa: E402
+
+# Shapes to try the script on a CPU (`--models tiny tiny-hybrid --scale 0.02`).
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, vocab_size=1024, tie_word_embeddings=True)  # fmt: skip
+TINY_HYBRID = dict(TINY, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                   linear_value_head_dim=16, linear_conv_kernel_dim=4,
+                   layer_types=["linear_attention", "full_attention"])  # fmt: skip
+TRL_KERNEL = "torch.ops.aten._flash_attention_forward (PyTorch's FlashAttention-2 varlen op)"
+
+
+def workload(name: str, scale: float, vocab: int, seed: int = 0) -> tuple[list, dict]:
+    """The replayed samples of a workload (lengths times `scale`) and its spec."""
+    s = lambda n: max(1, round(n * scale))  # noqa: E731
+    if name == "grpo_mixed":
+        spec = {"G": 16, "prompt": f"U[{s(1000)},{s(6000)}]", "completion": f"U[{s(64)},{s(1024)}]"}
+        return grpo_samples(12, 16, (s(1000), s(6000)), (s(64), s(1024)), vocab, seed), spec
+    if name == "grpo_P4096_C512":
+        spec = {"G": 16, "prompt": s(4096), "completion": s(512)}
+        return grpo_samples(12, 16, (s(4096), s(4096)), (s(512), s(512)), vocab, seed), spec
+    if name == "tau2_like":
+        spec = {"system": s(4800), "turns": "U[10,20]", "message": f"U[{s(40)},{s(200)}]",
+                "response": f"U[{s(80)},{s(400)}]", "branches": 2}  # fmt: skip
+        return agent_samples(8, (10, 20), s(4800), (s(40), s(200)), (s(80), s(400)), vocab, seed=seed), spec
+    raise ValueError(f"unknown workload {name!r}")
+
+
+def model_config(name: str):
+    if name == "tiny":
+        return Qwen3Config(**TINY)
+    if name == "tiny-hybrid":
+        return Qwen3_5TextConfig(**TINY_HYBRID)
+    return CONFIG_CLASSES.get(name, Qwen3Config)(**MODELS[name])
+
+
+def build_tokenizer(vocab_size: int):
+    """Word-level `t0 .. t{V-1}` (t0 pad, t1 eos): TRL's constructor wants a tokenizer; nothing is decoded."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(vocab={f"t{i}": i for i in range(vocab_size)}, unk_token="t2"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0", eos_token="t1", padding_side="left")
+
+
+def build_from_config(model_id: str, **kwargs):
+    """Stands in for TRL's `create_model_from_path` (both sides): random weights from the saved config, seeded,
+    built on the GPU in the requested dtype (no weights are written or read)."""
+    config = AutoConfig.from_pretrained(model_id)
+    dtype = kwargs.get("dtype", "float32")
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    torch.manual_seed(0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(
+            copy.deepcopy(config), attn_implementation=kwargs["attn_implementation"], dtype=dtype
+        )
+
+
+class StepClock(TrainerCallback):
+    """Optimizer-step ends (CUDA-synchronized) and the peak memory after the warm-up steps."""
+
+    def __init__(self, warmup: int):
+        self.warmup, self.ends = warmup, []
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step == self.warmup and torch.cuda.is_available():
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.ends.append(time.perf_counter())
+
+    def step_times(self) -> list[float]:
+        return [b - a for a, b in zip(self.ends[self.warmup - 1 : -1], self.ends[self.warmup :])]
+
+
+class RowLog:
+    """The planner rows each collator call packed, in order (one call per micro-batch; the dispatcher fetches one
+    ahead), recorded on both sides' collator classes."""
+
+    def __init__(self):
+        self.calls: list[list[dict]] = []
+
+    def __enter__(self):
+        from trl.experimental.async_grpo.async_grpo_trainer import DataCollatorForRollout
+
+        from hf_tree_attn.trainer.rollout_forest import TreeDataCollatorForRollout
+
+        self._saved = [(cls, cls.torch_call) for cls in (DataCollatorForRollout, TreeDataCollatorForRollout)]
+        for cls, call in self._saved:
+            cls.torch_call = self._recording(call)
+        return self
+
+    def _recording(self, call):
+        def torch_call(collator, examples):
+            self.calls.append([sample for row in examples[0] for sample in row.samples])
+            return call(collator, examples)
+
+        return torch_call
+
+    def __exit__(self, *exc):
+        for cls, call in self._saved:
+            cls.torch_call = call
+
+
+def step_flops(config, samples: list[dict]) -> float:
+    """3x the forward FLOPs of `samples` as one prefix forest, the LM head on their trained tokens."""
+    sequences = [sample["input_ids"] for sample in samples]
+    prompts = [int(sample["completion_mask"].argmax()) for sample in samples]
+    return 3 * estimate_flops(config.get_text_config(), sequences, prompt_lengths=prompts)["tree_flops"]
+
+
+def run_side(side: str, path: str, samples: list, tokenizer, args, out_dir: Path) -> dict:
+    from datasets import Dataset
+    from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
+
+    from hf_tree_attn.trainer import TreeAsyncGRPOConfig, TreeAsyncGRPOTrainer
+
+    tree = side != "trl"
+    config_class, trainer_class = (TreeAsyncGRPOConfig, TreeAsyncGRPOTrainer) if tree else (
+        AsyncGRPOConfig, AsyncGRPOTrainer)  # fmt: skip
+    cuda = torch.cuda.is_available()
+    extra = {"tree_activation_budget_gib": args.activation_budget_gib} if side == "tree_budget" else {}
+    options = dict(**extra,
+        output_dir=str(out_dir / trainer_class.__name__), max_steps=args.warmup + args.steps, dtype=args.dtype,
+        token_budget=args.token_budget, logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True,
+        use_cpu=not cuda, bf16=cuda, seed=0,
+    )  # fmt: skip
+    clock = StepClock(args.warmup)
+    kernel = flash_varlen_attention if cuda else varlen_attention
+    with warnings.catch_warnings(), use_kernel(kernel), RowLog() as rows:
+        warnings.simplefilter("ignore")
+        trainer = trainer_class(
+            path, args=config_class(**options), train_dataset=Dataset.from_dict({"prompt": ["unused"] * 8}),
+            processing_class=tokenizer, callbacks=[clock], rollout_worker=ReplayRolloutWorker(samples, cycle=True),
+            weight_transfer=NoWeightTransfer(),
+        )  # fmt: skip
+        trainer.train()
+    config = trainer.accelerator.unwrap_model(trainer.model).config
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    times = clock.step_times()
+    measured = logs[args.warmup :]
+    accumulation = trainer.args.gradient_accumulation_steps
+    flops = [
+        step_flops(config, [s for call in rows.calls[k * accumulation : (k + 1) * accumulation] for s in call])
+        for k in range(args.warmup, args.warmup + len(times))
+    ]
+    trained = [entry["batch/trained_tokens_per_step"] for entry in measured]
+    result = {
+        "step_s": times,
+        "median_step_s": statistics.median(times),
+        "trained_tokens_per_step": trained,
+        "trained_tokens_per_s": statistics.mean(trained) / statistics.median(times),
+        "forwarded_tokens_per_step": [entry["batch/forwarded_tokens_per_step"] for entry in measured],
+        "samples_per_step": [round(entry["batch/samples_per_step"]) for entry in measured],
+        "packing_ratio": statistics.mean(entry["batch/packing_ratio"] for entry in measured),
+        "mfu": statistics.mean(f / t / PEAK_FLOPS for f, t in zip(flops, times)),
+        "trl_mfu_wall_clock": _mean(measured, "perf/mfu_wall_clock"),
+        "trl_fwd_bwd_s": _mean(measured, "perf/fwd_bwd_s"),
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+        "loss": [entry["loss"] for entry in measured],
+        "tree_checkpointed_layers": _mean(measured, "tree_checkpointed_layers"),
+        "tree_kept_attention": _mean(measured, "tree_kept_attention"),
+    }
+    trainer.accelerator.free_memory()
+    del trainer
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    return result
+
+
+def _mean(entries: list[dict], key: str) -> float | None:
+    values = [e[key] for e in entries if e.get(key) is not None and not math.isnan(e[key])]
+    return statistics.mean(values) if values else None
+
+
+def kernel_check() -> float | None:
+    """Max |flash - reference| (bf16 vs fp32) on random segments shaped as TRL calls it: the kernel's semantics."""
+    if not torch.cuda.is_available():
+        return None
+    torch.manual_seed(0)
+    lq, lk = [7, 300, 64], [900, 300, 200]
+    cu = lambda n: torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32, device="cuda")  # noqa
+    q = torch.randn(sum(lq), 16, 128, device="cuda")
+    k, v = (torch.randn(sum(lk), 8, 128, device="cuda") for _ in range(2))
+    want = varlen_attention(q, k, v, cu(lq), cu(lk), max(lq), max(lk))
+    got = flash_varlen_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), cu(lq), cu(lk), max(lq), max(lk))
+    return float((got.float() - want).abs().max())
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=["qwen3-1.7b"], choices=[*MODELS, "tiny", "tiny-hybrid"])
+    parser.add_argument("--workloads", nargs="+", default=["grpo_mixed"],
+                        choices=["grpo_mixed", "grpo_P4096_C512", "tau2_like"])  # fmt: skip
+    parser.add_argument(
+        "--sides",
+        nargs="+",
+        default=["trl", "tree"],
+        choices=["trl", "tree", "tree_budget"],
+        help="tree_budget: the tree with tree_activation_budget_gib=--activation-budget-gib",
+    )
+    parser.add_argument("--activation-budget-gib", type=float, default=40.0)
+    parser.add_argument("--token-budget", type=int, default=32768, help="TRL's token_budget: unique tokens per row")
+    parser.add_argument("--steps", type=int, default=2, help="measured optimizer steps")
+    parser.add_argument("--warmup", type=int, default=1, help="optimizer steps before the measured ones")
+    parser.add_argument("--scale", type=float, default=1.0, help="scale every length (CPU smoke runs)")
+    parser.add_argument("--dtype", default="bfloat16", help="model weights (AsyncGRPOConfig.dtype)")
+    parser.add_argument("--out", default="benchmarks/results/async_grpo.json")
+    args = parser.parse_args()
+
+    import trl
+    import trl.experimental.async_grpo.async_grpo_trainer as trl_async
+
+    trl_async.create_model_from_path = build_from_config
+    cuda = torch.cuda.is_available()
+    results = {
+        "command": "python " + " ".join(sys.argv),
+        "gpu": torch.cuda.get_device_name() if cuda else "cpu",
+        "versions": {
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "trl": trl.__version__,
+            "hf_tree_attn": hf_tree_attn.__version__,
+            "python": platform.python_version(),
+        },  # fmt: skip
+        "trl_kernel": TRL_KERNEL if cuda else "trl_varlen.varlen_attention (plain torch)",
+        "trl_kernel_max_abs_error_vs_reference": kernel_check(),
+        "token_budget": args.token_budget,
+        "dtype": args.dtype,
+        "peak_flops": PEAK_FLOPS,
+        "rows": [],
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for model_name in args.models:
+        config = model_config(model_name)
+        tokenizer = build_tokenizer(config.vocab_size)
+        with tempfile.TemporaryDirectory() as tmp:
+            config.save_pretrained(tmp)  # the path TRL's constructor loads (its config only: build_from_config)
+            for workload_name in args.workloads:
+                samples, spec = workload(workload_name, args.scale, config.vocab_size)
+                row = {"model": model_name, "workload": workload_name, "spec": spec, "sides": {}}
+                for side in args.sides:
+                    try:
+                        row["sides"][side] = run_side(side, tmp, samples, tokenizer, args, Path(tmp))
+                    except Exception as error:  # a refusal (TRL on a hybrid) or a failure: recorded, next side
+                        row["sides"][side] = {"error": f"{type(error).__name__}: {error}"[:2000]}
+                        if not isinstance(error, ValueError):
+                            traceback.print_exc()
+                        gc.collect()
+                        if cuda:
+                            torch.cuda.empty_cache()
+                sides = row["sides"]
+                if "median_step_s" in sides.get("trl", {}) and "median_step_s" in sides.get("tree_budget", {}):
+                    row["speedup_tree_budget_vs_trl"] = (
+                        sides["trl"]["median_step_s"] / sides["tree_budget"]["median_step_s"]
+                    )
+                if all("median_step_s" in sides.get(s, {}) for s in ("trl", "tree")):
+                    row["speedup_tree_vs_trl"] = sides["trl"]["median_step_s"] / sides["tree"]["median_step_s"]
+                    keys = ("samples_per_step", "trained_tokens_per_step")
+                    row["same_batches"] = all(sides["trl"][key] == sides["tree"][key] for key in keys)
+                    if sides["trl"]["peak_gib"]:
+                        row["peak_tree_over_trl"] = sides["tree"]["peak_gib"] / sides["trl"]["peak_gib"]
+                results["rows"].append(row)
+                out.write_text(json.dumps(results, indent=1))
+                print(_summary(row), flush=True)
+
+
+def _summary(row: dict) -> str:
+    parts = [f"{row['model']:<13} {row['workload']:<16}"]
+    for side, r in row["sides"].items():
+        if "error" in r:
+            parts.append(f"{side}: {r['error'][:90]}")
+        else:
+            peak = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "-"
+            parts.append(f"{side}: {r['median_step_s']:.3f} s  {r['trained_tokens_per_s']:,.0f} tok/s  "
+                         f"mfu {100 * r['mfu']:.1f}%  {peak} GiB")  # fmt: skip
+    if "speedup_tree_vs_trl" in row:
+        parts.append(f"tree {row['speedup_tree_vs_trl']:.2f}x faster, same batches {row['same_batches']}")
+    return " | ".join(parts)
+
+
+if __name__ == "__main__":
+    main()

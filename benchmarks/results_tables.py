@@ -1,0 +1,907 @@
+"""Write benchmarks/results/README.md and the table in README.md's *Performance* from the committed result files.
+
+    python benchmarks/results_tables.py          # rewrite both
+    python benchmarks/results_tables.py --check  # exit 1 where a committed file differs from what this writes
+
+One table per question, each row read from a result file and linking it with the stage of benchmarks/run_h200.sh
+that made it. Which file answers which question is the registry, results_registry.py (its docstring says how to add a
+result); this module only reads and formats.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import re
+import statistics
+import sys
+from pathlib import Path
+
+from results_registry import (
+    ASYNC_ROWS,
+    FLEX_OPTIONS,
+    GPU_TEST_LOGS,
+    GRAD_CHECKS,
+    HYBRID_ROWS,
+    KERNEL_CHECKS,
+    KERNEL_RUNS,
+    LEVELS,
+    LOOP_ROWS,
+    MEMORY_ROWS,
+    MFU_ROWS,
+    NOTES,
+    OPTION_COLUMNS,
+    OPTION_GAINS,
+    PENDING,
+    PLOT,
+    PREFIX_PARTS,
+    PREFIX_RUNS,
+    PROBES_ON_GPU,
+    PROFILES,
+    README_ROWS,
+    SOURCES,
+    SYNC_ROWS,
+    THROUGH_TRAINER,
+)
+
+RESULTS = Path(__file__).resolve().parent / "results"
+REPO = RESULTS.parent.parent
+SCRIPT = "benchmarks/run_h200.sh"
+BEGIN, END = "<!-- benchmarks/results_tables.py writes this table -->", "<!-- end of the table -->"
+
+MODELS = {"qwen3-0.6b": "Qwen3-0.6B", "qwen3-1.7b": "Qwen3-1.7B", "qwen3-8b": "Qwen3-8B", "gemma3-1b": "Gemma-3-1B",
+          "qwen3.5-0.8b": "Qwen3.5-0.8B"}  # fmt: skip
+WORKLOADS = {"tau2_like_agent": "τ²-like agent", "agent_20_turns": "τ²-like agent, 20 turns",
+             "no_sharing": "no sharing", "grpo_mixed_prompts": "GRPO, mixed prompt lengths",
+             "grpo_P4096_C512": "P=4,096 + G=16 × C=512",
+             "grpo_mixed": "G=16, P ~ U[1,000, 6,000], C ~ U[64, 1,024]"}  # fmt: skip
+METHODS = {"tree": "", "tree_flex": ", FlexAttention", "tree_whole_recompute": ", whole-layer recompute",
+           "tree_budget_40gib": ", budget 40 GiB", "tree_budget_80gib": ", budget 80 GiB"}  # fmt: skip
+VARIANTS = {"compile": "compiled layers", "liger": "Liger", "liger_compile": "Liger + compiled layers"}
+
+# ---- reading -----------------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def load(name: str) -> dict:
+    return json.loads((RESULTS / name).read_text())
+
+
+def text(name: str) -> str:
+    return (RESULTS / name).read_text()
+
+
+def run_of(name: str, workload: str | None = None) -> dict:
+    """The bench_tree_vs_flat.py run of `workload` in `name` (None: the file's only run)."""
+    runs = [r for r in load(name)["runs"] if workload in (None, r["workload"])]
+    (run,) = runs
+    return run
+
+
+# A log's command line: environment settings, a time limit, then python, accelerate or a GPU job script of benchmarks/
+# (not run_h200.sh itself: a line naming its stage is followed by the stage's command).
+COMMAND_LINE = re.compile(
+    r"^#?\s*(?:commands?:\s*)?((?:[A-Z_]+=\S+ )*(?:timeout (?:-s \w+ )?\d+ )?"
+    r"(?:python|accelerate|bash (?!benchmarks/run_h200\.sh)\S+\.sh).*)"
+)
+
+
+def command_of(name: str) -> str | None:
+    """The command a result file records: a JSON's `command` (or `meta.command`), a log's first command line."""
+    if name.endswith(".json"):
+        return load(name).get("command") or load(name).get("meta", {}).get("command")
+    for line in text(name).splitlines()[:3] if name.endswith((".log", ".txt")) else []:
+        if match := COMMAND_LINE.match(line):
+            return match.group(1).split("   (")[0].rstrip(" \\")
+    return None
+
+
+def versions_of(name: str) -> str:
+    data = load(name) if name.endswith(".json") else {}
+    versions = data.get("versions") or data.get("meta", {}).get("versions") or {}
+    return ", ".join(f"{k} {v}" for k, v in versions.items() if k in ("torch", "transformers", "trl"))
+
+
+def printed_steps(name: str) -> list[dict]:
+    """The `step N: phase X s, ...` lines a run printed before its time limit stopped it (up to the next comment)."""
+    steps = []
+    for line in text(name).splitlines():
+        if line.startswith("#") and steps:
+            break
+        if match := re.match(r"\s+step \d+: (.*)", line):
+            steps.append({k: float(v) for k, v in re.findall(r"(\w+) ([\d.]+) s", match.group(1))})
+    return steps
+
+
+# ---- formatting --------------------------------------------------------------------------------------------------
+
+
+def x(value: float) -> str:
+    return f"{value:.1f}×" if value >= 10 else f"{value:.2f}×"
+
+
+def pct(value: float, digits: int = 0) -> str:
+    return f"{100 * value:.{digits}f}%"
+
+
+def secs(value: float) -> str:
+    return f"{value:.3f} s" if value < 10 else f"{value:.1f} s"
+
+
+def steps(values: list[float]) -> str:
+    """Each measured step's time, in order."""
+    return " / ".join(f"{v:.2f}" for v in values) + " s"
+
+
+def faster(ratio: float) -> str:
+    """A speed ratio, bold, saying which side is slower where it is below 1."""
+    return f"**{x(ratio)}**" + (" (tree slower)" if ratio < 1 else "")
+
+
+def table(headers: list[str], rows: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    return lines + ["| " + " | ".join(row) + " |" for row in rows] + [""]
+
+
+def pending(key: str, width: int) -> list[list[str]]:
+    return [[what, "*not yet measured*", *[""] * (width - 2)] for what in PENDING.get(key, [])]
+
+
+class Notes:
+    """A section's footnotes: a marker beside each row whose file has a note, the note once under the table."""
+
+    MARKS = "¹²³⁴⁵⁶⁷⁸⁹"
+
+    def __init__(self):
+        self.names: list[str] = []
+
+    def source(self, name: str) -> str:
+        """A row's source: the file, linked, with its stage (and the note's marker)."""
+        cell = f"[{name}]({name})" + (f" · `{SOURCES[name]}`" if SOURCES[name] else "")
+        if name in NOTES:
+            self.names += [name] * (name not in self.names)
+            cell += f" ⁽{self.MARKS[self.names.index(name)]}⁾"
+        return cell
+
+    def lines(self) -> list[str]:
+        notes = [f"⁽{self.MARKS[i]}⁾ `{name}` {NOTES[name]}  " for i, name in enumerate(self.names)]
+        return notes + [""] * bool(notes)
+
+
+def workload(run: dict) -> str:
+    spec = run["spec"]
+    if spec.get("kind") == "grpo":
+        what = f"{spec['groups']} × (P={spec['prompt']:,} + G={spec['G']} × C={spec['completion']:,})"
+    else:
+        what = WORKLOADS[run["workload"]]
+    return f"{what}: {run['num_sequences']} seqs, {run['total_tokens'] / 1000:.0f}k tokens"
+
+
+def layers_of(name: str, method: str = "tree") -> str:
+    """The layer kernels and the recompute of a method ("flat*" recomputes every layer whatever the file says)."""
+    kernels = load(name).get("kernels") or {}
+    layers = "Liger + compiled" if kernels.get("liger") else "compiled" if kernels.get("compile_layers") else "eager"
+    recompute = "all" if method.startswith("flat") else kernels.get("checkpointing", "all")
+    return f"{layers}, `{recompute}`{METHODS.get(method, '')}"
+
+
+def recomputed(name: str, run: dict, method: str) -> str:
+    share, layers = run[method].get("checkpointed_layers"), run["model_config"]["num_hidden_layers"]
+    if share is None:  # files that do not record it recomputed every layer
+        return "all"
+    return f"{round(share * layers)} of {layers}"
+
+
+def speedup(run: dict, method: str = "tree", over: str = "flat_padded") -> float:
+    return run[over]["time_s"] / run[method]["time_s"]
+
+
+def kernels_serve(spec: dict) -> bool:
+    """Whether the CUDA rule (`fast_on_cuda`) sends a GRPO workload's forests to the shared-prefix kernels."""
+    from hf_tree_attn.prefix_attention import PrefixTree, fast_on_cuda
+
+    groups, g, p, c = (spec.get(k) for k in ("groups", "G", "prompt", "completion"))
+    if spec.get("kind", "grpo") != "grpo":
+        return False
+    size = p + g * c
+    return fast_on_cuda(tuple(PrefixTree(i * size, i * size + p, tuple(i * size + p + k * c for k in range(g + 1)))
+                              for i in range(groups)))  # fmt: skip
+
+
+# ---- the sections ------------------------------------------------------------------------------------------------
+
+
+def trainer_row(name: str, wl: str) -> dict:
+    """The bench_sync_grpo.py / bench_async_grpo.py row of `wl` in `name`."""
+    (row,) = [r for r in load(name)["rows"] if r["workload"] == wl]
+    return row
+
+
+def sync_steps() -> list[str]:
+    notes, rows = Notes(), []
+    for name, wl in SYNC_ROWS:
+        row = trainer_row(name, wl)
+        trl, tree = row["sides"]["trl"], row["sides"]["tree"]
+        rows.append([
+            MODELS[row["model"]], WORKLOADS[wl], steps(trl["step_s"]), steps(tree["step_s"]),
+            faster(row["speedup_tree_vs_trl"]), f"{pct(tree['mfu'], 1)} / {pct(trl['mfu'], 1)}",
+            f"{tree['peak_gib']:.1f} / {trl['peak_gib']:.1f} ({x(row['peak_tree_over_trl'])})",
+            "yes" if row["same_completions"] else "**no**", notes.source(name),
+        ])  # fmt: skip
+    headers = ["model", "workload", "step, TRL (each measured step)", "step, tree", "tree vs TRL (median step)",
+               "MFU tree / TRL", "peak GiB tree / TRL", "same completions", "source"]  # fmt: skip
+    return table(headers, rows + pending("sync", len(headers))) + notes.lines()
+
+
+def through_trainer() -> list[str]:
+    notes, rows = Notes(), []
+    for mode, tree_file, flat_file in THROUGH_TRAINER:
+        tree = load(tree_file)["results"][mode]["tree"]
+        spec = load(tree_file)["meta"]["workload"]
+        what = (f"{MODELS[spec['model']]}: {spec['prompts_per_step']} prompts × G={spec['generations']}, "
+                f"P={spec['shared_prompt'] + spec['own_prompt']:,} ({spec['shared_prompt']:,} shared), "
+                f"C={spec['completion']}")  # fmt: skip
+        if flat_file.endswith(".log"):  # a run its time limit stopped: the steps it printed
+            steps = printed_steps(flat_file)
+            flat_phase = f"{secs(steps[-1]['logprob_forwards'] + steps[-1]['backward'])} in step {len(steps)}"
+            speed, peak = "no steady step", "—"
+        else:
+            flat = load(flat_file)["results"][mode]["flat"]
+            flat_phase = secs(flat["mean"]["trainer_phase"])
+            speed = f"**{x(flat['mean']['trainer_phase'] / tree['mean']['trainer_phase'])}**"
+            peak = x(tree["peak_memory_gib"] / flat["peak_memory_gib"])
+        sources = notes.source(tree_file) + ("" if flat_file == tree_file else " + " + notes.source(flat_file))
+        rows.append([what, f"`{mode}`", flat_phase, secs(tree["mean"]["trainer_phase"]), speed, peak, sources])
+    headers = ["workload", "generation", "trainer phase, TRL", "trainer phase, tree", "tree vs TRL",
+               "peak memory tree / TRL", "source"]  # fmt: skip
+    return table(headers, rows + pending("through_trainer", len(headers))) + notes.lines()
+
+
+def loop_rows() -> list[str]:
+    notes, rows = Notes(), []
+    for name, wl in LOOP_ROWS:
+        run = run_of(name, wl)
+        cos = run["tree"]["grad_cos_vs_flat_padded"]
+        rows.append([
+            MODELS[run["model"]], workload(run), f"{x(run['token_ceiling'])} / {x(run['flop_ceiling'])}",
+            f"**{x(run['speedup_vs_padded'])}**", x(run["speedup_vs_packed"]),
+            f"{run['pct_of_token_ceiling']:.0f}% / {run['pct_of_flop_ceiling']:.0f}%",
+            pct(run["pack_and_mask_share"], 1), f"{cos:.4f}" if cos <= 1 else "— ⁽ᶜ⁾",
+            "FlexAttention ⁽ᵏ⁾" if kernels_serve(run["spec"]) else "FlexAttention", notes.source(name),
+        ])  # fmt: skip
+    headers = ["model", "workload", "token / FLOP ceiling", "tree vs flat padded", "tree vs flat packed",
+               "% of token / FLOP ceiling", "pack + mask", "gradient cosine", "tree attention", "source"]  # fmt: skip
+    return table(headers, rows) + notes.lines() + [
+        "⁽ᵏ⁾ On CUDA the library runs the plain causal layers of this forest with the shared-prefix kernels "
+        "(`fast_on_cuda`); this row ran FlexAttention in every layer ([what the kernels buy](#what-each-tree-option-"
+        "buys)).  ",
+        "⁽ᶜ⁾ This file's cosines were summed in float32 on the CPU and come out above 1 (the benchmark sums in "
+        "float64).",
+        "",
+    ]  # fmt: skip
+
+
+def option_columns() -> list[str]:
+    models = [model for model in MODELS if any(model in cells for _, cells in OPTION_COLUMNS)]
+    rows = []
+    for model in models:
+        first = next(cells[model][0] for _, cells in OPTION_COLUMNS if model in cells)
+        row = [MODELS[model], workload(run_of(first))]
+        for _, cells in OPTION_COLUMNS:
+            name, method = cells.get(model, (None, None))
+            if name is None:
+                row.append("—")
+            elif name.startswith("grad_check_"):
+                cos = min(p["cos"] for m in load(name)[method].values() for p in m.values())
+                row.append(f"[wrong gradients]({name}): cosine {cos:.4f} to eager")
+            else:
+                row.append(f"[{x(speedup(run_of(name), method))}]({name})")
+        rows.append(row)
+    return table(["model", "workload", *[header for header, _ in OPTION_COLUMNS]], rows)
+
+
+def option_gains() -> list[str]:
+    notes, rows = Notes(), []
+    for option, (on_file, on_method), (off_file, off_method) in OPTION_GAINS:
+        on_run, off_run = run_of(on_file), run_of(off_file)
+        on, off = on_run[on_method], off_run[off_method]
+        sources = notes.source(on_file) + ("" if on_file == off_file else " + " + notes.source(off_file))
+        rows.append([
+            option, MODELS[on_run["model"]], layers_of(on_file).split(",")[0],
+            f"{secs(on['time_s'])}, {recomputed(on_file, on_run, on_method)} layers, {on['peak_gib']:.1f} GiB",
+            f"{secs(off['time_s'])}, {recomputed(off_file, off_run, off_method)} layers, {off['peak_gib']:.1f} GiB",
+            f"**{x(off['time_s'] / on['time_s'])}**", f"{pct(on['mfu'], 1)} / {pct(off['mfu'], 1)}", sources,
+        ])  # fmt: skip
+    headers = ["option", "model", "layers", "with it: step, recomputed, peak", "without it", "with vs without",
+               "MFU with / without", "source"]  # fmt: skip
+    return table(headers, rows) + notes.lines()
+
+
+def memory() -> list[str]:
+    rows = []
+    for name, wl, method in MEMORY_ROWS:
+        run = run_of(name, wl)
+        tree, padded, packed = run[method]["peak_gib"], run["flat_padded"]["peak_gib"], run["flat_packed"]["peak_gib"]
+        rows.append([
+            MODELS[run["model"]], workload(run), layers_of(name, method), recomputed(name, run, method),
+            f"{tree:.1f}", f"{padded:.1f}", f"{packed:.1f}", f"**{x(tree / padded)}**", x(tree / packed),
+            Notes().source(name),
+        ])  # fmt: skip
+    headers = ["model", "workload", "layers, recompute", "tree recomputed", "tree GiB", "flat padded GiB",
+               "flat packed GiB", "tree / flat padded", "tree / flat packed", "source"]  # fmt: skip
+    left_out = ", ".join(f"`{name}`" for name in PROBES_ON_GPU)
+    return table(headers, rows) + [
+        f"Left out: {left_out}. Those runs kept each method's gradient probe (float32, on the GPU) while the next "
+        "methods ran, so the tree's peak there includes the flat methods' probes.",
+        "",
+    ]
+
+
+def flop_ceiling_and_mfu() -> list[str]:
+    rows = []
+    for name, wl, method in MFU_ROWS:
+        run = run_of(name, wl)
+        best = max(speedup(run, method, "flat_padded"), speedup(run, method, "flat_packed"))
+        rows.append([
+            MODELS[run["model"]], workload(run), layers_of(name, method),
+            f"{x(run['token_ceiling'])} / {x(run['flop_ceiling'])}",
+            f"{100 * best / run['token_ceiling']:.0f}% / {100 * best / run['flop_ceiling']:.0f}%",
+            f"**{pct(run[method]['mfu'], 1)}**", pct(run["flat_padded"]["mfu"], 1), pct(run["flat_packed"]["mfu"], 1),
+            Notes().source(name),
+        ])  # fmt: skip
+    headers = ["model", "workload", "layers, recompute", "token / FLOP ceiling", "tree at % of token / FLOP ceiling",
+               "MFU tree", "MFU flat padded", "MFU flat packed", "source"]  # fmt: skip
+    return table(headers, rows)
+
+
+def profiles() -> list[str]:
+    notes, rows = Notes(), []
+    for name in PROFILES:
+        data = load(name)
+        share = {kind: value["s"] / data["kernel_s"] for kind, value in data["by_kind"].items()}
+        rows.append([
+            data["method"].replace("_", " "), layers_of(name, data["method"]), secs(data["wall_s"]),
+            pct(data["mfu"], 1), pct(data["busy"]), pct(share.get("matmul", 0)),
+            f"{pct(share.get('attention_forward', 0), 1)} / {pct(share.get('attention_backward', 0), 1)}",
+            pct(share.get("elementwise_reduce", 0) + share.get("copy_fill", 0)),
+            pct(share.get("liger", 0) + share.get("triton_other", 0)), notes.source(name),
+        ])  # fmt: skip
+    headers = ["method", "layers, recompute", "step", "MFU", "GPU busy", "matmul", "attention fwd / bwd",
+               "elementwise + copies", "Liger + other Triton", "source"]  # fmt: skip
+    flex_rows = []
+    for name in FLEX_OPTIONS:
+        data, kinds = load(name), load(name)["by_kind"]
+        options = command_of(name).split("--flex-kernel-options ")[1].split(" --out")[0]
+        flex_rows.append([
+            f"`{options}`", secs(data["kernel_s"]), secs(kinds["attention_forward"]["s"]),
+            secs(kinds["attention_backward"]["s"]), secs(data["wall_profiled_s"]), Notes().source(name),
+        ])  # fmt: skip
+    flex_headers = ["FlexAttention `kernel_options`", "kernel time", "attention fwd", "attention bwd", "profiled step",
+                    "source"]  # fmt: skip
+    return (
+        table(headers, rows)
+        + notes.lines()
+        + ["FlexAttention's kernel options, the same step, eager layers, FlexAttention in every layer:", ""]
+        + table(flex_headers, flex_rows)
+    )
+
+
+def generation_modes() -> list[str]:
+    notes, rows = Notes(), []
+
+    def row(mode: str, side: str, step: float, generation: float, phase: float, steps: str, name: str) -> list[str]:
+        return [f"`{mode}`", side, secs(step), f"{secs(generation)} ({pct(generation / step)})",
+                f"{secs(phase)} ({pct(phase / step)})", steps, notes.source(name)]  # fmt: skip
+
+    for mode, tree_file, flat_file in THROUGH_TRAINER:
+        for side, name in (("tree", tree_file), ("TRL", flat_file)):
+            if name.endswith(".log"):
+                for i, s in enumerate(printed_steps(name), 1):
+                    rows.append(row(mode, f"TRL, step {i}", s["step"], s["generation"],
+                                    s["logprob_forwards"] + s["backward"], "—", name))  # fmt: skip
+                continue
+            result = load(name)["results"][mode]["tree" if side == "tree" else "flat"]
+            mean = result["mean"]
+            rows.append(row(mode, side, mean["step"], mean["generation"], mean["trainer_phase"],
+                            str(len(result["steps"])), name))  # fmt: skip
+    headers = ["generation", "trainer", "step", "generation (share)", "trainer phase (share)", "steps measured",
+               "source"]  # fmt: skip
+    e2e = load("tree_vs_flat_h200_qwen3-0.6b.json")["e2e"]["qwen3-0.6b"]
+    spec = e2e["spec"]
+    return table(headers, rows) + notes.lines() + [
+        f"With HF `generate` and the benchmark loop's trainer phase at G={spec['G']}, P={spec['prompt']:,}, "
+        f"C={spec['completion']} (Qwen3-0.6B shape, one group): generation {secs(e2e['generate_s'])}, trainer phase "
+        f"{secs(e2e['trainer_phase_s'])}, {pct(e2e['trainer_share'], 1)} of the step "
+        f"({Notes().source('tree_vs_flat_h200_qwen3-0.6b.json')}).",
+        "",
+    ]  # fmt: skip
+
+
+def hybrids() -> list[str]:
+    notes, rows = Notes(), []
+    for name in HYBRID_ROWS:
+        run = run_of(name)
+        rows.append([
+            MODELS[run["model"]], workload(run), str(int(run["tree"]["levels"])),
+            f"{x(run['token_ceiling'])} / {x(run['flop_ceiling'])}", f"**{x(run['speedup_vs_padded'])}**",
+            x(run["speedup_vs_packed"]), f"{run['pct_of_flop_ceiling']:.0f}%",
+            f"{pct(run['tree']['mfu'], 1)} / {pct(run['flat_padded']['mfu'], 1)}",
+            x(run["tree"]["peak_gib"] / run["flat_padded"]["peak_gib"]), notes.source(name),
+        ])  # fmt: skip
+    headers = ["model", "workload", "levels", "token / FLOP ceiling", "tree vs flat padded", "tree vs flat packed",
+               "% of FLOP ceiling", "MFU tree / flat padded", "peak tree / flat padded", "source"]  # fmt: skip
+    level_rows = []
+    for name in LEVELS:
+        data = load(name)
+        for wl, r in data["runs"].items():
+            extra = r["by_level_over_one_call"]
+            level_rows.append([
+                data["device"], f"{data['heads']} heads × {data['dim']}, {data['dtype'].removeprefix('torch.')}",
+                WORKLOADS.get(wl, wl.replace("_", " ")), str(r["levels"]), f"{r['tree_tokens']:,}",
+                secs(r["by_level_s"]), secs(r["one_call_s"]), f"{extra:+.1%}",
+                f"{r['per_level_ms']:.2f} ms" if extra > 0 else "—", Notes().source(name),
+            ])  # fmt: skip
+    level_headers = ["device", "scan", "tree", "levels", "tree tokens", "level by level", "one call, same tokens",
+                     "extra", "per level", "source"]  # fmt: skip
+    return (
+        table(headers, rows + pending("hybrids", len(headers)))
+        + notes.lines()
+        + [
+            "Going level by level, one Gated DeltaNet scan alone (transformers' torch kernel, forward + backward), "
+            "against one call over as many tokens:",
+            "",
+        ]  # fmt: skip
+        + table(level_headers, level_rows)
+    )
+
+
+PACKAGES = {"flash-qla": "FlashQLA", "flash-linear-attention": "fla", "tilelang": "TileLang"}
+# A step line of gpu_hybrid_kernels.sh: `NAME: rc=N in|at T s ...` or `NAME: skipped, out of time ...`.
+STEP_LINE = re.compile(r"^(?!check )(\S.*?): (rc=\d+ (?:in|at) \d+ s.*|skipped, out of time.*)$")
+
+
+def kernel_checks() -> list[str]:
+    """The Gated DeltaNet kernel routes against the torch reference (gdn_kernel_check.py), then what the calls of
+    gpu_hybrid_kernels.sh ran on them (parity tests, benchmark rows) and how each step ended."""
+    data, rows = load(KERNEL_CHECKS), []
+    exits = dict(re.findall(r"^check (\S+): rc=(\d+)", "\n".join(data["steps"]), flags=re.M))
+    for label, check in data["checks"].items():
+        versions = check["versions"]
+        packages = ", ".join(f"{PACKAGES[k]} {versions[k]}" for k in PACKAGES if versions.get(k))
+        ran = {"0": "all its cases", "124": f"its time limit stopped it after {len(check['cases'])} case(s)"}
+        for case in check["cases"]:
+            nan = [k for k, e in case.get("errors", {}).items() if e["nan"]]
+            calls = (
+                f"{case['first_call_s']:.0f} s / {1000 * case['second_call_s']:.0f} ms"
+                if "second_call_s" in case
+                else "—"
+            )
+            rows.append([
+                f"`{label}`", packages, case.get("kernels") or case.get("reason", "—"),
+                f"K = V = {case['K']}, {case['heads']} heads, {case['dtype']}",
+                "yes" if case["guard_lifted"] else "no",
+                f"{case['worst_rms_ratio']:.1e} (≤ {case['tolerance']:.0e})" if "worst_rms_ratio" in case else "—",
+                ", ".join(nan) or "none",
+                calls,
+                f"**{case['status']}**", ran.get(exits.get(label), f"exit {exits.get(label)}"),
+            ])  # fmt: skip
+    headers = ["route", "packages", "kernels that ran", "case", "fla's Hopper refusal lifted",
+               "worst rms(diff) / rms(reference)", "NaN", "first / second call", "result", "the check"]  # fmt: skip
+    run_rows = []
+    for name in KERNEL_RUNS:
+        for line in text(name).splitlines():
+            if match := STEP_LINE.match(line):
+                run_rows.append([match.group(1), match.group(2), Notes().source(name)])
+    return (
+        [f"Each route's kernel check ({Notes().source(KERNEL_CHECKS)}): the gate case first, the others as time "
+         "allowed:", ""]
+        + table(headers, rows)
+        + ["What ran on the routes after their checks, step by step (exit 124: the step's time limit; pytest's "
+           "exit 5: no test selected):", ""]
+        + table(["step", "how it ended", "source"], run_rows)
+    )  # fmt: skip
+
+
+def prefix_kernels() -> list[str]:
+    first, second = (load(name)["rows"] for name in PREFIX_RUNS)
+    rows = []
+    for key, row in first.items():
+        s = row["shape"]
+        spec = {"groups": s["groups"], "G": s["G"], "prompt": s["P"], "completion": s["C"]}
+        rows.append([
+            f"{s['heads']} / {s['kv_heads']}", f"{s['groups']} × ({s['P']:,} + {s['G']} × {s['C']:,})",
+            f"{row['tree_tokens']:,}", f"{row['flex']['forward_ms']:.2f} → {row['prefix']['forward_ms']:.2f} ms",
+            f"{row['flex']['forward_backward_ms']:.2f} → {row['prefix']['forward_backward_ms']:.2f} ms",
+            f"**{x(row['speedup_step'])}**", x(second[key]["speedup_step"]),
+            "kernels" if kernels_serve(spec) else "FlexAttention",
+        ])  # fmt: skip
+    headers = ["q / kv heads", "groups × (P + G × C)", "tokens", "forward, FlexAttention → kernels",
+               "forward + backward", "per step", "per step, second run", "the CUDA rule picks"]  # fmt: skip
+    parts, part_rows = load(PREFIX_PARTS), []
+    for key, calls in parts["parts"].items():
+        cells = [f"{int(key.split('_P')[1].split('_')[0]):,} + {key.split('_G')[1].split('_')[0]} × "
+                 f"{int(key.split('_C')[1]):,}"]  # fmt: skip
+        for call in ("prompt_causal", "completions_over_prompt", "own"):
+            cells.append(f"{calls[call]['forward_ms']:.3f} ms ({calls[call]['forward_tflops']:.0f} TFLOPS)")
+        cells.append(f"{calls['merge']['fused_ms']:.3f} ms (as PyTorch ops: {calls['merge']['pytorch_ops_ms']:.3f})")
+        trees = max(parts["per_tree"][key], key=int)
+        many = parts["per_tree"][key][trees]
+        cells.append(f"{trees} trees: {many['gpu_ms']:.2f} / {many['host_ms']:.2f} ms")
+        part_rows.append(cells)
+    part_headers = ["tree (P + G × C), 16 / 8 heads", "prompt, causal", "completions over the prompt",
+                    "completions' own parts", "merge (Triton)", "whole op, GPU / host time to issue"]  # fmt: skip
+    sources = " and ".join(Notes().source(name) for name in PREFIX_RUNS)
+    return (
+        table(headers, rows)
+        + [f"Sources: {sources}, two runs of the same command.", ""]
+        + [
+            "Where a tree's forward goes: each cuDNN call and the merge, one tree; then the whole op on several "
+            "trees, its GPU time against the host's time to issue it:",
+            "",
+        ]  # fmt: skip
+        + table(part_headers, part_rows)
+        + [f"Source: {Notes().source(PREFIX_PARTS)}.", ""]
+    )
+
+
+def balance() -> list[str]:
+    sim = load("balance_simulation.json")
+    rows, ranks = [], list(sim["workloads"]["grpo_mixed_prompts"]["settings"][0]["by_ranks"])
+    for wl, spec in sim["workloads"].items():
+        (setting,) = [s for s in spec["settings"] if (s["groups_per_micro_batch"], s["micro_batches"]) == (2, 4)]
+        by = setting["by_ranks"]
+        rows.append([WORKLOADS[wl]] + [f"{by[r]['imbalance_trl']:.3f} → **{by[r]['imbalance_balanced']:.3f}**"
+                                       for r in ranks])  # fmt: skip
+    cpu_rows = []
+    for config, result in load("balance_cpu_2proc.json")["configs"].items():
+        before, after = result["balance/imbalance_before"], result["balance/imbalance_after"]
+        cpu_rows.append([
+            config.replace("_", " "), f"{result['loss']:.7f}",
+            "—" if before is None else f"{before:.3f} → {after:.3f}",
+            secs(max(rank["median_step_s"] for rank in result["per_rank"])),
+        ])  # fmt: skip
+    return (
+        [
+            "Simulated step cost over the ideal (1.0), TRL's assignment → `tree_balance`, 2 groups per rank per "
+            f"micro-batch, 4 micro-batches per step, mean of {sim['trials']} draws; Qwen3-1.7B-shaped costs "
+            f"(the file also has 1–4 groups, 1–8 micro-batches, p90 and a lower bound): "
+            f"{Notes().source('balance_simulation.json')}",
+            "",
+        ]  # fmt: skip
+        + table(["workload", *[f"{r} ranks" for r in ranks]], rows)
+        + [f"Two gloo processes on CPU, a 2-layer Qwen3 shape, DDP: {Notes().source('balance_cpu_2proc.json')}", ""]
+        + table(["configuration", "loss", "estimated imbalance", "median step"], cpu_rows)
+        + table(["on GPUs", "result"], pending("balance", 2))
+    )
+
+
+def rollout_workload(row: dict) -> str:
+    """A bench_async_grpo.py row's workload from its spec."""
+    spec = row["spec"]
+    if "system" in spec:
+        return (f"τ²-like agent: {spec['system']:,}-token system prompt, {spec['turns']} turns, "
+                f"{spec['branches']} responses per turn")  # fmt: skip
+    return f"G={spec['G']}, P ~ {spec['prompt']}, C ~ {spec['completion']}"
+
+
+def peers() -> list[str]:
+    notes, rows, uneven = Notes(), [], []
+    for name, wl in ASYNC_ROWS:
+        row = trainer_row(name, wl)
+        trl, tree = row["sides"]["trl"], row["sides"]["tree"]
+        forwarded = [statistics.mean(side["forwarded_tokens_per_step"]) for side in (tree, trl)]
+        rows.append([
+            MODELS[row["model"]], rollout_workload(row), " / ".join(f"{n:,.0f}" for n in forwarded),
+            steps(trl["step_s"]), steps(tree["step_s"]), faster(row["speedup_tree_vs_trl"]),
+            f"{pct(tree['mfu'], 1)} / {pct(trl['mfu'], 1)}", f"{tree['tree_checkpointed_layers']:.0%}",
+            f"{tree['peak_gib']:.1f} / {trl['peak_gib']:.1f}", notes.source(name),
+        ])  # fmt: skip
+        if max(tree["step_s"]) > 2 * min(tree["step_s"]):
+            uneven.append(
+                f"`{wl}` at {MODELS[row['model']]}: the tree's steps took {steps(tree['step_s'])}, TRL's "
+                f"{steps(trl['step_s'])}. With two measured steps the median is their mean, so the tree's first-step "
+                f"cost weighs half of the ratio. The tree's last step alone vs TRL's median step: "
+                f"{x(trl['median_step_s'] / tree['step_s'][-1])}. What the first step spent is not broken down."
+            )
+    headers = ["model", "workload", "tokens forwarded per step, tree / TRL", "step, TRL (each measured step)",
+               "step, tree", "tree vs TRL (median step)", "MFU tree / TRL", "tree layers recomputed",
+               "peak GiB tree / TRL", "source"]  # fmt: skip
+    return (
+        table(headers, rows)
+        + notes.lines()
+        + [line + "  " for line in uneven[:-1]]
+        + uneven[-1:]
+        + [""] * bool(uneven)
+        + table(["measurement", "result"], pending("peers", 2))
+    )
+
+
+def test_outcome(name: str) -> str:
+    """What a pytest log says: its summary line, else the outcomes it printed (`-v` lines or `-q` progress marks);
+    the failures by name, with the first assertion's text; the test a time limit stopped a `-v` run in."""
+    lines = [line for line in text(name).splitlines() if line.strip()]
+    marks = {".": "passed", "F": "failed", "s": "skipped", "E": "error", "x": "xfailed"}
+    outcomes, current, failed = [], None, []
+    for line in lines:
+        if match := re.match(r"tests/\S+::(\S+)", line):
+            current = match.group(1)
+        if (match := re.search(r"\b(PASSED|FAILED|SKIPPED|ERROR)$", line.strip())) and current:  # -v
+            outcomes.append(match.group(1).lower())
+            failed += [current] * (match.group(1) == "FAILED")
+            current = None
+        if match := re.match(r"^([.FEsx]+)\s+\[\s*\d+%\]$", line):  # -q
+            outcomes += [marks[mark] for mark in match.group(1)]
+        if match := re.match(r"^FAILED tests/\S+::(\S+)", line):
+            failed += [match.group(1)] * (match.group(1) not in failed)
+    summary = [line for line in lines if re.search(r"\d+ (passed|failed)", line)]
+    if summary:
+        result = re.sub(r"=+", "", summary[-1]).strip()
+    else:
+        result = ", ".join(f"{outcomes.count(o)} {o}" for o in marks.values() if o in outcomes)
+    if failed:
+        error = next((line.split(maxsplit=1)[1] for line in lines if re.match(r"^E\s+AssertionError", line)), None)
+        result += "; failed: " + ", ".join(f"`{test}`" for test in failed) + (f" (`{error}`)" if error else "")
+    if match := re.match(r"tests/\S+::(\S+)$", lines[-1].strip()):  # a -v run that ended inside a test
+        result += f"; stopped by its time limit in `{match.group(1)}`"
+    elif "KeyboardInterrupt" in text(name):
+        result += "; stopped by its time limit"
+    return result
+
+
+def correctness() -> list[str]:
+    rows = []
+    for name in GRAD_CHECKS:
+        data = load(name)
+        layers = re.search(r"--layers (\d+)", data["command"])
+        for variant, methods in data.items():
+            for method, params in methods.items() if variant not in ("command", "eager") else ():
+                cos, norm = [p["cos"] for p in params.values()], [p["norm_ratio"] for p in params.values()]
+                verdict = "**wrong**" if min(cos) < 0.9 else "agrees" if min(cos) > 0.99 else "differs"
+                rows.append([
+                    VARIANTS[variant], layers.group(1) if layers else "36", method.replace("_", " "),
+                    f"{min(cos):.4f}", f"{min(norm):.3f}–{max(norm):.3f}", verdict, Notes().source(name),
+                ])  # fmt: skip
+    headers = ["layer kernels", "layers of the Qwen3-8B shape", "method", "gradient cosine to eager (min)",
+               "norm ratio", "", "source"]  # fmt: skip
+    notes, test_rows = Notes(), []
+    for name, tests in GPU_TEST_LOGS.items():
+        test_rows.append([tests, test_outcome(name), notes.source(name)])
+    return (
+        [
+            "Each method's gradients with fused layer kernels against the same method with eager layers, same "
+            "weights, three parameter groups (`grad_check.py`):",
+            "",
+        ]  # fmt: skip
+        + table(headers, rows + pending("gradients", len(headers)))
+        + ["GPU tests (`pytest -m gpu`):", ""]
+        + table(["tests", "result", "source"], test_rows)
+        + notes.lines()
+    )
+
+
+def fsdp2_summary() -> str:
+    log = text("fsdp2_2gpu_h200.log")
+    rewards = re.findall(r"'reward': '([\d.]+)'", log)
+    runtime = re.search(r"'train_runtime': '([\d.]+)'", log)[1]
+    saved = "model, tokenizer and `trainer_state.json` saved" if "trainer_state.json saved" in log else "not saved"
+    return f"reward {rewards[0]} → {rewards[-1]} in {runtime} s; {saved}"
+
+
+def recompile_summary() -> str:
+    log = text("generation_modes_cpu_tiny_compiled_recompiles.log")
+    sizes, steps = len(re.findall(r"size mismatch", log)), re.search(r"--steps (\d+)", log)[1]
+    return f"TRL's compiled forward recompiles {sizes} times for new padded lengths (`size mismatch`) in {steps} steps"
+
+
+def other_runs() -> list[str]:
+    pack = load("pack_forest_cpu.json")
+    wl = pack["workload"]
+    rows = [[
+        f"CPU: `pack_forest` vs a per-token Python dict trie, {wl['groups']} groups × {wl['completions_per_group']} "
+        f"completions ({wl['total_tokens']:,} tokens)",
+        f"**{x(pack['speedup_median'])}** faster from lists, the same layout", Notes().source("pack_forest_cpu.json"),
+    ]]  # fmt: skip
+    for name in ("main_job_cpu.txt", "main_job_cpu_qwen3_5.txt"):
+        log = text(name)
+        first, last = (re.search(rf"reward mean, {q} quarter of logs:\s+([\d.]+)", log)[1] for q in ("first", "last"))
+        ratio = re.search(r"tree_token_ratio: mean ([\d.]+)", log)[1]
+        rows.append(
+            [log.splitlines()[0], f"reward {first} → {last}, `tree_token_ratio` {ratio}", Notes().source(name)]
+        )
+    check = load("tree_vs_flat_h200_qwen3-0.6b.json")["recompile_check"]
+    rows += [
+        ["H200: six tree steps of random shapes, compiled graphs after each step",
+         f"{check['unique_graphs_after_each_step']}, {check['new_graphs_after_step_2']} new after step 2",
+         Notes().source("tree_vs_flat_h200_qwen3-0.6b.json")],
+        ["Two H200s, FSDP2: the main job, 60 steps", fsdp2_summary(), Notes().source("fsdp2_2gpu_h200.log")],
+        ["CPU: TRL flat with `torch_compile=True`, tiny shape, `TORCH_LOGS=recompiles`", recompile_summary(),
+         Notes().source("generation_modes_cpu_tiny_compiled_recompiles.log")],
+    ]  # fmt: skip
+    return table(["measurement", "result", "source"], rows)
+
+
+def result_files() -> list[str]:
+    rows = []
+    for name, stage in SOURCES.items():
+        if name.endswith(".png"):
+            files = " ".join(f"benchmarks/results/{f}" for f in PLOT)
+            command = f"python benchmarks/plot_results.py {files} --out benchmarks/results/{name}"
+        else:
+            command = command_of(name)
+        where = f"`{stage}`" if stage else "plot" if name.endswith(".png") else "CPU"
+        rows.append([f"[{name}]({name})", where, f"`{command}`" if command else "—", versions_of(name)])
+    return table(["file", "stage", "command it records", "versions"], rows)
+
+
+SECTIONS = [  # (heading level, title, section, what it measures)
+    (2, "Trainer phase", None, None),
+    (3, "Through the trainer, generation stubbed", sync_steps,
+     "`TreeGRPOTrainer` against `trl.GRPOTrainer`, each through `trainer.train()` at TRL's defaults (padded rows, "
+     "SDPA, gradient checkpointing, bf16; the tree's own defaults at theirs), one after the other in one process on "
+     "one GPU. Generation is TRL's `rollout_func` returning the prompt's tokens and random completions seeded by the "
+     "prompt, so both trainers train the same rows and generation costs nothing: the step is the trainer's work "
+     "(log-prob forwards, backward, optimizer). One prompt with G=16 completions per optimizer step; two measured "
+     "steps after a warm-up step; the ratio is of the median steps. MFU counts each side's own layout (TRL's "
+     "unpadded sequences, the tree's forest; forward + backward, recompute not counted) over 989 TFLOPS "
+     "(`bench_sync_grpo.py`)."),
+    (3, "Through the trainer at TRL's defaults", through_trainer,
+     "`TreeGRPOTrainer` against `trl.GRPOTrainer`, each through `trainer.train()` with the same config: TRL's "
+     "defaults (gradient checkpointing and bf16 among them; the tree's own at theirs), one prompt's G completions "
+     "per micro-batch, one micro-batch per prompt of a step; mean of the steps after a warm-up step. Trainer phase "
+     "= every log-prob forward (old-policy, reference, policy) and the backward (`bench_generation_modes.py`)."),
+    (3, "Benchmark loop, per model and workload", loop_rows,
+     "`bench_tree_vs_flat.py` writes the trainer phase out by hand (old-log-prob forward without grad, policy "
+     "forward and backward, gradient checkpointing, LM head on the scored tokens only) and runs it on the same batch "
+     "for each method in one process, in micro-batches of at most 65,536 tokens: flat padded (right-padded rows, "
+     "SDPA: what TRL's trainer runs), flat packed (one padding-free row, FlexAttention document mask) and the tree. "
+     "Here at the benchmark's defaults: eager decoder layers, every layer recomputed. The token ceiling is total / "
+     "unique tokens; the FLOP ceiling also counts attention pairs and the LM head, which sharing cannot remove "
+     "([the FLOP model](../../docs/how_it_works.md#the-flop-model)); % of a ceiling = the speed-up over the faster "
+     "flat method / the ceiling. Workloads: groups of G completions of C tokens sharing a P-token prompt; the "
+     "τ²-like agent is one conversation with a 4,800-token system prompt and 10–20 turns, two sampled responses per "
+     "turn, each sample the whole history + one response, only the response scored; no sharing = 16 random "
+     "sequences of 1k–3k tokens."),
+    (3, "Benchmark loop, one column per option", option_columns,
+     "The same loop, tree vs flat padded, each option applied to every method alike (flat recomputes every layer "
+     "throughout). Compiled layers = regional `torch.compile` of the decoder layers. The compiled-layer runs ran the "
+     "tree on the shared-prefix kernels, its recomputed layers keeping their attention, as the library does by "
+     "default on CUDA; the eager-layer and Liger runs ran it on FlexAttention in every layer."),
+    (3, "What each tree option buys", option_gains,
+     "The tree with an option against the same tree without it, one process, same batch, GRPO G=16, P=4,096, C=512."),
+    (2, "Memory", memory,
+     "Peak GPU memory of the trainer phase in the benchmark loop, same batch. Through the trainer the peak includes "
+     "generation's: [first table](#through-the-trainer-at-trls-defaults)."),
+    (2, "FLOP ceiling and MFU", flop_ceiling_and_mfu,
+     "MFU = model FLOPs of the trainer phase (`estimate_flops` × 4: old-log-prob forward, policy forward, backward; "
+     "recompute not counted) / time / 989 TFLOPS (the H200's dense bf16 peak). A tree that recomputes fewer layers "
+     "than flat can pass 100% of the FLOP ceiling, which counts no recompute."),
+    (2, "Where a step's time goes", profiles,
+     "One warm trainer-phase step under the torch profiler (`profile_step.py`), Qwen3-1.7B shape, 2 × (P=4,096 + "
+     "G=16 × C=512); shares of the GPU kernel time."),
+    (2, "Generation modes: the share of a step", generation_modes,
+     "Whole GRPO steps through `trainer.train()`, the workload of the [first table](#through-the-trainer-at-trls-"
+     "defaults). The tree speeds up the trainer phase only, so its end-to-end gain is bounded by that phase's share."),
+    (2, "Hybrid models", hybrids,
+     "Qwen3.5 shape, 18 Gated DeltaNet and 6 attention layers: the recurrent layers run segment by segment, level by "
+     "level, on transformers' torch kernels in the tree and in flat alike (the benchmark loop; flat packed is a "
+     "forest without sharing). Every hybrid row here is on the torch kernels."),
+    (3, "Gated DeltaNet kernels on the H200", kernel_checks,
+     "The varlen kernels a tree level calls (`benchmarks/gdn_kernels.py` routes: FlashQLA; fla's Triton kernels "
+     "with TileLang's dqkwg backward; fla's Triton kernels with fla 0.6's Hopper refusal lifted where the tile is "
+     "BK = 128; fla 0.4.2), each checked by `gdn_kernel_check.py`: one varlen forward + backward over segments of "
+     "4,096, 257, 1, 64 and 700 tokens with initial states, against transformers' torch reference run per segment "
+     "in float32. The gate case is Qwen3.5's heads (K = V = 128) in bf16; the other cases (fp32, K = 64) show the "
+     "route elsewhere. A route that passes the gate has not yet passed the model-level parity tests or given a "
+     "benchmark row: the torch kernels remain the measured path."),
+    (2, "Shared-prefix attention kernels", prefix_kernels,
+     "Attention alone (`bench_prefix_attention.py`), bf16, Qwen3 heads of 128, one GRPO forest: FlexAttention's tree "
+     "mask against the shared-prefix kernels, median of 10 after a warm-up; a step is two forwards and one backward, "
+     "as in training. *The CUDA rule picks* is `fast_on_cuda` on the shape; `tests/test_prefix_attention.py` checks "
+     "it against both runs."),
+    (2, "Data-parallel balance", balance, None),
+    (2, "Peers side by side", peers,
+     "TRL 1.16's own tree packing, `trl.experimental.async_grpo.AsyncGRPOTrainer` (each rank's samples in one "
+     "prefix trie, `TreeRow`), against `TreeAsyncGRPOTrainer`, both through `trainer.train()` on the same replayed "
+     "samples in the same order, so both train the same micro-batches (`bench_async_grpo.py`). TRL's attention "
+     "kernel, FlashAttention-3, is downloaded from the Hub at run time, which the offline H200 cannot do: its side "
+     "ran PyTorch's FlashAttention-2 varlen op (`aten._flash_attention_forward`) instead. The tree side ran "
+     "`tree_flex` at its defaults (FlexAttention, or the shared-prefix kernels where the CUDA rule picks them, "
+     "`tree_recompute='auto'`). bf16 weights, TRL's defaults otherwise (gradient checkpointing, one micro-batch per "
+     "step), a token budget of 32,768 per step; two measured steps after a warm-up step, the ratio of the median "
+     "steps. Both sides forward about the same tokens: TRL's packing already computes each shared prefix once. MFU "
+     "counts the same model FLOPs for both sides (the step's samples as one forest). Here the tree is slower."),
+    (2, "Correctness on the GPU", correctness, None),
+    (2, "Other runs", other_runs, None),
+    (2, "Result files", result_files,
+     f"Each GPU file is made by `bash {SCRIPT} STAGE` on one H200 (`fsdp2-main-job`: two), which runs the command "
+     "the file records."),
+]  # fmt: skip
+
+
+def slug(title: str) -> str:
+    """GitHub's anchor of a heading."""
+    return re.sub(r"[^\w\- ]", "", title.lower()).replace(" ", "-")
+
+
+def results_readme() -> str:
+    import results_registry
+
+    lines = [
+        "# Benchmark results",
+        "",
+        "<!-- Written by benchmarks/results_tables.py: edit benchmarks/results_registry.py, not this file. -->",
+        "",
+        "Every number below is read from a result file in this folder; each row links its file and the stage of "
+        f"[`{SCRIPT}`](../run_h200.sh) that made it ([Result files](#result-files) lists each file's command and "
+        "versions). GPU: one NVIDIA H200, torch 2.11.0+cu130, trl 1.16.0. Models: random-weight bf16 models with the "
+        "named shapes (no download). Ratios are measured side by side in one process unless a row says otherwise.",
+        "",
+    ]
+    lines += ["  " * (level - 2) + f"- [{title}](#{slug(title)})" for level, title, _, _ in SECTIONS]
+    lines += ["- [Adding a result](#adding-a-result)", ""]
+    for level, title, section, intro in SECTIONS:
+        lines += ["#" * level + " " + title, ""] + [intro, ""] * bool(intro) + (section() if section else [])
+    steps = results_registry.__doc__.split("Adding a result file:\n", 1)[1].strip()
+    lines += ["## Adding a result", "", "In `benchmarks/results_registry.py`:", "", steps]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def readme_table() -> str:
+    """The table in README.md's *Performance*: through the trainer where measured, the benchmark loop beside it."""
+
+    def loop(name: str | None) -> str:
+        if name is None:
+            return "—"
+        run, recompute = run_of(name), layers_of(name).split(", ")[1]
+        peak = (
+            "" if name in PROBES_ON_GPU else f", memory {x(run['tree']['peak_gib'] / run['flat_padded']['peak_gib'])}"
+        )
+        return f"[{x(run['speedup_vs_padded'])}](benchmarks/results/{name}), recompute {recompute}{peak}"
+
+    rows = []
+    for model, wl, trainer, eager, compiled in README_ROWS:
+        through = "not yet measured"
+        if trainer and trainer[0].startswith("sync_grpo_"):  # bench_sync_grpo.py: whole steps, median
+            name, key = trainer
+            row = trainer_row(name, key)
+            speed, peak = row["speedup_tree_vs_trl"], row["peak_tree_over_trl"]
+            through = f"**[{x(speed)}](benchmarks/results/{name})** per step, memory {x(peak)}"
+        elif trainer:  # bench_generation_modes.py: the trainer phase, mean
+            name, mode = trainer
+            tree, flat = (load(name)["results"][mode][side] for side in ("tree", "flat"))
+            speed = flat["mean"]["trainer_phase"] / tree["mean"]["trainer_phase"]
+            peak = tree["peak_memory_gib"] / flat["peak_memory_gib"]
+            through = f"**[{x(speed)}](benchmarks/results/{name})** trainer phase, memory {x(peak)}"
+        rows.append([model, wl, through, loop(eager), loop(compiled)])
+    headers = ["model shape", "workload", "tree vs `trl.GRPOTrainer` through `trainer.train()` at TRL's defaults",
+               "trainer phase vs flat padded, hand-written loop, eager layers", "the same, compiled "
+               "layers"]  # fmt: skip
+    return "\n".join([BEGIN, *table(headers, rows)[:-1], END])
+
+
+def with_readme_table(readme: str) -> str:
+    start, end = readme.index(BEGIN), readme.index(END) + len(END)
+    return readme[:start] + readme_table() + readme[end:]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check", action="store_true", help="exit 1 where a committed file differs")
+    args = parser.parse_args()
+    written = {
+        RESULTS / "README.md": results_readme(),
+        REPO / "README.md": with_readme_table((REPO / "README.md").read_text()),
+    }
+    stale = [path for path, content in written.items() if path.read_text() != content]
+    for path in stale:
+        if args.check:
+            print(f"{path.relative_to(REPO)} is not what `python benchmarks/results_tables.py` writes")
+        else:
+            path.write_text(written[path])
+            print(f"wrote {path.relative_to(REPO)}")
+    sys.exit(1 if args.check and stale else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,240 @@
+#!/usr/bin/env bash
+# The GPU runs behind benchmarks/results: one stage per measurement, named by what it measures, each on one H200
+# unless its comment says two GPUs.
+#
+#   bash benchmarks/run_h200.sh STAGE [STAGE ...]     # results land in $OUT (default /tmp/h200_out)
+#
+# Each stage writes the result file of the same name as the committed one; benchmarks/results/README.md ("Result
+# files") lists which stage made which file, and every JSON records its exact command, GPU and versions.
+# Needs torch with CUDA, transformers, trl, datasets, accelerate, peft (and liger-kernel for the `--liger` stages,
+# pytest-xdist for the test stages that pass `-n`). On a machine without network, put their wheels in .whl/: they
+# are installed into /tmp/site first.
+set -uo pipefail
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 TOKENIZERS_PARALLELISM=false NCCL_NVLS_ENABLE=0
+if [ -d .whl ] && [ ! -d /tmp/site/trl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    >/dev/null 2>&1 || exit 1
+fi
+export PYTHONPATH=/tmp/site:$PWD
+export OUT=${OUT:-/tmp/h200_out}  # exported: the job scripts some stages run write there too
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
+python3 -c "import torch, transformers, trl, peft, accelerate; print('torch', torch.__version__, 'transformers',
+transformers.__version__, 'trl', trl.__version__, 'peft', peft.__version__, 'accelerate', accelerate.__version__)"
+
+# Output filter: drop warnings, keep the last lines (the result table).
+quiet() { grep -v -i warn | grep -v "^\[transformers\]" | tail -"${1:-20}"; }
+# The hybrid results ran on transformers' torch kernels: flash-linear-attention 0.6 refuses its gated-delta-rule
+# backward on Hopper with Triton < 3.7.1 (wrong gradients, fla-org/flash-linear-attention#640); the image has
+# Triton 3.6.
+without_fla() { rm -rf /tmp/site/fla /tmp/site/fla_core* /tmp/site/flash_linear_attention*; }
+# The last lines of a pytest log that say what passed and what failed.
+summary() { grep -E "FAILED|ERROR|passed|failed" "$1" | tail -"${2:-20}"; }
+
+for stage in "$@"; do
+  echo "=== $stage"
+  case $stage in
+    # ---- the trainer phase, tree vs flat in one process (bench_tree_vs_flat.py)
+    trainer-phase-0.6b)  # GRPO shapes, the agent workload, no sharing; one end-to-end step; the recompile check
+      timeout 500 python3 benchmarks/bench_tree_vs_flat.py --models qwen3-0.6b --scale 0.5 --e2e --recompile-check \
+        --repeats 2 --out "$OUT/tree_vs_flat_h200_qwen3-0.6b.json" 2>&1 | quiet 40 ;;
+    trainer-phase-0.6b-memory)  # peak memory with the gradient probes off the GPU
+      timeout 170 python3 benchmarks/bench_tree_vs_flat.py --models qwen3-0.6b --scale 0.5 --repeats 1 \
+        --workloads no_sharing grpo_G16_P4096_C512 --out "$OUT/tree_vs_flat_h200_qwen3-0.6b_memory.json" 2>&1 \
+        | quiet ;;
+    trainer-phase-1.7b-agent)
+      timeout 300 python3 benchmarks/bench_tree_vs_flat.py --models qwen3-1.7b --scale 0.5 --repeats 2 \
+        --workloads tau2_like_agent --out "$OUT/tree_vs_flat_h200_qwen3-1.7b_agent.json" 2>&1 | quiet ;;
+    trainer-phase-8b)
+      timeout 420 python3 benchmarks/bench_tree_vs_flat.py --models qwen3-8b --scale 0.25 --repeats 1 \
+        --workloads grpo_G16_P4096_C512 --out "$OUT/tree_vs_flat_h200_qwen3-8b.json" 2>&1 | quiet ;;
+    recompute-1.7b)  # eager layers: every layer recomputed vs tree_recompute="auto"
+      timeout 150 python3 benchmarks/bench_tree_vs_flat.py --models qwen3-1.7b --scale 0.5 --repeats 1 \
+        --workloads grpo_G16_P4096_C512 --checkpointing all \
+        --out "$OUT/tree_vs_flat_h200_qwen3-1.7b_ckpt-all.json" 2>&1 | quiet 3
+      timeout 150 python3 benchmarks/bench_tree_vs_flat.py --models qwen3-1.7b --scale 0.5 --repeats 1 \
+        --workloads grpo_G16_P4096_C512 --checkpointing auto \
+        --out "$OUT/tree_vs_flat_h200_qwen3-1.7b_ckpt-auto.json" 2>&1 | quiet 3 ;;
+    sliding-window-gemma3-1b)  # window 512 < 4,096-token prompts
+      timeout 200 python3 benchmarks/bench_tree_vs_flat.py --models gemma3-1b --workloads grpo_G16_P4096_C512 \
+        --scale 0.5 --repeats 1 --out "$OUT/tree_vs_flat_h200_gemma3-1b.json" 2>&1 | quiet ;;
+    liger-compiled-1.7b)  # Liger's kernels + regional compile on every method
+      timeout 240 python3 benchmarks/bench_tree_vs_flat.py --models qwen3-1.7b --scale 0.5 --repeats 1 \
+        --workloads grpo_G16_P4096_C512 --checkpointing auto --liger --compile-layers \
+        --out "$OUT/tree_vs_flat_h200_qwen3-1.7b_liger_compile.json" 2>&1 | quiet 3 ;;
+    prefix-kernels-vs-flex-1.7b)  # compiled layers; the tree with the shared-prefix kernels and with FlexAttention
+      timeout 300 python3 benchmarks/bench_tree_vs_flat.py --models qwen3-1.7b --scale 0.5 --repeats 2 \
+        --workloads grpo_G16_P4096_C512 --checkpointing auto --compile-layers --compare-flex \
+        --out "$OUT/tree_vs_flat_h200_qwen3-1.7b_compile_prefix.json" 2>&1 | quiet 3 ;;
+    prefix-kernels-vs-flex-8b)
+      timeout 400 python3 benchmarks/bench_tree_vs_flat.py --models qwen3-8b --scale 0.25 --repeats 1 \
+        --workloads grpo_G16_P4096_C512 --checkpointing auto --compile-layers --compare-flex \
+        --out "$OUT/tree_vs_flat_h200_qwen3-8b_compile_prefix.json" 2>&1 | quiet 3 ;;
+    kept-attention-1.7b)  # checkpointed layers keep the kernels' attention vs recompute it (whole-layer recompute)
+      timeout 200 python3 benchmarks/bench_tree_vs_flat.py --models qwen3-1.7b --scale 0.5 --repeats 2 \
+        --workloads grpo_G16_P4096_C512 --checkpointing auto --compile-layers --compare-whole-recompute \
+        --out "$OUT/tree_vs_flat_h200_qwen3-1.7b_compile_keep.json" 2>&1 | quiet 2 ;;
+    kept-attention-8b)
+      timeout 300 python3 benchmarks/bench_tree_vs_flat.py --models qwen3-8b --scale 0.25 --repeats 1 \
+        --workloads grpo_G16_P4096_C512 --checkpointing auto --compile-layers --compare-whole-recompute \
+        --out "$OUT/tree_vs_flat_h200_qwen3-8b_compile_keep.json" 2>&1 | quiet 2 ;;
+    activation-budget-1.7b)  # the default bound and tree_activation_budget_gib 40 / 80, side by side
+      timeout 300 python3 benchmarks/bench_tree_vs_flat.py --models qwen3-1.7b --scale 0.5 --repeats 2 \
+        --workloads grpo_G16_P4096_C512 --checkpointing auto --compile-layers --compare-budget-gib 40 80 \
+        --out "$OUT/tree_vs_flat_h200_qwen3-1.7b_compile_budget.json" 2>&1 | quiet 4 ;;
+    # ---- hybrids (transformers' torch kernels for the recurrent layers)
+    hybrid-qwen3.5-grpo)  # one prompt group (scale 0.25)
+      without_fla
+      timeout 230 python3 benchmarks/bench_tree_vs_flat.py --models qwen3.5-0.8b --scale 0.25 --repeats 1 \
+        --workloads grpo_G16_P4096_C512 --out "$OUT/tree_vs_flat_h200_qwen3.5-0.8b.json" 2>&1 | quiet 3 ;;
+    hybrid-qwen3.5-agent)  # ~500 s
+      without_fla
+      timeout 540 python3 benchmarks/bench_tree_vs_flat.py --models qwen3.5-0.8b --scale 0.25 --repeats 1 \
+        --workloads agent_20_turns --out "$OUT/tree_vs_flat_h200_qwen3.5-0.8b_agent20.json" 2>&1 | quiet 3 ;;
+    hybrid-level-cost)  # one Gated DeltaNet scan, level by level vs one call over as many tokens
+      without_fla
+      timeout 80 python3 benchmarks/bench_levels.py --device cuda --heads 16 --dim 128 --scale 1 \
+        --out "$OUT/levels_h200.json" 2>&1 | quiet 8 ;;
+    hybrid-kernels)  # every Gated DeltaNet kernel route checked against the torch reference, then parity tests and
+      # benchmark rows on the first route that passes (gpu_hybrid_kernels.sh, ~9 min; carry .whl/hybrid)
+      bash benchmarks/gpu_hybrid_kernels.sh
+      mv "$OUT/kernel_checks.json" "$OUT/hybrid_kernel_checks_h200.json"
+      mv "$OUT/hybrid_gpu.log" "$OUT/hybrid_kernels_h200.log"
+      mv "$OUT/gpu_tests_hybrid_kernels.log" "$OUT/h200_gpu_tests_hybrid_kernels.log" ;;
+    hybrid-kernels-fla-tilelang-rows)  # the benchmark rows alone on fla + TileLang: no checks, no parity test (on a
+      # fresh machine: the script keeps its work files, status lines included, in /tmp/hyb)
+      ROUTES=fla_tilelang CHECKS=0 PARITY_K=no_such_test BENCH_MAX=330 BUDGET=500 bash benchmarks/gpu_hybrid_kernels.sh
+      mv "$OUT/hybrid_gpu.log" "$OUT/hybrid_kernels_h200_fla_tilelang_rows.log" ;;
+    # ---- where the step's time goes (profile_step.py: one step under the torch profiler)
+    profile-1.7b-eager)
+      timeout 150 python3 benchmarks/profile_step.py --model qwen3-1.7b --method tree \
+        --out "$OUT/profile_h200_qwen3-1.7b_tree.json" 2>&1 | quiet 30
+      timeout 150 python3 benchmarks/profile_step.py --model qwen3-1.7b --method flat_padded \
+        --out "$OUT/profile_h200_qwen3-1.7b_flat_padded.json" 2>&1 | quiet 30 ;;
+    profile-1.7b-liger-compiled)  # recompute auto and none; whole logs kept (recompiles listed)
+      TORCH_LOGS=recompiles timeout 240 python3 benchmarks/profile_step.py --model qwen3-1.7b --method tree --liger \
+        --compile-layers --checkpointing auto --out "$OUT/profile_h200_qwen3-1.7b_tree_liger_compile_ckpt-auto.json" \
+        > "$OUT/profile_liger_compile_auto.log" 2>&1; grep -A12 "^qwen3" "$OUT/profile_liger_compile_auto.log"
+      TORCH_LOGS=recompiles timeout 240 python3 benchmarks/profile_step.py --model qwen3-1.7b --method tree --liger \
+        --compile-layers --checkpointing none --out "$OUT/profile_h200_qwen3-1.7b_tree_liger_compile_ckpt-none.json" \
+        > "$OUT/profile_liger_compile_none.log" 2>&1; grep -A12 "^qwen3" "$OUT/profile_liger_compile_none.log" ;;
+    profile-1.7b-compiled)  # compiled layers, the shared-prefix kernels, recompute auto with kept attention
+      timeout 200 python3 benchmarks/profile_step.py --model qwen3-1.7b --method tree --compile-layers \
+        --checkpointing auto --out "$OUT/profile_h200_qwen3-1.7b_tree_compile_keep.json" 2>&1 | quiet 14 ;;
+    flex-kernel-options)  # FlexAttention kernel options on the eager 1.7B tree step (~40 s each)
+      timeout 110 python3 benchmarks/profile_step.py --model qwen3-1.7b --method tree --flex-kernel-options '{}' \
+        --out "$OUT/profile_h200_qwen3-1.7b_tree_flex-default.json" 2>&1 | grep -E "^qwen3|attention" | head -3
+      timeout 110 python3 benchmarks/profile_step.py --model qwen3-1.7b --method tree \
+        --flex-kernel-options '{"USE_TMA": true}' \
+        --out "$OUT/profile_h200_qwen3-1.7b_tree_flex-tma.json" 2>&1 | grep -E "^qwen3|attention" | head -3
+      timeout 110 python3 benchmarks/profile_step.py --model qwen3-1.7b --method tree \
+        --flex-kernel-options '{"ROWS_GUARANTEED_SAFE": true}' \
+        --out "$OUT/profile_h200_qwen3-1.7b_tree_flex-rows-safe.json" 2>&1 | grep -E "^qwen3|attention" | head -3
+      timeout 110 python3 benchmarks/profile_step.py --model qwen3-1.7b --method tree \
+        --flex-kernel-options '{"USE_TMA": true, "ROWS_GUARANTEED_SAFE": true}' \
+        --out "$OUT/profile_h200_qwen3-1.7b_tree_flex-tma-rows-safe.json" 2>&1 | grep -E "^qwen3|attention" | head -3
+      timeout 110 python3 benchmarks/profile_step.py --model qwen3-1.7b --method tree \
+        --flex-kernel-options '{"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 2}' \
+        --out "$OUT/profile_h200_qwen3-1.7b_tree_flex-block128x128.json" 2>&1 | grep -E "^qwen3|attention" | head -3 ;;
+    # ---- the shared-prefix attention kernels alone
+    prefix-attention)  # vs FlexAttention on GRPO forests, per training step; twice (the CUDA rule is fit to both)
+      timeout 120 python3 benchmarks/bench_prefix_attention.py --out "$OUT/prefix_attention_h200.json" 2>&1 | quiet
+      timeout 120 python3 benchmarks/bench_prefix_attention.py --out "$OUT/prefix_attention_h200_repeat.json" 2>&1 \
+        | quiet ;;
+    prefix-attention-parts)  # each cuDNN call, the merge, per tree: GPU time vs the host's launch time
+      timeout 120 python3 benchmarks/prefix_attention_parts.py --out "$OUT/prefix_attention_parts_h200.json" 2>&1 \
+        | quiet 40 ;;
+    # ---- whole GRPO steps through trainer.train(), per generation mode (TreeGRPOTrainer vs trl.GRPOTrainer)
+    generation-modes)
+      timeout 200 python3 benchmarks/bench_generation_modes.py --modes generate continuous_batching static_cache \
+        --steps 3 --out "$OUT/generation_modes_h200.json" 2>&1 | grep -v -i warn | grep -E "^\||step|skipped" ;;
+    generation-modes-more)
+      timeout 280 python3 benchmarks/bench_generation_modes.py --modes continuous_batching static_cache compiled \
+        --steps 3 --out "$OUT/generation_modes_h200_more.json" 2>&1 | grep -v -i warn | grep -E "^\||step|skipped" ;;
+    generation-modes-static)
+      timeout 280 python3 benchmarks/bench_generation_modes.py --modes static_cache compiled --steps 2 \
+        --out "$OUT/generation_modes_h200_static.json" 2>&1 | grep -v -i warn | grep -E "^\||step|skipped" ;;
+    generation-modes-flat)  # TRL flat with continuous batching alone
+      timeout 250 python3 benchmarks/bench_generation_modes.py --modes continuous_batching --sides flat --steps 2 \
+        --out "$OUT/generation_modes_h200_flat_continuous_batching.json" 2>&1 | grep -v -i warn \
+        | grep -E "^\||step|skipped" ;;
+    generation-modes-flat-compiled)  # TRL flat with torch_compile=True alone; each step is printed as it ends
+      timeout 500 python3 benchmarks/bench_generation_modes.py --modes compiled --sides flat --steps 3 \
+        --out "$OUT/generation_modes_h200_flat_compiled.json" 2>&1 | grep -v -i warn \
+        | grep -E "^\||step [0-9]|skipped" | tee "$OUT/generation_modes_h200_flat_compiled.log" ;;
+    # ---- the GRPO trainers against TRL's own through trainer.train(), and the async trainer's GPU tests
+    async-grpo)  # gpu_async.sh (~8 min; carry .whl/async): tests/test_gpu_async_grpo.py, TreeAsyncGRPOTrainer vs TRL's
+      # AsyncGRPOTrainer (bench_async_grpo.py), TreeGRPOTrainer vs trl.GRPOTrainer (bench_sync_grpo.py); the committed
+      # run left out its last step (SKIP=async-qwen3-1.7b-budget)
+      bash benchmarks/gpu_async.sh
+      mv "$OUT/gpu_async.log" "$OUT/h200_gpu_async.log" ;;
+    # ---- gradients with fused layer kernels vs eager (grad_check.py), Qwen3-8B shape
+    grad-check-8b-12-layers)  # compiled layers, Liger + compiled layers, on 12 of the 36 layers
+      timeout 260 python3 benchmarks/grad_check.py --model qwen3-8b --layers 12 --variants compile liger_compile \
+        --out "$OUT/grad_check_h200_qwen3-8b-L12.json" > "$OUT/grad_check_8b_12_layers.log" 2>&1
+      grep -E "^(eager|compile|liger)" "$OUT/grad_check_8b_12_layers.log" \
+        || tail -20 "$OUT/grad_check_8b_12_layers.log" ;;
+    grad-check-8b-liger)  # Liger alone and Liger + compiled layers, 36 layers
+      timeout 330 python3 benchmarks/grad_check.py --model qwen3-8b --variants liger liger_compile \
+        --methods tree tree_ckpt_all flat_packed --out "$OUT/grad_check_h200_qwen3-8b.json" \
+        > "$OUT/grad_check_8b_liger.log" 2>&1
+      grep -E "^(eager|compile|liger)" "$OUT/grad_check_8b_liger.log" \
+        || tail -20 "$OUT/grad_check_8b_liger.log" ;;
+    grad-check-8b-compiled)  # compiled layers alone, 36 layers
+      timeout 300 python3 benchmarks/grad_check.py --model qwen3-8b --variants compile --methods tree flat_packed \
+        --out "$OUT/grad_check_h200_qwen3-8b_compile.json" > "$OUT/grad_check_8b_compiled.log" 2>&1
+      grep -E "^(eager|compile)" "$OUT/grad_check_8b_compiled.log" || tail -20 "$OUT/grad_check_8b_compiled.log" ;;
+    grad-check-8b-no-mix-order)  # Liger + compiled layers without inductor's mix-order reduction (pytorch#193061)
+      TORCHINDUCTOR_MIX_ORDER_REDUCTION=0 timeout 300 python3 benchmarks/grad_check.py --model qwen3-8b \
+        --variants liger_compile --methods tree flat_packed --out "$OUT/grad_check_h200_qwen3-8b_no-mix-order.json" \
+        > "$OUT/grad_check_8b_no_mix_order.log" 2>&1
+      grep -E "^(eager|liger)" "$OUT/grad_check_8b_no_mix_order.log" \
+        || tail -20 "$OUT/grad_check_8b_no_mix_order.log" ;;
+    # ---- the GPU tests
+    gpu-tests)  # every test marked gpu
+      timeout 330 python3 -m pytest -q -rf -m gpu -p no:cacheprovider tests/ > "$OUT/h200_gpu_tests.log" 2>&1
+      summary "$OUT/h200_gpu_tests.log" ;;
+    gpu-tests-kernels)  # the shared-prefix kernels, Liger / regional compile, the dense families, the GRPO trainer
+      timeout 300 python3 -m pytest -q -rf -n 4 -m gpu -p no:cacheprovider tests/test_prefix_attention.py \
+        tests/test_kernels.py tests/test_gpu.py tests/test_grpo_trainer.py > "$OUT/h200_gpu_tests_kernels.log" 2>&1
+      summary "$OUT/h200_gpu_tests_kernels.log" ;;
+    gpu-tests-kernels-always)  # the same with the kernels on every two-level forest, small ones included
+      HF_TREE_ATTN_PREFIX_ATTENTION=always timeout 300 python3 -m pytest -q -rf -n 4 -m gpu -p no:cacheprovider \
+        tests/test_prefix_attention.py tests/test_kernels.py tests/test_gpu.py tests/test_grpo_trainer.py \
+        > "$OUT/h200_gpu_tests_kernels_always.log" 2>&1
+      summary "$OUT/h200_gpu_tests_kernels_always.log" ;;
+    gpu-tests-kept-attention)  # checkpointed layers that keep the kernels' attention, eager and inductor
+      timeout 120 python3 -m pytest -q -rf -m gpu -p no:cacheprovider tests/test_recompute.py \
+        > "$OUT/h200_gpu_tests_kept_attention.log" 2>&1
+      summary "$OUT/h200_gpu_tests_kept_attention.log" 5 ;;
+    gpu-tests-coverage)  # every accepted family on compiled FlexAttention vs its per-sequence eager forward
+      without_fla  # 8 processes share the GPU: each family compiles its own kernels
+      timeout 380 python3 -m pytest -v -rf -n 8 --durations=5 -m gpu -p no:cacheprovider tests/test_gpu_coverage.py \
+        > "$OUT/h200_gpu_tests_coverage.log" 2>&1
+      summary "$OUT/h200_gpu_tests_coverage.log" 30 ;;
+    gpu-tests-precision)  # test_precision.py on CUDA without the hybrids, stopped at 70 s
+      timeout -s INT 70 python3 -m pytest -q -rf -m gpu tests/test_precision.py \
+        -k "not qwen3_5 and not nemotron_h and not lfm2" > "$OUT/h200_gpu_tests_precision.log" 2>&1
+      summary "$OUT/h200_gpu_tests_precision.log" ;;
+    gpu-tests-hybrids)  # Qwen3.5 / LFM2 / Nemotron-H trees on CUDA (fla's kernels where installed)
+      timeout 300 python3 -m pytest -q -rf -m gpu -p no:cacheprovider tests/test_gpu_recurrent.py \
+        > "$OUT/h200_gpu_tests_hybrids.log" 2>&1
+      summary "$OUT/h200_gpu_tests_hybrids.log" ;;
+    # ---- two GPUs (nvidia-h200-x2)
+    fsdp2-main-job)  # the main job under FSDP2 on two processes
+      timeout 400 python3 -m accelerate.commands.launch --config_file trainers/configs/fsdp2.yaml \
+        trainers/grpo_tree.py --max_steps 60 --logging_steps 10 --output_dir /tmp/fsdp2_out 2>&1 \
+        | tee "$OUT/fsdp2_2gpu_h200.log" | grep -vi warn | tail -25
+      ls /tmp/fsdp2_out | tee -a "$OUT/fsdp2_2gpu_h200.log" ;;
+    balance-fsdp2)  # tree vs flat, balanced vs not, Qwen3-1.7B shape under FSDP2; a tiny-shape check first
+      timeout 120 python3 -m accelerate.commands.launch --config_file trainers/configs/fsdp2.yaml \
+        benchmarks/bench_balance_fsdp.py --model tiny --length-scale 0.05 --steps 2 --accumulation 1 \
+        --configs flat tree_balanced --out "$OUT/balance_fsdp2_tiny.json" > "$OUT/balance_fsdp2_tiny.log" 2>&1 \
+        || { tail -30 "$OUT/balance_fsdp2_tiny.log"; continue; }
+      timeout 200 python3 -m accelerate.commands.launch --config_file trainers/configs/fsdp2.yaml \
+        benchmarks/bench_balance_fsdp.py --length-scale 0.5 --steps 3 --out "$OUT/balance_fsdp2_h200.json" \
+        > "$OUT/balance_fsdp2_h200.log" 2>&1; grep -E "^(flat|tree)|Error" "$OUT/balance_fsdp2_h200.log" | tail -12 ;;
+    *)
+      echo "unknown stage: $stage (the stages are the case labels of $0)"; exit 2 ;;
+  esac
+done

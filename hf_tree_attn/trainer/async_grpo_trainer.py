@@ -1,0 +1,247 @@
+"""`TreeAsyncGRPOTrainer`: TRL's asynchronous GRPO trainer, its rows packed by `pack_forest`, attended by `tree_flex`.
+
+TRL's `trl.experimental.async_grpo.AsyncGRPOTrainer` already folds each rank's rollout samples into a prefix trie
+(`packing.TreeRow`) and runs it through FlashAttention-3's varlen kernel from the Hub (`tree_fa3`). That kernel
+routes attention only, so the trainer refuses every layer that carries a state (Gated DeltaNet, Mamba-2, short
+convolutions: Qwen3.5, Qwen3-Next, LFM2, Nemotron-H, Falcon-H1, Granite-4 hybrids) and attention sinks (GPT-OSS),
+and needs a GPU and the Hub. This subclass keeps all of TRL's trainer — constructor, config, rollout-worker and
+weight-transfer protocols, weight sync, the token-budget planner, the loss, metrics — and swaps two things:
+
+- the model is loaded with `attn_implementation="tree_flex"` behind hf_tree_attn's gate (`support.py`): every family
+  the gate accepts trains, hybrids through the segment scans, on CUDA (FlexAttention, the shared-prefix kernels) and
+  on CPU; a refused model is an error naming the way out;
+- each rank's row is packed by `pack_forest` (`rollout_forest.TreeDataCollatorForRollout`) and scored by the step
+  `TreeGRPOTrainer` uses (`forest_step`): recompute limited to what memory needs, the MoE load-balancing loss
+  weighted per sample as a flat forward weighs it (TRL's counts a shared token once).
+
+TRL's methods run whole; each swap replaces one name TRL's trainer module looks up, for the duration of one call
+(`_trl_names`): its model loader, `add_fused_lm_head` and peak-FLOPs lookup inside the constructor, its collator
+class inside `get_train_dataloader`, its FLOP formula inside `_log_step_metrics`. `compute_loss` is TRL's, handed a
+stand-in for the model (`_ForestForward`) whose log-probabilities are the forest's. `tests/test_async_grpo.py` pins
+each name and the order TRL's constructor uses them in.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable
+from types import SimpleNamespace
+
+import torch
+import trl.experimental.async_grpo.async_grpo_trainer as trl_async
+from transformers import AutoConfig
+from trl.experimental.async_grpo import AsyncGRPOTrainer
+
+from ..attention import ATTN_IMPLEMENTATION
+from ..support import _fix, config_support_error, rope_split_lengths, tree_support_error
+from ..tree import PackedForest
+from .async_grpo_config import TreeAsyncGRPOConfig
+from .forest_step import recompute_plan, score_forests
+from .rollout_forest import TreeDataCollatorForRollout, rank_forest
+
+__all__ = ["TreeAsyncGRPOTrainer"]
+
+# The layer kinds TRL's tree packing routes; anything else in `layer_types` makes its constructor refuse the model.
+_TRL_ROUTED_KINDS = frozenset({"full_attention", "sliding_attention"})
+
+
+@contextlib.contextmanager
+def _trl_names(**replacements):
+    """Within the block, TRL's async trainer module sees `replacements` under these names (restored after)."""
+    saved = {name: getattr(trl_async, name) for name in replacements}
+    for name, value in replacements.items():
+        setattr(trl_async, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(trl_async, name, value)
+
+
+def _refusal(model_id: str, reason: str, model_type: str | None) -> ValueError:
+    # The gate's reason ends with the way out of TreeGRPOTrainer (its flat fallback); this trainer has none.
+    reason = reason.removesuffix(_fix(model_type)).strip()
+    return ValueError(
+        f"TreeAsyncGRPOTrainer cannot train {model_id!r} on exact trees: {reason} It always packs trees (it has no "
+        "flat path). Train this model with TRL's own AsyncGRPOTrainer (trl.experimental.async_grpo) where its "
+        "FlashAttention-3 tree packing supports it, or synchronously with trl.GRPOTrainer (TreeGRPOTrainer's "
+        "tree_packing='auto' falls back to it by itself)."
+    )
+
+
+class _TreeConstruction:
+    """TRL's constructor with the policy loaded on `tree_flex` behind the gate, on any device.
+
+    TRL's constructor loads the model (`create_model_from_path`, with `attn_implementation="tree_fa3"`), refuses
+    `layer_types` other than full / sliding attention and `.sinks` parameters (its kernel's limits), then patches its
+    fused LM head onto the model (`add_fused_lm_head`). Here the loader asks for `tree_flex` and runs the gate, and
+    the two things TRL refuses but trees run exactly are out of its sight between the load and the LM head: the text
+    config's layer kinds and the sink parameters' names. Both are back before anything else sees the model. TRL
+    also reads the device's peak FLOPs with `torch.cuda.get_device_name`, which raises off CUDA: there the peak is
+    unknown, which TRL's metrics already handle (no MFU logged).
+    """
+
+    def __enter__(self):
+        self._load, self._add_fused_lm_head = trl_async.create_model_from_path, trl_async.add_fused_lm_head
+        self._peak_flops = trl_async.get_peak_flops_per_device
+        self._restore: list[Callable[[], None]] = []
+        self._names = _trl_names(
+            create_model_from_path=self.load,
+            add_fused_lm_head=self.add_fused_lm_head,
+            get_peak_flops_per_device=self.peak_flops_per_device,
+        )
+        self._names.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._reveal()
+        return self._names.__exit__(*exc)
+
+    def load(self, model_id: str, **kwargs):
+        config = AutoConfig.from_pretrained(
+            model_id, revision=kwargs.get("revision"), trust_remote_code=kwargs.get("trust_remote_code", False)
+        )
+        reason = config_support_error(config)  # before reading any weights
+        if reason is None and rope_split_lengths(config):
+            reason = (
+                f"its longrope RoPE rotates sequences of at most and of more than {rope_split_lengths(config)} "
+                "tokens with different factors, and one packed row per rank cannot hold both exactly (TRL's own "
+                "packing rotates them all with the row's longest)."
+            )
+        if reason is not None:
+            raise _refusal(model_id, reason, config.model_type)
+        model = self._load(model_id, **{**kwargs, "attn_implementation": ATTN_IMPLEMENTATION})
+        reason = tree_support_error(model)
+        if reason is not None:
+            raise _refusal(model_id, reason, getattr(model.config, "model_type", None))
+        self._hide_from_trl(model)
+        return model
+
+    def _hide_from_trl(self, model) -> None:
+        text_config = model.config.get_text_config()
+        kinds = set(getattr(text_config, "layer_types", None) or ())
+        # Some configs store the layer kinds under another name (`attribute_map`, e.g. Nemotron-H's
+        # `layers_block_type`); the instance attribute goes, the class default (None) answers TRL's check.
+        field = getattr(text_config, "attribute_map", {}).get("layer_types", "layer_types")
+        if kinds - _TRL_ROUTED_KINDS and field in vars(text_config):
+            kept = vars(text_config).pop(field)
+            self._restore.append(lambda: vars(text_config).__setitem__(field, kept))
+        if any(name.endswith(".sinks") for name, _ in model.named_parameters()):
+            named_parameters = model.named_parameters
+
+            def without_sinks(*args, **kwargs):
+                return ((n, p) for n, p in named_parameters(*args, **kwargs) if not n.endswith(".sinks"))
+
+            model.named_parameters = without_sinks
+            self._restore.append(lambda: delattr(model, "named_parameters"))
+
+    def add_fused_lm_head(self, model, *args, **kwargs):
+        self._reveal()
+        return self._add_fused_lm_head(model, *args, **kwargs)
+
+    def peak_flops_per_device(self, accelerator, dtype: str) -> float | None:
+        return self._peak_flops(accelerator, dtype) if accelerator.device.type == "cuda" else None
+
+    def _reveal(self) -> None:
+        while self._restore:
+            self._restore.pop()()
+
+
+class _ForestForward:
+    """What TRL's `compute_loss` calls as the model: one forward over this rank's forest.
+
+    TRL's loss reads `outputs.log_probs.flatten()[token_index]`, `outputs.entropy` likewise and `outputs.aux_loss`;
+    `token_index` here is the forest row of each scored token, so the per-row tables are the outputs. TRL's forward
+    arguments (its packed row and FlashAttention metadata) are not needed.
+    """
+
+    def __init__(self, trainer: TreeAsyncGRPOTrainer, model: torch.nn.Module, forest: PackedForest, rows):
+        self.trainer, self.model, self.forest, self.rows = trainer, model, forest, rows
+
+    def __call__(self, **trl_forward_kwargs) -> SimpleNamespace:
+        trainer, forest = self.trainer, self.forest
+        # The recompute bound is TRL's own async trainer on the same row: its unique tokens, every layer checkpointed
+        # (so attention outputs are kept only within tree_activation_budget_gib).
+        plan = recompute_plan(trainer, [forest], bound_tokens=forest.num_tree_tokens, keep_within_bound=True)
+        (table,), (entropy,), aux_loss = score_forests(
+            self.model, [forest], [torch.unique(self.rows)], temperature=trainer.temperature,
+            autocast=trainer.accelerator.autocast, compute_entropy=True, compute_aux_loss=trainer.aux_loss_enabled,
+            recompute=plan,
+        )  # fmt: skip
+        return SimpleNamespace(log_probs=table, entropy=entropy, aux_loss=aux_loss)
+
+
+def _trl_forward_only(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The inputs TRL's `compute_loss` reads only to hand them to its own forward, which the forest replaces."""
+    ids = inputs["input_ids"]
+    none = ids.new_empty((1, 0))
+    return {
+        "shift_labels": torch.full_like(ids, -100),
+        "tree_kv_index": none,
+        "tree_cu_seqlens_q": none,
+        "tree_cu_seqlens_k": none,
+        "tree_max_seqlens": ids.new_zeros((1, 2)),
+    }
+
+
+def _flops_or_nan(flops_per_token: Callable) -> Callable:
+    """TRL's FLOP formula, or NaN (MFU not logged) for configs it misreads: it takes MoE sizes from fields that
+    GPT-OSS, Qwen3.5-MoE and Nemotron-H name otherwise, and would raise after the first step."""
+
+    def safe(config, seq_len: int):
+        try:
+            return flops_per_token(config, seq_len)
+        except AttributeError:
+            return math.nan
+
+    return safe
+
+
+class TreeAsyncGRPOTrainer(AsyncGRPOTrainer):
+    """`trl.experimental.async_grpo.AsyncGRPOTrainer` on hf_tree_attn's exact trees (see the module docstring).
+
+    Takes exactly TRL's arguments (`model` is a model id or path, loaded by TRL's constructor on `tree_flex`);
+    `args` must be a `TreeAsyncGRPOConfig`. Runs without a vLLM server given a `rollout_worker` and a
+    `weight_transfer` (e.g. `replay.ReplayRolloutWorker`, `replay.NoWeightTransfer`) and an explicit `token_budget`.
+    """
+
+    def __init__(self, model: str, reward_funcs=None, args: TreeAsyncGRPOConfig | None = None, **kwargs):
+        if not isinstance(model, str):
+            raise TypeError(
+                f"model is a {type(model).__name__}; TreeAsyncGRPOTrainer, like TRL's AsyncGRPOTrainer, loads the "
+                "model itself: pass its Hub id or local path (save_pretrained a model built in code)."
+            )
+        if args is None:
+            args = TreeAsyncGRPOConfig(f"{model.split('/')[-1]}-TreeAsyncGRPO")
+        if not isinstance(args, TreeAsyncGRPOConfig):
+            raise TypeError(
+                f"args is a {type(args).__name__}; TreeAsyncGRPOTrainer needs a TreeAsyncGRPOConfig (the fields of "
+                "AsyncGRPOConfig plus tree_recompute, tree_activation_budget_gib): `TreeAsyncGRPOConfig(**kwargs)`."
+            )
+        impl = (args.model_init_kwargs or {}).get("attn_implementation")
+        if impl is not None:
+            raise ValueError(
+                f"model_init_kwargs['attn_implementation']={impl!r}: TreeAsyncGRPOTrainer loads the model with "
+                f"{ATTN_IMPLEMENTATION!r} itself (as TRL's trainer loads it with its own). Drop the entry."
+            )
+        self._unpriced: str | None = None  # read by forest_step.recompute_plan
+        with _TreeConstruction():
+            super().__init__(model, reward_funcs, args, **kwargs)
+
+    def get_train_dataloader(self):
+        """TRL's dataloader (its planner, dispatching), with the rows packed by `TreeDataCollatorForRollout`."""
+        with _trl_names(DataCollatorForRollout=TreeDataCollatorForRollout):
+            return super().get_train_dataloader()
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """TRL's loss and metrics, on this rank's forest (`rollout_forest.rank_forest`)."""
+        forest = rank_forest(inputs, self.accelerator.device)
+        rows = inputs["token_index"][inputs["token_index"] >= 0]
+        forward = _ForestForward(self, model, forest, rows)
+        inputs = {**inputs, **_trl_forward_only(inputs)}
+        return super().compute_loss(forward, inputs, return_outputs, num_items_in_batch)
+
+    def _log_step_metrics(self) -> None:
+        with _trl_names(compute_flops_per_token=_flops_or_nan(trl_async.compute_flops_per_token)):
+            super()._log_step_metrics()

@@ -1,0 +1,24 @@
+"""`TreeDPOConfig`: `trl.DPOConfig` plus the tree-packing fields (only the new fields live here)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from trl import DPOConfig
+
+from .tree_options import check_tree_options, max_tokens_per_mb_field, tree_max_token_ratio_field, tree_packing_field
+
+__all__ = ["TreeDPOConfig"]
+
+
+@dataclass
+class TreeDPOConfig(DPOConfig):
+    """`trl.DPOConfig` plus the tree-packing knobs (all other fields, defaults and checks are TRL's)."""
+
+    tree_packing: str = tree_packing_field("DPOTrainer")
+    max_tokens_per_mb: int | None = max_tokens_per_mb_field()
+    tree_max_token_ratio: float = tree_max_token_ratio_field()
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_tree_options(self)

@@ -1,0 +1,52 @@
+"""`TreeDPOTrainer`: TRL's DPO trainer with each batch's chosen and rejected sequences scored on prefix trees.
+
+A DPO batch holds each prompt twice (chosen and rejected) and TRL runs it twice in the policy forward and twice in
+the reference forward. Here the batch's sequences are packed into prefix forests, one trie per prompt (a prompt
+with several pairs in the batch is one trie too), so each prompt is computed once in the policy forward and once in
+the reference forward; the reference forward reuses the policy forward's packing.
+
+Nothing of TRL's DPO changes but the forward its fused LM head runs (`fused_head.TreeLMHead`), so the tensors
+TRL's loss reads — per-token log-probabilities, entropies, mean logits, top-1 flags and `log(sum p^2)` — are laid
+out exactly as TRL's forward lays them out. Every `loss_type` (alone or mixed with `loss_weights`), every
+`f_divergence_type`, `use_weighting` (WPO), `ld_alpha`, `precompute_ref_log_probs`, PEFT (reference = adapters off)
+and every metric are TRL's own code on them; none is refused.
+"""
+
+from __future__ import annotations
+
+from trl import DPOTrainer
+
+from .dpo_config import TreeDPOConfig
+from .grpo_trainer import _select_tree_attention
+from .head_trainer import TreeHeadTrainerMixin
+
+__all__ = ["TreeDPOTrainer"]
+
+
+class TreeDPOTrainer(TreeHeadTrainerMixin, DPOTrainer):
+    """`trl.DPOTrainer` whose policy and reference forwards run on packed prefix trees (see the module docstring).
+
+    Takes exactly `trl.DPOTrainer`'s arguments; `args` must be a `TreeDPOConfig`. A `ref_model` instance given on
+    `sdpa` / `eager` is switched to `tree_flex` like the policy. Per forward, `tree_fallback`, `tree_token_ratio` and
+    `tree_compute_ratio` are logged (see `TreeSFTTrainer`).
+    """
+
+    def __init__(self, model, ref_model=None, args: TreeDPOConfig | None = None, *pos, **kwargs):
+        if args is None:
+            name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "") or "model"
+            args = TreeDPOConfig(f"{name.split('/')[-1]}-TreeDPO")
+        if not isinstance(args, TreeDPOConfig):
+            raise TypeError(
+                f"args is a {type(args).__name__}; TreeDPOTrainer needs a TreeDPOConfig (DPOConfig's fields plus "
+                "tree_packing, max_tokens_per_mb, tree_max_token_ratio): `TreeDPOConfig(**your_kwargs)`."
+            )
+        model = self._tree_before_init(model, args)
+        if ref_model is not None and args.tree_packing is not False and self._tree_reason is None:
+            ref_model, self._tree_reason = _select_tree_attention(ref_model, args)
+        super().__init__(model, ref_model, args, *pos, **kwargs)
+        self._tree_setup()
+
+    def _precompute_ref_logps(self, dataset, name, batch_size):
+        """TRL's precompute of the reference log-probabilities (inside TRL's `__init__`), on trees too."""
+        self._tree_setup()
+        return super()._precompute_ref_logps(dataset, name, batch_size)

@@ -1,0 +1,364 @@
+"""TRL's fused LM head on packed prefix forests: the one call TRL's SFT and DPO trainers score sequences with.
+
+TRL's trainers compute log-probabilities with one call, `model(input_ids, attention_mask, labels=labels,
+fused_lm_head=True)`, which `trl.trainer.utils.add_fused_lm_head` installs on the model: the backbone runs on the
+padded rows (or the padding-free packed row), then TRL's chunked log-prob kernel scores every position whose next
+label is not -100, and a `FusedCausalLMOutput` of `(rows, width - 1)` tensors comes back. `TreeLMHead.install`
+wraps that forward. The same call packs the batch's sequences into prefix forests (`pack_forest`), runs the backbone
+once per forest, scores each distinct (trie row, target) pair once with TRL's kernel and TRL's settings (read from
+the head TRL installed), and scatters the values into exactly the tensors TRL's forward returns::
+
+    rows (right-padded)        forest (DFS row)            FusedCausalLMOutput.log_probs (2, 4)
+    [s s s a b]                s s s a b c                  [lp(a|sss) lp(b|sssa)   ...      ]
+    [s s s c . ]  -- pack -->        └── c                  [lp(c|sss)   0   ...             ]
+                               the prompt `s s s` once      0 where the next label is -100
+
+Every loss, normalisation and metric TRL computes from those tensors is then TRL's own code: SFT's token-level
+loss over `num_items_in_batch`, `completion_only_loss` / `assistant_only_loss` (they are the labels), DFT, DPO's
+loss types, WPO weights, `ld_alpha`, the entropy, accuracy and logit metrics. A batch the tree cannot reproduce
+(another padding layout, a label after a padding position, extra model inputs such as images) or one where
+sharing saves too little (`max_token_ratio`) runs TRL's own forward unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import logging
+import types
+import warnings
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..logprobs import _decoder, _lm_head_params, forest_forward_kwargs, tree_router_aux_loss
+from ..support import rope_length_limit, rope_split_lengths, unwrap_model
+from ..tree import PackedForest, pack_forest
+
+__all__ = ["FusedPlan", "TreeLMHead", "fused_head_settings", "plan_fused_batch"]
+
+logger = logging.getLogger(__name__)
+
+# What `add_fused_lm_head` fixes when it installs its forward, read back from that forward's closure so the tree
+# scores with TRL's exact settings (`test_fused_head_settings_are_readable` pins the names).
+_SETTINGS = ("outputs", "temperature", "cast_lm_head_to_fp32", "final_logit_softcapping", "logit_scale")
+_CHUNK_SIZE = 32768  # vocab tile, as TRL's fused head (`_CHUNKED_LOGPROB_CHUNK_SIZE`)
+_OUTPUT_NAMES = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+# Keys of TRL's batches that describe the flat layout only: the forest replaces them.
+_LAYOUT_KEYS = frozenset(
+    {"input_ids", "attention_mask", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k",
+     "seq_idx", "use_cache", "return_dict"}
+)  # fmt: skip
+_PLAN_CACHE = 8  # DPO scores one batch with the policy and the reference: plan once, use twice
+
+
+def fused_head_settings(forward) -> dict:
+    """The settings of the fused LM head TRL installed (`outputs`, `temperature`, `cast_lm_head_to_fp32`,
+    `final_logit_softcapping`, `logit_scale`), read from its forward (a model or its bound `forward`); raises
+    `ValueError` if that is not TRL's fused forward."""
+    forward = forward.forward if isinstance(forward, torch.nn.Module) else forward
+    func = getattr(forward, "__func__", None)
+    code, closure = getattr(func, "__code__", None), getattr(func, "__closure__", None)
+    cells = dict(zip(code.co_freevars, (c.cell_contents for c in closure))) if code and closure else {}
+    missing = [name for name in _SETTINGS if name not in cells]
+    if missing:
+        raise ValueError(
+            f"{getattr(func, '__qualname__', forward)!r} is not the fused LM head of trl.trainer.utils."
+            f"add_fused_lm_head (missing {missing}): this trl version is not the one hf_tree_attn reads (trl "
+            "1.16). Set tree_packing=False."
+        )
+    return {name: cells[name] for name in _SETTINGS}
+
+
+@dataclass
+class FusedPlan:
+    """Where one flat batch's scored positions live in its forests.
+
+    Attributes:
+        forests: the packed forests (CPU), one backbone forward each.
+        sources: per forest, `(U_f,)` long — the forest row whose hidden state scores each distinct pair.
+        targets: per forest, `(U_f,)` long — the token each pair scores.
+        pair_of_entry: `(E,)` long — for each scored flat position, its pair in the forests' pairs concatenated.
+        entry_row, entry_col: `(E,)` long — the scored flat positions, as `(row, column)` of `labels[:, 1:]`.
+        tree_tokens: real rows of all forests; flat_tokens: tokens TRL's forward computes (rows x width);
+            original_tokens: real tokens of the batch's sequences.
+    """
+
+    forests: list[PackedForest]
+    sources: list[torch.Tensor]
+    targets: list[torch.Tensor]
+    pair_of_entry: torch.Tensor
+    entry_row: torch.Tensor
+    entry_col: torch.Tensor
+    tree_tokens: int
+    flat_tokens: int
+    original_tokens: int
+
+
+def _segments(mask: np.ndarray | None, pos: np.ndarray | None, shape: tuple[int, int]) -> np.ndarray | str:
+    """`(B, L)` int64: the sequence each flat position belongs to (-1 at padding), numbered in row-major order; or
+    why the layout is not one the tree reproduces.
+
+    Three layouts, as TRL's collators build them: right-padded rows (`attention_mask`, optionally `position_ids`
+    counting from 0), padding-free packed rows (no mask; a sequence starts wherever `position_ids` is 0, so each
+    padding token of `pad_to_multiple_of` is a 1-token sequence, as the flat forward treats it), or full rows.
+    """
+    rows, width = shape
+    cols = np.broadcast_to(np.arange(width), shape)
+    if mask is not None:
+        real = mask.astype(bool)
+        lengths = real.sum(1)
+        if not (real == (cols < lengths[:, None])).all():
+            return "the rows are not right-padded (attention_mask is not a run of ones then zeros)"
+        if pos is not None and not (pos[real] == cols[real]).all():
+            return "position_ids do not count 0, 1, 2, ... along each row"
+        seq = np.cumsum(lengths > 0) - 1
+        return np.where(real, seq[:, None], -1)
+    if pos is None:
+        return np.broadcast_to(np.arange(rows)[:, None], shape).copy()
+    starts = pos == 0
+    if not starts[:, 0].all():
+        return "a packed row does not start a sequence (position_ids[:, 0] != 0)"
+    seq = np.cumsum(starts.ravel()).reshape(shape) - 1
+    first = np.flatnonzero(starts.ravel())
+    offset = np.arange(rows * width) - first[seq.ravel()]
+    if not (offset.reshape(shape) == pos).all():
+        return "position_ids do not count 0, 1, 2, ... within each packed sequence"
+    return seq
+
+
+def plan_fused_batch(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    position_ids: torch.Tensor | None,
+    labels: torch.Tensor,
+    max_tokens_per_mb: int | None = None,
+    split_lengths: tuple[int, ...] = (),
+    max_token_ratio: float = 1.0,
+) -> FusedPlan | str:
+    """The forests of one flat batch and where its scored positions go, or why it must run flat.
+
+    Args:
+        input_ids: `(B, L)` long; attention_mask: `(B, L)` or None; position_ids: `(B, L)` or None (see
+            `_segments` for the layouts); labels: `(B, L)` long, -100 where nothing is scored. Position `p` of row
+            `r` is scored when `labels[r, p + 1] != -100`: the hidden state at `p` predicts that label, exactly as
+            TRL's fused head reads it.
+        max_tokens_per_mb: token budget of one forest (None: one forest).
+        split_lengths: `rope_split_lengths` of the model.
+        max_token_ratio: run flat when the forests hold more than this fraction of `B * L`.
+    """
+    ids = input_ids.detach().cpu().numpy()
+    shape = ids.shape
+    mask = None if attention_mask is None else attention_mask.detach().cpu().numpy()
+    pos = None if position_ids is None else position_ids.detach().cpu().numpy()
+    if mask is not None and mask.shape != shape or pos is not None and pos.shape != shape or labels.shape != shape:
+        return "attention_mask, position_ids and labels are not all of input_ids' shape"
+    seq = _segments(mask, pos, shape)
+    if isinstance(seq, str):
+        return seq
+    real = seq >= 0
+    if not real.any():
+        return "the batch has no tokens"
+    lengths = np.bincount(seq[real], minlength=int(seq.max()) + 1)
+    sequences = np.split(ids[real], np.cumsum(lengths)[:-1])
+    # Each flat position's offset inside its sequence (row-major order within a sequence is token order).
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    offset = np.full(shape, -1, dtype=np.int64)
+    offset[real] = np.arange(int(real.sum())) - starts[seq[real]]
+
+    scored_labels = labels[:, 1:].detach().cpu().numpy()
+    entry_row, entry_col = np.nonzero(scored_labels != -100)
+    if not real[entry_row, entry_col].all():
+        return "a label follows a padding position (the flat forward scores a padding token's hidden state there)"
+    forests = pack_forest(sequences, max_tokens_per_mb=max_tokens_per_mb, split_lengths=split_lengths)
+    tree_tokens = sum(f.num_tree_tokens for f in forests)
+    if tree_tokens > max_token_ratio * ids.size:
+        return f"ratio {tree_tokens / ids.size:.3f} > max_token_ratio {max_token_ratio}"
+
+    entry_seq, entry_offset = seq[entry_row, entry_col], offset[entry_row, entry_col]
+    entry_target = scored_labels[entry_row, entry_col].astype(np.int64)
+    forest_of_seq = np.empty(len(sequences), dtype=np.int64)
+    local_of_seq = np.empty(len(sequences), dtype=np.int64)
+    for f, forest in enumerate(forests):
+        forest_of_seq[forest.seq_ids] = f
+        local_of_seq[forest.seq_ids] = np.arange(len(forest.seq_ids))
+    sources, targets = [], []
+    pair_of_entry = np.empty(len(entry_row), dtype=np.int64)
+    base = 0
+    for f, forest in enumerate(forests):
+        members = np.flatnonzero(forest_of_seq[entry_seq] == f)
+        seq_offsets = forest.seq_offsets.numpy()
+        rows = forest.seq_positions.numpy()[seq_offsets[local_of_seq[entry_seq[members]]] + entry_offset[members]]
+        # A row shared by several sequences is scored once per distinct target (a trained shared prompt in SFT).
+        keys, inverse = np.unique(rows << 32 | entry_target[members], return_inverse=True)
+        sources.append(torch.from_numpy(keys >> 32))
+        targets.append(torch.from_numpy(keys & 0xFFFFFFFF))
+        pair_of_entry[members] = base + inverse.reshape(-1)
+        base += len(keys)
+    return FusedPlan(
+        forests, sources, targets, torch.from_numpy(pair_of_entry), torch.from_numpy(entry_row),
+        torch.from_numpy(entry_col), tree_tokens, ids.size, int(real.sum()),
+    )  # fmt: skip
+
+
+class TreeLMHead:
+    """Runs a TRL-fused-head model's `fused_lm_head=True` calls on packed forests (see the module docstring).
+
+    Args:
+        max_tokens_per_mb: token budget of one forest; None = one forest per call.
+        max_token_ratio: a call whose forests would hold more than this fraction of the tokens TRL's forward
+            computes (rows x width) runs TRL's forward instead, with one warning the first time.
+        record: `record(name, value)` receives the per-call metrics `tree_fallback` (0 / 1), `tree_token_ratio`
+            (forest rows / real tokens) and `tree_compute_ratio` (forest rows / tokens TRL's forward computes).
+    """
+
+    def __init__(
+        self,
+        max_tokens_per_mb: int | None = None,
+        max_token_ratio: float = 0.9,
+        record: Callable[[str, float], None] | None = None,
+    ):
+        self.max_tokens_per_mb = max_tokens_per_mb
+        self.max_token_ratio = max_token_ratio
+        self.record = record or (lambda name, value: None)
+        self._plans: OrderedDict[str, FusedPlan | str] = OrderedDict()
+        self._warned: set[str] = set()
+
+    def install(self, model: torch.nn.Module) -> None:
+        """Wrap the fused forward TRL installed on `model` (the causal LM itself, under PEFT its base model)."""
+        target = unwrap_model(model)
+        if getattr(target.forward, "_tree_lm_head", None) is self:
+            return
+        # Another head's wrapper (a second trainer on the same model) is replaced, never stacked.
+        trl_forward = getattr(target.forward, "_trl_forward", target.forward)
+        settings = fused_head_settings(trl_forward)
+        head = self
+
+        def forward(self, *args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None, **kw):
+            plan = None
+            if fused_lm_head and not args and shift_labels is None and labels is not None:
+                plan = head._plan(self, labels, kw)
+            if not isinstance(plan, FusedPlan):
+                if fused_lm_head:
+                    head.record("tree_fallback", 1.0)
+                    if plan is not None:
+                        head._warn_once(plan)
+                return trl_forward(
+                    *args, fused_lm_head=fused_lm_head, labels=labels, shift_labels=shift_labels,
+                    num_items_in_batch=num_items_in_batch, **kw,
+                )  # fmt: skip
+            head.record("tree_fallback", 0.0)
+            head.record("tree_token_ratio", plan.tree_tokens / plan.original_tokens)
+            head.record("tree_compute_ratio", plan.tree_tokens / plan.flat_tokens)
+            return head._forward(self, plan, settings, labels, num_items_in_batch, kw)
+
+        functools.update_wrapper(forward, trl_forward.__func__)  # the model's signature, which `generate` checks
+        forward._tree_lm_head, forward._trl_forward = self, trl_forward
+        target.forward = types.MethodType(forward, target)
+
+    def _warn_once(self, reason: str) -> None:
+        kind = "ratio" if reason.startswith("ratio") else reason
+        if kind in self._warned:
+            return
+        self._warned.add(kind)
+        if kind == "ratio":
+            message = (
+                f"This batch shares too few tokens for a tree ({reason}): it runs TRL's own forward, as will every "
+                "such batch (logged as tree_fallback=1; this is said once). Raise tree_max_token_ratio (1.0 = "
+                "always the tree) to change that."
+            )
+        else:
+            message = f"A batch runs TRL's own forward instead of a tree: {reason} (logged as tree_fallback=1)."
+        warnings.warn(message, stacklevel=3)
+
+    def _plan(self, model: torch.nn.Module, labels: torch.Tensor, kwargs: dict) -> FusedPlan | str:
+        allowed = _LAYOUT_KEYS | {"output_router_logits"}
+        extra = sorted(k for k, v in kwargs.items() if k not in allowed and v is not None)
+        if extra:
+            return f"the call passes inputs the tree does not lay out ({extra})"
+        input_ids = kwargs.get("input_ids")
+        if input_ids is None or input_ids.ndim != 2:
+            return "the call passes no 2-D input_ids"
+        mask, pos = kwargs.get("attention_mask"), kwargs.get("position_ids")
+        if mask is not None and mask.ndim != 2:
+            return "the attention_mask is not a 2-D padding mask"
+        tensors = [t for t in (input_ids, mask, pos, labels) if t is not None]
+        digest = hashlib.blake2b(digest_size=16)
+        for t in tensors:
+            digest.update(repr((tuple(t.shape), str(t.dtype))).encode())
+            digest.update(t.detach().cpu().numpy().tobytes())
+        key = digest.hexdigest()
+        if key not in self._plans:
+            config = unwrap_model(model).config
+            limit = rope_length_limit(config)
+            plan = plan_fused_batch(
+                input_ids, mask, pos, labels, self.max_tokens_per_mb, rope_split_lengths(config), self.max_token_ratio
+            )
+            if isinstance(plan, FusedPlan) and limit is not None and max(f.max_depth for f in plan.forests) >= limit:
+                plan = f"a sequence is longer than the {limit} tokens this model's dynamic RoPE keeps exact"
+            self._plans[key] = plan
+            while len(self._plans) > _PLAN_CACHE:
+                self._plans.popitem(last=False)
+        return self._plans[key]
+
+    def _forward(self, model, plan: FusedPlan, settings: dict, labels, num_items_in_batch, kwargs: dict):
+        """Backbone once per forest, TRL's kernel once per distinct pair; TRL's output layout."""
+        from trl.kernels import ChunkedLogProbFunction
+        from trl.trainer.utils import FusedCausalLMOutput, maybe_gather_lm_head_ctx
+
+        text_config = model.config.get_text_config()
+        router = bool(kwargs.get("output_router_logits", getattr(text_config, "output_router_logits", False)))
+        decoder = _decoder(model)
+        weight, bias = _lm_head_params(model)
+        outputs = tuple(settings["outputs"])
+        embeddings = model.get_input_embeddings().weight.device  # the backbone's first device (device_map)
+        pair_values, forests, router_logits = [], [], []
+        for forest, sources, targets in zip(plan.forests, plan.sources, plan.targets):
+            forest = forest.to(embeddings)
+            forests.append(forest)
+            inputs = forest_forward_kwargs(forest, embeddings)
+            backbone = decoder(**inputs, **({"output_router_logits": True} if router else {}))
+            if router:
+                router_logits.append(backbone.router_logits)
+            hidden = backbone.last_hidden_state[0, sources.to(forest.input_ids.device)].to(weight.device)
+            autocast = contextlib.nullcontext()
+            if settings["cast_lm_head_to_fp32"]:
+                hidden = hidden.float()
+                autocast = torch.autocast(hidden.device.type, enabled=False)
+            with autocast, maybe_gather_lm_head_ctx(weight, bias):
+                pair_values.append(
+                    ChunkedLogProbFunction.apply(
+                        hidden,
+                        weight,
+                        bias,
+                        targets.to(weight.device),
+                        settings["temperature"],
+                        _CHUNK_SIZE,
+                        settings["final_logit_softcapping"],
+                        settings["logit_scale"],
+                        outputs,
+                    )  # fmt: skip
+                )
+        device = weight.device
+        label_mask = labels[:, 1:].to(device) != -100
+        rows, cols = plan.entry_row.to(device), plan.entry_col.to(device)
+        pair_of_entry = plan.pair_of_entry.to(device)
+        fields = {}
+        for i, name in enumerate(_OUTPUT_NAMES):
+            if pair_values[0][i] is None:
+                fields[name] = None
+                continue
+            values = torch.cat([v[i] for v in pair_values])[pair_of_entry]
+            fields[name] = values.new_zeros(label_mask.shape).index_put((rows, cols), values)
+        log_probs = fields["log_probs"]
+        count = label_mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
+        loss = -log_probs.sum() / count
+        aux_loss = None
+        if router:
+            aux_loss = tree_router_aux_loss(model, forests, router_logits)
+            loss = loss + getattr(text_config, "router_aux_loss_coef", 0.0) * aux_loss
+        return FusedCausalLMOutput(loss=loss, label_mask=label_mask, aux_loss=aux_loss, **fields)

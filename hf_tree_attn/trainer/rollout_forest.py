@@ -1,0 +1,131 @@
+"""TRL's asynchronous GRPO rows as packed forests: the collator that packs them, and each rank's way back.
+
+TRL's planner (`TokenBudgetBatcher` / `FixedCountBatcher`) hands the collator one micro-batch as `num_processes`
+rows of rollout samples (`packing.TreeRow`, one row per data-parallel rank). TRL's `DataCollatorForRollout` packs
+each row into its own trie (nodes keyed on a token *and* the next one, segments that gather their root path for
+FlashAttention's varlen kernel). `TreeDataCollatorForRollout` packs the same rows with `pack_forest` instead: every
+shared token once, a branching row predicting each of its children. Accelerate's dispatcher only broadcasts tensors,
+so each rank's forest travels as its arrays, one row per rank, padded to the longest:
+
+    input_ids, position_ids, tree_subtree_end, tree_parent   (P, S)   the forest's rows (`PackedForest`)
+    attention_mask                                           (P, S)   1 on a rank's S_r forest rows
+    tree_seq_lengths                                         (P, n)   each sample's length (0 = padding)
+    tree_seq_positions                                       (P, N)   the row of every token of every sample
+    tree_num_tokens                                          (P, 1)   the forest's unpadded rows
+    token_index, old_log_probs, advantages, segment_id       (P, M)   TRL's loss terms; `token_index` is the row of
+                                                                      the scored token (-1 = padding)
+
+plus TRL's per-batch counts (`global_n_tokens`, `global_n_forward_tokens`, `mean_seq_len`, `(P,)`). TRL's loss
+terms keep their meaning and order (sample by sample, position by position). `rank_forest` rebuilds a rank's
+`PackedForest` from its slice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+from trl.experimental.async_grpo.async_grpo_trainer import DataCollatorForRollout
+from trl.trainer.utils import pad
+
+from ..tree import PackedForest, pack_forest
+
+__all__ = ["FOREST_KEYS", "TreeDataCollatorForRollout", "rank_forest"]
+
+FOREST_KEYS = ("tree_subtree_end", "tree_parent", "tree_seq_lengths", "tree_seq_positions", "tree_num_tokens")
+_PADDING = {"token_index": -1, "tree_seq_positions": -1}
+
+
+class _Forwarded(NamedTuple):
+    """What TRL's packing metrics read of a row (`len(row.tokens)`, `row.load`), for the forest really forwarded:
+    its unique tokens, and its attention cost as TRL prices it (each token attends to its depth + 1 ancestors)."""
+
+    tokens: torch.Tensor
+    load: int
+
+
+@dataclass
+class TreeDataCollatorForRollout(DataCollatorForRollout):
+    """TRL's `DataCollatorForRollout` (same arguments, metrics and per-batch counts) with each rank's row packed by
+    `pack_forest` (see the module docstring for the batch it returns)."""
+
+    def torch_call(self, examples: list[Any]) -> dict[str, torch.Tensor]:
+        (rows,) = examples  # one micro-batch from TRL's planner: one row of samples per rank
+        packed = [_pack_row(row.samples) for row in rows]
+        per_rank = [encoded for _, encoded in packed]
+        batch = {key: pad([p[key] for p in per_rank], padding_value=_PADDING.get(key, 0)) for key in per_rank[0]}
+        batch["input_ids"] = pad([p["input_ids"] for p in per_rank], padding_value=self.pad_token_id)
+        batch["attention_mask"] = pad([torch.ones_like(p["input_ids"]) for p in per_rank], padding_value=0)
+
+        all_examples = [example for row in rows for example in row.samples]
+        self.groups_trained.update(example["group_id"] for example in all_examples)
+        # Repeated per rank, as TRL does, so the dispatcher's slicing hands every rank the batch-wide counts.
+        n_trained_tokens = sum(p["token_index"].numel() for p in per_rank)
+        n_forward_tokens = sum(forest.num_tree_tokens for forest, _ in packed)
+        batch["global_n_tokens"] = torch.full((self.num_processes,), float(n_trained_tokens))
+        batch["global_n_forward_tokens"] = torch.full((self.num_processes,), float(n_forward_tokens))
+        batch["mean_seq_len"] = torch.full((self.num_processes,), n_forward_tokens / len(all_examples))
+
+        forwarded = [_forwarded(forest) for forest, _ in packed]
+        self._log_metrics(rows=forwarded, all_examples=all_examples, padded=batch["attention_mask"])
+        return batch
+
+
+def _pack_row(samples: list[dict[str, Any]]) -> tuple[PackedForest, dict[str, torch.Tensor]]:
+    """One rank's samples as one forest, and its arrays and loss terms (module docstring), each 1-D."""
+    forests = pack_forest([sample["input_ids"] for sample in samples])
+    if len(forests) != 1:  # no token budget and no RoPE length classes: one forest (the trainer refuses the latter)
+        raise RuntimeError(f"pack_forest gave {len(forests)} forests for one row; expected one.")
+    (forest,) = forests
+    token_index, old_log_probs, advantages, segment_id = [], [], [], []
+    for k, sample in enumerate(samples):
+        # TRL scores position p >= 1 of a sample where its completion mask is 1, with the generator's log-prob
+        # old_log_probs[p]; here position p of sample k lives at forest row positions(k)[p].
+        scored = np.flatnonzero(np.asarray(sample["completion_mask"])[1:]) + 1
+        token_index.append(forest.positions(k)[torch.from_numpy(scored)])
+        old_log_probs.append(torch.as_tensor(np.asarray(sample["old_log_probs"])[scored], dtype=torch.float32))
+        advantages.append(torch.full((len(scored),), float(sample["advantage"]), dtype=torch.float32))
+        segment_id.append(torch.full((len(scored),), k, dtype=torch.long))
+    encoded = {
+        "input_ids": forest.input_ids[0],
+        "position_ids": forest.position_ids[0],
+        "tree_subtree_end": forest.subtree_end.long(),
+        "tree_parent": forest.parent,
+        "tree_seq_lengths": forest.seq_offsets.diff(),
+        "tree_seq_positions": forest.seq_positions,
+        "tree_num_tokens": torch.tensor([forest.num_tree_tokens]),
+        "token_index": torch.cat(token_index),
+        "old_log_probs": torch.cat(old_log_probs),
+        "advantages": torch.cat(advantages),
+        "segment_id": torch.cat(segment_id),
+    }
+    return forest, encoded
+
+
+def _forwarded(forest: PackedForest) -> _Forwarded:
+    real = forest.num_tree_tokens
+    return _Forwarded(forest.input_ids[0, :real], int((forest.position_ids[0, :real] + 1).sum()))
+
+
+def rank_forest(inputs: dict[str, torch.Tensor], device: torch.device | str) -> PackedForest:
+    """This rank's `PackedForest` on `device`, from its slice of a `TreeDataCollatorForRollout` batch (each key
+    `(1, ...)`)."""
+    host = {key: inputs[key][0].cpu() for key in ("input_ids", "position_ids", "attention_mask", *FOREST_KEYS)}
+    size = int(host["attention_mask"].sum())
+    lengths = host["tree_seq_lengths"]
+    lengths = lengths[lengths > 0]
+    total = int(lengths.sum())
+    forest = PackedForest(
+        input_ids=host["input_ids"][None, :size],
+        position_ids=host["position_ids"][None, :size],
+        subtree_end=host["tree_subtree_end"][:size].to(torch.int32),
+        parent=host["tree_parent"][:size],
+        seq_ids=list(range(len(lengths))),
+        num_tree_tokens=int(host["tree_num_tokens"][0]),
+        num_original_tokens=total,
+        seq_positions=host["tree_seq_positions"][:total],
+        seq_offsets=torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),
+    )
+    return forest.to(device)

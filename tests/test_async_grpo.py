@@ -1,0 +1,365 @@
+"""TreeAsyncGRPOTrainer against TRL's own AsyncGRPOTrainer, on the same replayed samples, in fp32 on the CPU.
+
+TRL's trainer packs each rank's samples into its own trie and attends through FlashAttention-3's varlen kernel from
+the Hub; here TRL's side runs `trl_varlen.varlen_attention`, a plain-torch function with FlashAttention's semantics
+written for these tests. Both trainers get the same replayed rollouts (GRPO groups and multi-turn conversations whose
+prompts are earlier samples' full text, `hf_tree_attn.trainer.replay`), through TRL's planner, dispatching, loss and
+optimizer: every micro-batch's loss, every optimizer step's gradients, TRL's logged metrics and the weights after
+the run must agree. Where TRL refuses the model (state-carrying layers, attention sinks), each scored log-probability
+is checked against a per-sample `eager` forward instead, and the MoE load-balancing loss against the one of the
+samples' flat forwards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+import math
+import os
+import queue
+import random
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from async_grpo_helpers import (
+    VOCAB,
+    build_tokenizer,
+    check_against_eager,
+    replayed_samples,
+    save_model,
+    spy_on_forests,
+    train,
+)
+from helpers import TOLERANCES
+from helpers import tiny_config as tiny_family_config
+from transformers import AutoModelForCausalLM
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def assert_gradients_close(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys() and want
+    for name, grad in want.items():
+        worst = (got[name] - grad).abs().max().item()
+        assert worst <= TOLERANCES["grad_max_rel"] * grad.abs().max().item() + 1e-9, f"{name}: {worst}"
+
+
+# Attention-only families TRL's packing runs: plain, sliding windows (4 tokens, shorter than most samples) with
+# attention and final softcaps (Gemma 2), logit and residual multipliers with a sampling temperature (Granite);
+# several accumulated micro-batches each.
+SAME_AS_TRL = {
+    "qwen3": (tiny_family_config("qwen3"), dict(gradient_accumulation_steps=2)),
+    "gemma2": (tiny_family_config("gemma2", sliding_window=4), dict(gradient_accumulation_steps=3)),
+    "granite": (tiny_family_config("granite"), dict(gradient_accumulation_steps=2, temperature=0.7)),
+}
+
+
+@pytest.mark.parametrize("family", list(SAME_AS_TRL))
+def test_same_as_trl_async(family, tmp_path):
+    config, overrides = SAME_AS_TRL[family]
+    path = save_model(config, tmp_path / "model")
+    samples = replayed_samples(path)
+    trl, trl_losses, trl_grads = train(False, path, samples, tmp_path, **overrides)
+    tree, tree_losses, tree_grads = train(True, path, samples, tmp_path, **overrides)
+
+    assert len(tree_losses) == len(trl_losses) == 2 * overrides["gradient_accumulation_steps"]
+    assert any(abs(loss) > 1e-3 for loss in trl_losses)  # the comparison is not vacuous
+    np.testing.assert_allclose(tree_losses, trl_losses, rtol=1e-5, atol=TOLERANCES["logps_atol"])
+    assert len(tree_grads.steps) == len(trl_grads.steps) == 2
+    for got, want in zip(tree_grads.steps, trl_grads.steps):
+        assert_gradients_close(got, want)
+    for name, param in trl.model.named_parameters():
+        torch.testing.assert_close(dict(tree.model.named_parameters())[name], param, rtol=1e-5, atol=1e-6)
+
+    # TRL's metrics, computed by TRL's code from each side's log-probs and batches. The packing metrics differ by
+    # design: TRL's trie keys a node on (token, next token), so it forks one token earlier and forwards more.
+    trl_logs, tree_logs = trl.state.log_history[:-1], tree.state.log_history[:-1]
+    for key in ("loss", "grad_norm", "ratio", "kl", "entropy", "clip_ratio/region_mean", "batch/samples_per_step",
+                "batch/trained_tokens_per_step", "batch/microbatches_per_step"):  # fmt: skip
+        np.testing.assert_allclose([e[key] for e in tree_logs], [e[key] for e in trl_logs], rtol=1e-5, err_msg=key)
+    for tree_entry, trl_entry in zip(tree_logs, trl_logs):
+        assert tree_entry["batch/forwarded_tokens_per_step"] <= trl_entry["batch/forwarded_tokens_per_step"]
+        assert tree_entry["batch/packing_ratio"] >= trl_entry["batch/packing_ratio"] > 1
+        # tree_recompute="auto" within TRL's memory: every layer recomputes whole, as in TRL's trainer
+        assert tree_entry["tree_checkpointed_layers"] == 1.0 and tree_entry.get("tree_kept_attention", 0.0) == 0.0
+
+
+def test_recompute_stays_within_trl_memory_unless_given_a_budget():
+    """The async trainer's recompute bound is TRL's own trainer on the same row (every layer checkpointed): the
+    shared-prefix kernels' outputs are kept only where they fit, i.e. within `tree_activation_budget_gib`; fewer
+    layers recompute under a budget that holds them."""
+    from types import SimpleNamespace
+
+    from hf_tree_attn import pack_forest
+    from hf_tree_attn.trainer.forest_step import recompute_plan
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_family_config("qwen3"), attn_implementation="tree_flex").train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    (forest,) = pack_forest([[5] * 200 + [6, 7], [5] * 200 + [8, 9, 10]])  # two-level: the kernels serve it
+
+    def plan(budget, keep_within_bound=True):
+        trainer = SimpleNamespace(
+            args=SimpleNamespace(tree_recompute="auto", tree_activation_budget_gib=budget, gradient_checkpointing=True,
+                                 bf16=False, fp16=False),
+            model=model, accelerator=SimpleNamespace(unwrap_model=lambda m: m, device=torch.device("cpu")),
+            _metrics={"train": defaultdict(list)}, _unpriced=None,
+        )  # fmt: skip
+        return recompute_plan(trainer, [forest], forest.num_tree_tokens, keep_within_bound=keep_within_bound)
+
+    layers = model.config.num_hidden_layers
+    assert plan(None) == (layers, False)
+    count, keep = plan(1.0)  # 1 GiB holds every layer of this tiny forest whole
+    assert count == 0 and keep
+
+
+# What TRL's constructor refuses: state-carrying layers (Gated DeltaNet, short convolutions, Mamba-2 + MoE) and
+# attention sinks (GPT-OSS: sinks, sliding windows, MoE).
+REFUSED_BY_TRL = {
+    "qwen3_5": "Tree packing only routes attention layers",
+    "lfm2": "Tree packing only routes attention layers",
+    "nemotron_h": "Tree packing only routes attention layers",
+    "gpt_oss": "attention sinks",
+}
+
+
+@pytest.mark.parametrize("family", list(REFUSED_BY_TRL))
+def test_trains_what_trl_refuses(family, tmp_path, monkeypatch):
+    """TRL's AsyncGRPOTrainer refuses the model; TreeAsyncGRPOTrainer trains it, and every scored log-probability
+    equals the per-sample `eager` forward's, the MoE load-balancing loss the samples' flat forwards'."""
+    import test_coverage
+
+    config = test_coverage.tiny_config(family)
+    moe = hasattr(config.get_text_config(), "output_router_logits")
+    path = save_model(config, tmp_path / "model")
+    samples = replayed_samples(path)
+    with pytest.raises(ValueError, match=REFUSED_BY_TRL[family]):
+        train(False, path, samples, tmp_path)
+
+    scored = spy_on_forests(monkeypatch)
+    # MoE with the aux loss on (Nemotron-H's config declares no coefficient: TRL then leaves it off)
+    extra = {"router_aux_loss_coef": 0.01} if moe else {}
+    tree, losses, gradients = train(True, path, samples, tmp_path, max_steps=1, **extra)
+    assert tree.aux_loss_enabled == moe
+    assert len(scored) == 2 and all(math.isfinite(loss) for loss in losses)
+    assert any(grad.abs().max() > 0 for grad in gradients.steps[0].values())
+    for forest, rows, table, aux in scored:
+        flat_aux = check_against_eager(path, samples, forest, rows, table, TOLERANCES["logps_atol"])
+        if moe:
+            torch.testing.assert_close(aux, flat_aux, rtol=1e-5, atol=1e-6)
+
+
+def test_moe_aux_loss_counts_every_sample(tmp_path, monkeypatch):
+    """Qwen3-MoE, which both trainers run: the load-balancing loss TRL's AsyncGRPOTrainer logs counts a token shared
+    by several samples once (its forward sees the packed row as one sequence); TreeAsyncGRPOTrainer's counts it once
+    per sample, as the samples' own flat forwards do."""
+    import test_coverage
+
+    path = save_model(test_coverage.tiny_config("qwen3_moe"), tmp_path / "model")
+    samples = replayed_samples(path)
+    trl, _, _ = train(False, path, samples, tmp_path, max_steps=1, router_aux_loss_coef=0.01)
+    scored = spy_on_forests(monkeypatch)
+    tree, _, _ = train(True, path, samples, tmp_path, max_steps=1, router_aux_loss_coef=0.01)
+    atol = TOLERANCES["logps_atol"]
+    flat = [check_against_eager(path, samples, forest, rows, table, atol) for forest, rows, table, _ in scored]
+    for (*_, aux), want in zip(scored, flat):
+        torch.testing.assert_close(aux, want, rtol=1e-5, atol=1e-6)
+    mean_flat = float(torch.stack(flat).mean())
+    assert tree.state.log_history[0]["aux_loss"] == pytest.approx(mean_flat, rel=1e-5)
+    assert abs(trl.state.log_history[0]["aux_loss"] - mean_flat) > 1e-3
+
+
+def test_collator_packs_trl_rows_with_trl_loss_terms():
+    """On the same planner rows, `TreeDataCollatorForRollout`'s loss terms are TRL's collator's, term by term (its
+    target token, generator log-prob, advantage, sample), and each rank's forest comes back whole."""
+    from trl.experimental.async_grpo.async_grpo_trainer import DataCollatorForRollout
+    from trl.experimental.async_grpo.packing import TreeRow
+
+    from hf_tree_attn import pack_forest
+    from hf_tree_attn.trainer.replay import agent_samples, grpo_samples
+    from hf_tree_attn.trainer.rollout_forest import TreeDataCollatorForRollout, rank_forest
+
+    samples = grpo_samples(2, 3, (3, 9), (1, 6), VOCAB) + agent_samples(1, (2, 3), 5, (1, 3), (1, 4), VOCAB)
+    dicts = [
+        {"input_ids": s.input_ids, "completion_mask": s.completion_mask, "old_log_probs": s.old_log_probs,
+         "advantage": s.advantage, "group_id": s.group_id, "metrics": s.metrics}
+        for s in samples
+    ]  # fmt: skip
+    rng = random.Random(0)
+    for d in dicts:
+        d["old_log_probs"] = np.array([rng.uniform(-3, 0) for _ in d["input_ids"]], dtype=np.float32)
+    rows = [TreeRow(), TreeRow()]
+    for i, d in enumerate(dicts):
+        rows[i % 2].add(d)
+    trl_batch = DataCollatorForRollout(0, 2)([rows])
+    tree_metrics = defaultdict(list)
+    tree_batch = TreeDataCollatorForRollout(0, 2, metrics=tree_metrics)([rows])
+    for r in range(2):
+        keep = trl_batch["token_index"][r] >= 0
+        trl_targets = trl_batch["shift_labels"][r][trl_batch["token_index"][r][keep]]
+        rank = {key: value[r : r + 1] for key, value in tree_batch.items()}
+        forest = rank_forest(rank, "cpu")
+        index = rank["token_index"][0][rank["token_index"][0] >= 0]
+        assert torch.equal(forest.input_ids[0, index], trl_targets)
+        for key in ("old_log_probs", "advantages", "segment_id"):
+            ours = rank[key][0][: len(index)]
+            assert torch.equal(ours, trl_batch[key][r][keep]), key
+        (packed,) = pack_forest([d["input_ids"] for d in rows[r].samples])
+        for field in ("input_ids", "position_ids", "subtree_end", "parent", "seq_positions", "seq_offsets"):
+            assert torch.equal(getattr(forest, field), getattr(packed, field)), field
+    raw = sum(len(d["input_ids"]) for d in dicts)
+    unique = int(tree_batch["tree_num_tokens"].sum())
+    assert tree_metrics["batch/packing_ratio"] == [(raw, unique)]
+    assert tree_batch["global_n_forward_tokens"].tolist() == [unique, unique]
+    assert tree_batch["global_n_tokens"].tolist() == [float(trl_batch["global_n_tokens"][0])] * 2
+
+
+def test_replay_worker():
+    """Samples leave in order, stamped with the live policy version (never stale); a finished replay is an error
+    naming the fix when the trainer asks for more; `cycle=True` starts over."""
+    from hf_tree_attn.trainer.replay import ReplayRolloutWorker, grpo_samples
+
+    samples = grpo_samples(1, 2, (2, 3), (1, 2), VOCAB)
+    worker = ReplayRolloutWorker(samples)
+    worker.start()
+    worker.update_model_version(7)
+    first = worker.rollout_buffer.get(timeout=0.1)
+    assert first.model_version == 7 and np.array_equal(first.input_ids, samples[0].input_ids)
+    worker.rollout_buffer.get(timeout=0.1)
+    with pytest.raises(queue.Empty):
+        worker.rollout_buffer.get(timeout=0.01)
+    with pytest.raises(RuntimeError, match="served all 2 samples.*cycle=True"):
+        worker.check_health(300.0)
+    cycling = ReplayRolloutWorker(samples, cycle=True)
+    cycling.start()
+    served = [cycling.rollout_buffer.get(timeout=0.1).input_ids.tolist() for _ in range(5)]
+    assert served == [s.input_ids.tolist() for s in samples * 3][:5]
+
+
+def test_refused_model_names_the_way_out(tmp_path):
+    """A model the gate refuses (Bloom: its attention bypasses transformers' interface), a longrope model (one row
+    cannot hold both of its RoPE length classes), a model instance, or an attention implementation of one's own: a
+    clear error at init, naming what to use instead."""
+    import test_coverage
+
+    from hf_tree_attn.trainer import TreeAsyncGRPOConfig, TreeAsyncGRPOTrainer
+
+    args = TreeAsyncGRPOConfig(output_dir=str(tmp_path / "out"), use_cpu=True, bf16=False, report_to="none")
+    bloom = save_model(test_coverage.tiny_config("bloom"), tmp_path / "bloom")
+    with pytest.raises(ValueError, match=r"cannot train .* on exact trees: .*bloom.*AsyncGRPOTrainer"):
+        TreeAsyncGRPOTrainer(bloom, args=args, processing_class=build_tokenizer())
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 10, "factor": 4.0,
+            "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}  # fmt: skip
+    longrope = tiny_family_config("llama", rope_parameters=rope, max_position_embeddings=40)
+    path = save_model(longrope, tmp_path / "longrope")
+    with pytest.raises(ValueError, match="longrope.*one packed row per rank"):
+        TreeAsyncGRPOTrainer(path, args=args, processing_class=build_tokenizer())
+    with pytest.raises(TypeError, match="loads the model itself"):
+        TreeAsyncGRPOTrainer(AutoModelForCausalLM.from_config(tiny_family_config("qwen3")), args=args)
+    custom = TreeAsyncGRPOConfig(
+        output_dir=str(tmp_path / "out"), use_cpu=True, model_init_kwargs={"attn_implementation": "sdpa"}
+    )
+    with pytest.raises(ValueError, match="Drop the entry"):
+        TreeAsyncGRPOTrainer(bloom, args=custom)
+
+
+def test_parent_api_is_pinned():
+    """What this trainer relies on in TRL's AsyncGRPOTrainer: its signatures, the module-level names each swapped
+    method looks up, the order its constructor loads, refuses and patches the model in, and the batch keys its
+    loss reads. A TRL upgrade that moves any of it fails here first."""
+    import trl.experimental.async_grpo.async_grpo_trainer as trl_async
+    from trl.experimental.async_grpo.async_grpo_trainer import AsyncGRPOTrainer, DataCollatorForRollout
+
+    init = inspect.signature(AsyncGRPOTrainer.__init__)
+    assert list(init.parameters) == [
+        "self", "model", "reward_funcs", "args", "train_dataset", "processing_class", "callbacks", "optimizers",
+        "peft_config", "tools", "environment_factory", "rollout_worker", "weight_transfer",
+    ]  # fmt: skip
+    assert list(inspect.signature(AsyncGRPOTrainer.compute_loss).parameters) == [
+        "self", "model", "inputs", "return_outputs", "num_items_in_batch"
+    ]  # fmt: skip
+    assert list(inspect.signature(DataCollatorForRollout._log_metrics).parameters) == [
+        "self", "rows", "all_examples", "padded"
+    ]  # fmt: skip
+    assert [f.name for f in dataclasses.fields(DataCollatorForRollout)] == [
+        "pad_token_id", "num_processes", "return_tensors", "groups_trained", "metrics", "token_budget"
+    ]  # fmt: skip
+    names = {
+        AsyncGRPOTrainer.__init__: ("create_model_from_path", "add_fused_lm_head", "get_peak_flops_per_device"),
+        AsyncGRPOTrainer.get_train_dataloader: ("DataCollatorForRollout",),
+        AsyncGRPOTrainer._log_step_metrics: ("compute_flops_per_token",),
+    }
+    for method, looked_up in names.items():
+        assert set(looked_up) <= set(method.__code__.co_names), method.__name__
+        assert all(hasattr(trl_async, name) for name in looked_up)
+    source = inspect.getsource(AsyncGRPOTrainer.__init__)
+    order = [source.index(text) for text in (
+        "create_model_from_path(", '"layer_types"', '.endswith(".sinks")', "add_fused_lm_head(", "get_peak_flops"
+    )]  # fmt: skip
+    assert order == sorted(order)
+    loss = inspect.getsource(AsyncGRPOTrainer.compute_loss)
+    for key in ("shift_labels", "tree_kv_index", "tree_max_seqlens", "token_index", "segment_id", "old_log_probs"):
+        assert f'"{key}"' in loss, key
+    for read in ("outputs.log_probs.flatten()[token_index]", "outputs.entropy.flatten()[token_index]",
+                 "outputs.aux_loss"):  # fmt: skip
+        assert read in loss, read
+    metrics = inspect.getsource(DataCollatorForRollout._log_metrics)
+    assert "len(row.tokens)" in metrics and "row.load" in metrics
+
+
+def _run_rank() -> None:
+    """The torchrun worker of `test_two_ranks_same_as_trl`: both trainers on two gloo ranks, results to JSON."""
+    sys.path.insert(0, str(REPO))
+    from helpers import exit_distributed_worker
+
+    out = Path(os.environ["ASYNC_TEST_OUT"])
+    path = str(out / "model")
+    samples = replayed_samples(path)
+    report = {}
+    for tree in (False, True):
+        trainer, losses, gradients = train(tree, path, samples, out, max_steps=2, token_budget=48)
+        report["tree" if tree else "trl"] = {
+            "losses": losses,
+            "grads": {n: g.tolist() for n, g in gradients.steps[-1].items()},
+            "weights": {n: p.detach().tolist() for n, p in trainer.model.named_parameters()},
+            "samples_per_row": [e.get("batch/samples_per_row") for e in trainer.state.log_history[:-1]],
+            "world": trainer.accelerator.num_processes,
+        }
+    rank = int(os.environ["RANK"])
+    (out / f"rank{rank}.json").write_text(json.dumps(report))
+    exit_distributed_worker()
+
+
+def test_two_ranks_same_as_trl(tmp_path):
+    """Two gloo ranks, TRL's planner splitting each micro-batch into one row per rank: per rank, every loss and the
+    last step's gradients equal TRL's AsyncGRPOTrainer's, and DDP keeps both ranks' weights equal (to TRL's)."""
+    save_model(tiny_family_config("qwen3"), tmp_path / "model")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_DISABLE_TELEMETRY="1", OMP_NUM_THREADS="1",
+               ASYNC_TEST_OUT=str(tmp_path), PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests")]))  # fmt: skip
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__]
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for report in reports:
+        trl, tree = report["trl"], report["tree"]
+        assert trl["world"] == tree["world"] == 2
+        assert len(tree["losses"]) == len(trl["losses"]) == 4
+        np.testing.assert_allclose(tree["losses"], trl["losses"], rtol=1e-5, atol=TOLERANCES["logps_atol"])
+        assert_gradients_close(
+            {n: torch.tensor(g) for n, g in tree["grads"].items()},
+            {n: torch.tensor(g) for n, g in trl["grads"].items()},
+        )
+        for name, want in trl["weights"].items():
+            torch.testing.assert_close(torch.tensor(tree["weights"][name]), torch.tensor(want), rtol=1e-5, atol=1e-6)
+    assert reports[0]["tree"]["weights"] == reports[1]["tree"]["weights"]  # DDP: one model on both ranks
+    assert reports[0]["tree"]["losses"] != reports[1]["tree"]["losses"]  # each rank trained its own row
+
+
+if __name__ == "__main__":
+    _run_rank()

@@ -1,0 +1,87 @@
+"""benchmarks/results/README.md and README.md's table are what benchmarks/results_tables.py writes from the committed
+result files; every result file is registered and shown; every GPU file is what its stage of run_h200.sh runs."""
+
+import re
+import shlex
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import results_registry  # noqa: E402
+import results_tables  # noqa: E402
+
+RESULTS = REPO / "benchmarks" / "results"
+
+
+def test_committed_readmes_are_the_scripts_output():
+    assert (RESULTS / "README.md").read_text() == results_tables.results_readme(), (
+        "benchmarks/results/README.md is stale: run `python benchmarks/results_tables.py`"
+    )
+    readme = (REPO / "README.md").read_text()
+    assert results_tables.with_readme_table(readme) == readme, (
+        "README.md's table is stale: run `python benchmarks/results_tables.py`"
+    )
+
+
+def test_every_result_file_is_registered_and_shown():
+    files = {path.name for path in RESULTS.iterdir() if path.name != "README.md"}
+    assert files == set(results_registry.SOURCES), "register new result files in results_registry.SOURCES"
+    tables = results_tables.results_readme().split("## Result files")[0] + (REPO / "README.md").read_text()
+    unshown = [name for name in results_registry.SOURCES if f"{name})" not in tables]
+    assert not unshown, f"registered but in no table: {unshown}"
+
+
+def stage_bodies() -> dict[str, str]:
+    """run_h200.sh's stages: name -> its commands, continuation lines joined, quotes dropped; a stage that runs a job
+    script of benchmarks/ (`bash benchmarks/X.sh`) also holds that script's commands."""
+
+    def read(name: str) -> str:
+        return (REPO / "benchmarks" / name).read_text().replace("\\\n", " ")
+
+    cases = read("run_h200.sh").split("case $stage in", 1)[1].split("\n  esac", 1)[0]
+    bodies = {}
+    for match in re.finditer(r"^    ([\w.\-]+)\)(.*?);;", cases, flags=re.M | re.S):
+        body = match.group(2) + "".join(
+            read(name) for name in re.findall(r"\bbash benchmarks/(\w+\.sh)", match.group(2))
+        )
+        body = body.replace("python3 -m accelerate.commands.launch", "accelerate launch")
+        bodies[match.group(1)] = " ".join(body.replace('"', "").replace("'", "").split())
+    return bodies
+
+
+def without_out(command: str) -> str:
+    """A recorded command, `python` and the `--out PATH` dropped (the stage writes to $OUT)."""
+    words = shlex.split(command.replace('"', '\\"'))
+    if "--out" in words:
+        del words[words.index("--out") : words.index("--out") + 2]
+    while words and (words[0] in ("python", "python3", "timeout") or words[0].isdigit()):
+        words.pop(0)
+        if words[:1] == ["-s"]:  # timeout's signal
+            del words[:2]
+    return " ".join(words).replace('"', "")
+
+
+def test_each_gpu_result_is_what_its_stage_runs():
+    bodies = stage_bodies()
+    assert {"trainer-phase-8b", "gpu-tests-kernels", "fsdp2-main-job"} <= set(bodies)  # the parser found the stages
+    assert "benchmarks/bench_async_grpo.py" in bodies["async-grpo"]  # and read the job script a stage runs
+    for name, stage in results_registry.SOURCES.items():
+        if stage is None:
+            continue
+        assert stage in bodies, f"{name}: no stage {stage!r} in benchmarks/run_h200.sh"
+        assert f"$OUT/{name}" in bodies[stage], f"{name}: stage {stage} does not write it"
+        command = results_tables.command_of(name)
+        if command is not None:
+            assert without_out(command) in bodies[stage], f"{name}: stage {stage} does not run {command!r}"
+
+
+def test_a_changed_registry_or_number_changes_the_output(monkeypatch):
+    """The READMEs follow the registry and the numbers (the first test cannot pass on a frozen text)."""
+    monkeypatch.setattr(results_tables, "PENDING", {**results_registry.PENDING, "peers": []})
+    assert results_tables.results_readme() != (RESULTS / "README.md").read_text()
+    run = results_tables.run_of("tree_vs_flat_h200_qwen3-8b.json")
+    monkeypatch.setitem(run, "speedup_vs_padded", run["speedup_vs_padded"] / 2)
+    readme = (REPO / "README.md").read_text()
+    assert results_tables.with_readme_table(readme) != readme
