@@ -12,7 +12,8 @@ trainers/configs/deepspeed_zero{2,3}.yaml --num_processes 2 --mixed_precision no
   final weights — over 4 optimizer steps with a reference model (beta > 0), two iterations per generation, every
   layer recomputed, and groups moved between ranks (`tree_balance`); with a LoRA adapter (`tree_recompute="auto"`);
   on a tiny MoE with its load-balancing loss (not balanced: it would change that loss); and with rank 1 forced onto
-  TRL's flat path for some chunks (every rank follows, `TreeGRPOTrainer._lockstep`; ZeRO-3 hung without);
+  TRL's flat path for some chunks and planning to recompute more layers than rank 0 (every rank follows,
+  `TreeGRPOTrainer._lockstep`; ZeRO-3 hung without either);
 - the main job, `trainers/grpo_tree.py` on its embedded model, trains on trees and saves the model whole.
 
 Skipped without deepspeed (a source distribution on PyPI, in the `test` extra). The first run in a fresh
@@ -21,6 +22,7 @@ environment JIT-compiles DeepSpeed's CPU shared-memory op (about a minute on 2 c
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -215,7 +217,7 @@ MOE_INIT = {"dtype": torch.float64, "experts_implementation": "eager"}
 
 def _flat_on_rank_1(trainer_cls):
     """`trainer_cls` whose rank 1 takes TRL's flat path on every third chunk (as too little sharing would make it):
-    under DeepSpeed every rank must then take it (`TreeGRPOTrainer._lockstep`), else the run hangs."""
+    under DeepSpeed every rank must then take it (`TreeGRPOTrainer._lockstep`); ZeRO-3 hung without."""
 
     class FlatOnRank1(trainer_cls):
         calls = 0
@@ -227,6 +229,28 @@ def _flat_on_rank_1(trainer_cls):
             return super()._packed_chunk(*args, **kwargs)
 
     return FlatOnRank1
+
+
+@contextlib.contextmanager
+def _recompute_all_on_rank_1():
+    """Within: rank 1 plans to recompute every layer of a tree forward, rank 0 none (as forests of different sizes
+    would make `tree_recompute="auto"` plan): every rank must recompute the same layers; ZeRO-3 hung without."""
+    from hf_tree_attn.trainer import grpo_trainer
+
+    plan = grpo_trainer.recompute_plan
+
+    def diverging(trainer, forests, bound_tokens, **kwargs):
+        count, keep = plan(trainer, forests, bound_tokens, **kwargs)
+        if count is None:
+            return count, keep
+        layers = trainer.accelerator.unwrap_model(trainer.model).config.num_hidden_layers
+        return (layers if trainer.accelerator.process_index == 1 else 0), False
+
+    grpo_trainer.recompute_plan = diverging
+    try:
+        yield
+    finally:
+        grpo_trainer.recompute_plan = plan
 
 
 def _worker(out_dir: str) -> None:
@@ -264,7 +288,8 @@ def _worker(out_dir: str) -> None:
     for name, (path, overrides) in runs.items():
         for trainer_cls in (GRPOTrainer, TreeGRPOTrainer):
             report[f"{name}_{trainer_cls.__name__}"] = _train(trainer_cls, path, out_dir, name, **overrides)
-    report["lockstep_TreeGRPOTrainer"] = _train(_flat_on_rank_1(TreeGRPOTrainer), dense, out_dir, "lockstep")
+    with _recompute_all_on_rank_1():
+        report["lockstep_TreeGRPOTrainer"] = _train(_flat_on_rank_1(TreeGRPOTrainer), dense, out_dir, "lockstep")
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report))
 
     # Last (it ends the process group): the main job on its embedded model, which one process builds whole.
@@ -335,7 +360,7 @@ def test_zero_tree_equals_unsharded_and_trl(stage, tmp_path):
         # Rank 0 sampled the long prompts: groups moved to rank 1 before each step.
         assert min(full["imbalance"]) > 1.2 and max(full["moved"]) < min(full["imbalance"])
 
-        lockstep = report["lockstep_TreeGRPOTrainer"]  # rank 1 on TRL's flat path for some chunks: all ranks follow
+        lockstep = report["lockstep_TreeGRPOTrainer"]  # rank 1 flat on some chunks, recomputing more: all follow
         _assert_same_run(lockstep, report["full_GRPOTrainer"], steps=4)
         assert min(lockstep["tree_fallback"]) > 0 and max(lockstep["tree_fallback"]) < 1
 

@@ -532,9 +532,10 @@ class TreeGRPOTrainer(GRPOTrainer):
 
         ZeRO-3 gathers each module's parameters, and ZeRO-1/2 reduce gradients in buckets filled in the order they
         arrive, with collectives that pair up across ranks in call order. A rank on TRL's flat path (which reads the
-        LM head inside the model's forward) beside a rank on trees (which runs the LM head module after it) would
-        pair different collectives: the run hangs or mixes tensors. So under DeepSpeed the path of each chunk, and
-        the layers a tree forward recomputes, are agreed on by all ranks.
+        LM head inside the model's forward) beside a rank on trees (which runs the LM head module after it), or a
+        rank recomputing a layer another keeps, pairs different collectives: ZeRO-3 hung on both (2 CPU processes).
+        So under DeepSpeed the path of each chunk, and the layers a tree forward recomputes, are agreed on by all
+        ranks.
         """
         return self.is_deepspeed_enabled and self.accelerator.num_processes > 1
 
