@@ -168,6 +168,9 @@ for stage in "$@"; do
       # run left out its last step (SKIP=async-qwen3-1.7b-budget)
       bash benchmarks/gpu_async.sh
       mv "$OUT/gpu_async.log" "$OUT/h200_gpu_async.log" ;;
+    deepspeed)  # gpu_deepspeed.sh (~5 min; carry .whl/deepspeed): tests/test_gpu_deepspeed.py, TreeGRPOTrainer vs
+      # trl.GRPOTrainer under ZeRO-2 and ZeRO-3 in bf16 (one GPU), then the main job under ZeRO-3
+      bash benchmarks/gpu_deepspeed.sh ;;
     # ---- gradients with fused layer kernels vs eager (grad_check.py), Qwen3-8B shape
     grad-check-8b-12-layers)  # compiled layers, Liger + compiled layers, on 12 of the 36 layers
       timeout 260 python3 benchmarks/grad_check.py --model qwen3-8b --layers 12 --variants compile liger_compile \

@@ -55,10 +55,14 @@ def _rollout(prompts: list[str], trainer) -> dict:
     return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": None}
 
 
+def _token_reward(completions, completion_ids, **kwargs) -> list[float]:
+    """A reward of every sampled token, so groups get non-zero advantages (as tests/helpers.token_reward)."""
+    return [float(sum(ids) % 5) for ids in completion_ids]
+
+
 def _train(trainer_cls, model_path: str, out_dir: str, name: str, bf16: bool) -> dict:
     """Losses and trainable weights (DeepSpeed's fp32 master copy) before and after `STEPS` optimizer steps."""
     from deepspeed.utils import safe_get_full_fp32_param
-    from helpers import token_reward
     from peft import LoraConfig
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig
@@ -88,7 +92,7 @@ def _train(trainer_cls, model_path: str, out_dir: str, name: str, bf16: bool) ->
 
     weights = Weights()
     trainer = trainer_cls(
-        model_path, token_reward, args, train_dataset=toy_task.build_dataset(64),
+        model_path, _token_reward, args, train_dataset=toy_task.build_dataset(64),
         processing_class=AutoTokenizer.from_pretrained(model_path), peft_config=lora if name == "lora" else None,
         rollout_func=_rollout, callbacks=[weights],
     )  # fmt: skip
@@ -105,11 +109,9 @@ def _train(trainer_cls, model_path: str, out_dir: str, name: str, bf16: bool) ->
 def _worker(out_dir: str) -> None:
     """Under `accelerate launch`: TRL's trainer (and, in bf16, the tree trainer) on each run; writes `report.json`."""
     sys.path.insert(0, str(REPO))
-    sys.path.insert(0, str(REPO / "tests"))
     import deepspeed
     import transformers
     import trl
-    from helpers import exit_distributed_worker
     from trl import GRPOTrainer
 
     from hf_tree_attn.trainer import TreeGRPOTrainer
@@ -130,7 +132,10 @@ def _worker(out_dir: str) -> None:
         for trainer_cls in (GRPOTrainer, TreeGRPOTrainer) if bf16 else (GRPOTrainer,):
             report[f"{name}_{trainer_cls.__name__}"] = _train(trainer_cls, model_path, out_dir, name, bf16)
     Path(out_dir, "report.json").write_text(json.dumps(report))
-    exit_distributed_worker()
+    # Leave without freeing the trainers (as tests/helpers.exit_distributed_worker, which this file does not import:
+    # tests/helpers.py needs config classes newer than the GPU machine's transformers).
+    sys.stdout.flush(), sys.stderr.flush()
+    os._exit(0)
 
 
 # ------------------------------------------------------------------------------------------------------- the tests
