@@ -73,6 +73,7 @@ SOURCES = {
     "levels_cpu.json": None,
     "pack_forest_cpu.json": None,
     "main_job_cpu.txt": None,
+    "deepspeed_cpu_2proc.log": None,
     "main_job_cpu_qwen3_5.txt": None,
     "generation_modes_cpu_tiny_compiled_recompiles.log": None,
     "tree_vs_flat_h200.png": None,

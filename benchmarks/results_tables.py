@@ -694,6 +694,17 @@ def recompile_summary() -> str:
     return f"TRL's compiled forward recompiles {sizes} times for new padded lengths (`size mismatch`) in {steps} steps"
 
 
+def deepspeed_summary() -> str:
+    log = text("deepspeed_cpu_2proc.log")
+    weights = max(float(v) for v in re.findall(r"max \|weight diff\| ([\d.e+-]+)", log))
+    passed = re.search(r"^(\d+ passed)", log, flags=re.M)[1]
+    return (
+        f"{passed}: tree log-probs and gradients equal the unsharded model's; `TreeGRPOTrainer` makes "
+        f"`trl.GRPOTrainer`'s run (full, LoRA, MoE, moved groups, ranks on different paths), weights within "
+        f"{weights:.0e}"
+    )
+
+
 def other_runs() -> list[str]:
     pack = load("pack_forest_cpu.json")
     wl = pack["workload"]
@@ -709,6 +720,8 @@ def other_runs() -> list[str]:
         rows.append(
             [log.splitlines()[0], f"reward {first} → {last}, `tree_token_ratio` {ratio}", Notes().source(name)]
         )
+    rows.append(["CPU, 2 gloo processes: DeepSpeed ZeRO-2 and ZeRO-3 through `trainers/configs/deepspeed_zero*.yaml`",
+                 deepspeed_summary(), Notes().source("deepspeed_cpu_2proc.log")])  # fmt: skip
     check = load("tree_vs_flat_h200_qwen3-0.6b.json")["recompile_check"]
     rows += [
         ["H200: six tree steps of random shapes, compiled graphs after each step",
