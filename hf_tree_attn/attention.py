@@ -118,12 +118,13 @@ def _autocast_inputs(query, key, value):
     """`query`, `key`, `value` in one dtype: the autocast dtype where `torch.autocast` is on for their device, as
     SDPA and FlexAttention's callers see them. Under autocast the projections come out in the autocast dtype while a
     norm (Qwen3's q / k norms) may keep float32, and the ATen kernels and custom ops behind the tree paths are not
-    autocast-aware; a checkpointed layer's recompute runs under the same autocast state, so it casts alike."""
+    autocast-aware; a checkpointed layer's recompute runs under the same autocast state, so it casts alike. Float64
+    stays float64, as autocast leaves it (a float64 model's projections come out float64 under autocast)."""
     device_type = query.device.type
     if not torch.is_autocast_enabled(device_type):
         return query, key, value
     dtype = torch.get_autocast_dtype(device_type)
-    return query.to(dtype), key.to(dtype), value.to(dtype)
+    return tuple(t if t.dtype == torch.float64 else t.to(dtype) for t in (query, key, value))
 
 
 def _check_forest_mask(module: torch.nn.Module, attention_mask, tag, forest) -> None:
