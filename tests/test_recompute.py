@@ -410,6 +410,7 @@ def test_trainer_auto_recompute_on_unpriced_layers_recomputes_all(model_type, pr
         accelerator=SimpleNamespace(unwrap_model=lambda m: m, device=torch.device("cpu")),
         _metrics={"train": defaultdict(list)},
         _unpriced=None,
+        _lockstep=lambda: False,  # one process: no rank to agree with
     )
     count, keep = TreeGRPOTrainer._layers_to_checkpoint(trainer, [(SimpleNamespace(forest=forest),)])
     logged = trainer._metrics["train"]["tree_checkpointed_layers"]
@@ -441,6 +442,7 @@ def test_trainer_activation_budget_lowers_the_count():
             accelerator=SimpleNamespace(unwrap_model=lambda m: m, device=torch.device("cpu")),
             _metrics={"train": defaultdict(list)},
             _unpriced=None,
+            _lockstep=lambda: False,  # one process: no rank to agree with
         )  # fmt: skip
         return TreeGRPOTrainer._layers_to_checkpoint(trainer, [(SimpleNamespace(forest=forest),)])[0]
 
