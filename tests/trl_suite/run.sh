@@ -7,15 +7,18 @@
 # TRL_GIT: a clone (or bare mirror) of https://github.com/huggingface/trl holding that commit. WORK_DIR: outside the
 # repository; TRL's files are copied there at run time and never committed. PYTHON (default: the repository's .venv,
 # as `make install` makes it, with the train and test extras) runs everything. Tests run in chunks of CHUNK
-# (default 20), each chunk in its own process under `timeout 900`, one thread. Two cores take about an hour per
-# trainer. The table: `python WORK_DIR/summarize.py WORK_DIR [-v | --markdown]`.
+# (default 4), each chunk in its own process under `timeout $CHUNK_TIMEOUT` (default 3000 s), one thread. A run
+# resumes: tests with a recorded outcome in WORK_DIR/runs/<trainer>/results.jsonl are not run again (FRESH=1 starts
+# over). On 2 cores the tree trainer's run takes about 2.5 h, TRL's longer (its training tests take 5-15 min each).
+# The table: `python WORK_DIR/summarize.py WORK_DIR [-v | --markdown]`.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 project=$(cd "$here/../.." && pwd)
 git_dir=$(cd "${1:?TRL_GIT: a git clone of huggingface/trl}" && pwd)
 work=${2:?WORK_DIR: a directory outside the repository}
 which=${3:-both}
-chunk=${4:-20}
+chunk=${4:-4}
+chunk_timeout=${CHUNK_TIMEOUT:-3000}
 python=${PYTHON:-$project/.venv/bin/python}
 commit=$(cut -d' ' -f1 "$here/TRL_COMMIT.txt")
 
@@ -39,14 +42,19 @@ ln -sfn hub/trl-internal-testing trl-internal-testing
 LIST_OUT=collected.json "$python" -m pytest tests/test_grpo_trainer.py --collect-only -q -p collect_plugin \
   -p no:cacheprovider > /dev/null
 
-run() {  # run <trl|tree>: every selected test, in chunks
+run() {  # run <trl|tree>: every selected test without a recorded outcome, in chunks
   local trainer=$1 dir=runs/$1
-  rm -rf "$dir" && mkdir -p "$dir"
-  split -l "$chunk" -d -a 3 selected_ids.txt "$dir/chunk_"
-  for part in "$dir"/chunk_*; do
+  local stamp
+  stamp=$(date +%Y%m%d%H%M%S)
+  if [ "${FRESH:-0}" = 1 ]; then rm -rf "$dir"; fi
+  mkdir -p "$dir"
+  "$python" summarize.py "$work" --todo "$trainer" > "$dir/todo_$stamp.txt"
+  [ -s "$dir/todo_$stamp.txt" ] || return 0
+  split -l "$chunk" -d -a 3 "$dir/todo_$stamp.txt" "$dir/chunk_${stamp}_"
+  for part in "$dir/chunk_${stamp}_"???; do
     echo "== $(date +%T) $trainer $(basename "$part") ($(wc -l < "$part") tests)"
     TRL_PEER_TRAINER=$trainer TRL_PEER_RESULTS=$dir/results.jsonl TRL_PEER_EVENTS=$dir/events.jsonl \
-      timeout 900 "$python" -m pytest $(cat "$part") -p no:cacheprovider -q -rfEsxX --tb=short \
+      timeout "$chunk_timeout" "$python" -m pytest $(cat "$part") -p no:cacheprovider -q -rfEsxX --tb=short \
       --basetemp="$work/tmp_$trainer" > "$part.log" 2>&1 || true
     tail -1 "$part.log"
   done

@@ -3,6 +3,7 @@
     python summarize.py WORK_DIR            counts, then every test whose outcomes differ or that did not pass
     python summarize.py WORK_DIR -v         ... plus the tree run's error for each test that passes only with TRL
     python summarize.py WORK_DIR --markdown the same as a Markdown table (what results.md holds)
+    python summarize.py WORK_DIR --todo T   the selected tests that run and have no outcome yet with trainer T
 
 Also lists the warnings and log records (WARNING and above) the tree trainer emitted in a test where TRL's did not.
 """
@@ -68,28 +69,55 @@ def extra_warnings(work: Path) -> tuple[collections.Counter, dict[tuple, set[str
     trl, tree = events(work, "trl"), events(work, "tree")
     seen = collections.defaultdict(set)
     for test, found in trl.items():
-        seen[test] = {_event_key(e) for e in found if e["kind"] != "tree_counts"}
+        seen[test] = {_event_key(e) for e in found}
     extra, where = collections.Counter(), collections.defaultdict(set)
     for test, found in tree.items():
         if test not in trl:
             continue
         for event in found:
+            if event["kind"] == "tree_counts":  # the tree run's own tally, not a warning
+                continue
             key = _event_key(event)
-            if event["kind"] != "tree_counts" and key not in seen[test]:
+            if key not in seen[test]:
                 extra[key] += 1
                 where[key].add(test.split("::", 1)[1])
     return extra, where
 
 
+def todo(work: Path, trainer: str) -> list[str]:
+    """The selected tests that TRL's file does not skip here and that have no recorded outcome with `trainer`."""
+    column = {"trl": 1, "tree": 2}[trainer]
+    return [row[0] for row in table(work) if row[column] == "not-run"]
+
+
+def tree_counts(work: Path) -> collections.Counter:
+    """The tree run's tally summed over its tests: forwards on trees, and chunks that fell back to TRL's flat path."""
+    total = collections.Counter()
+    for found in events(work, "tree").values():
+        for event in found:
+            if event["kind"] == "tree_counts":
+                total.update({k: v for k, v in event.items() if isinstance(v, int)})
+    return total
+
+
 def main() -> None:
     work = Path(sys.argv[1]).resolve()
+    if "--todo" in sys.argv:
+        sys.stdout.write("".join(f"{test}\n" for test in todo(work, sys.argv[sys.argv.index("--todo") + 1])))
+        return
     rows = table(work)
     counts = collections.Counter((a, b) for _, a, b in rows)
-    differing = [(t, a, b) for t, a, b in rows if not (a == b and a in ("passed", "skipped"))]
+    # listed: every test that did not pass with both, but for one that passed with the tree and was not run with TRL
+    differing = [
+        (t, a, b)
+        for t, a, b in rows
+        if not (a == b and a in ("passed", "skipped")) and (a, b) != ("not-run", "passed")
+    ]
     if "--markdown" in sys.argv:
         print("| with trl.GRPOTrainer | with TreeGRPOTrainer | tests |\n|---|---|---:|")
         for (a, b), n in sorted(counts.items()):
             print(f"| {a} | {b} | {n} |")
+        print(f"\nThe tree run's forwards: {dict(tree_counts(work))}")
         print("\nTests whose outcome differs, or that did not pass with both:\n")
         print("| test | trl.GRPOTrainer | TreeGRPOTrainer |\n|---|---|---|")
         for t, a, b in differing:
@@ -98,6 +126,7 @@ def main() -> None:
     print(f"selected: {len(rows)}")
     for (a, b), n in sorted(counts.items()):
         print(f"  TRL={a:8s} Tree={b:8s}: {n}")
+    print(f"\nThe tree run's forwards: {dict(tree_counts(work))}")
     print("\nTests whose outcome differs or that did not pass:")
     for t, a, b in differing:
         print(f"  TRL={a:8s} Tree={b:8s} {t.split('::', 1)[1]}")
