@@ -38,6 +38,7 @@ __all__ = [
     "config_support_error",
     "coverage_markdown",
     "logit_scale",
+    "peft_config_error",
     "rope_length_limit",
     "rope_split_lengths",
     "tree_support_error",
@@ -482,7 +483,32 @@ def tree_support_error(model: torch.nn.Module) -> str | None:
             f"{type(base).__name__} (model_type {model_type!r}) is not a causal LM class of a family hf_tree_attn has "
             "verified exact (hf_tree_attn.support.EXACT_FAMILIES, docs/coverage.md). " + _fix(model_type)
         )
-    return config_support_error(model.config, family) or _state_layer_error(model) or _lm_head_error(model)
+    return (
+        config_support_error(model.config, family)
+        or _peft_error(model)
+        or _state_layer_error(model)
+        or _lm_head_error(model)
+    )
+
+
+def _peft_error(model: torch.nn.Module) -> str | None:
+    return peft_config_error(getattr(model, "active_peft_config", None))  # a PeftModel's adapter in use
+
+
+def peft_config_error(config) -> str | None:
+    """Why a PEFT adapter of this `PeftConfig` cannot run on packed trees (the reason and the way out), or None."""
+    if getattr(config, "is_prompt_learning", False):  # prompt / prefix / p-tuning
+        return (
+            f"The PEFT adapter is {config.peft_type.value} (prompt learning): PeftModel.forward puts its virtual "
+            "tokens in front of each row, and a packed tree holds many sequences in one row, so only the first "
+            "would see them. Train it with tree_packing=False, or use a LoRA-style adapter (LoraConfig)."
+        )
+    if getattr(config, "is_adaption_prompt", False):
+        return (
+            f"The PEFT adapter is {config.peft_type.value}: it replaces the attention modules with its own, which "
+            "trees are not verified with. Train it with tree_packing=False, or use a LoRA-style adapter (LoraConfig)."
+        )
+    return None
 
 
 def _state_layer_error(model: torch.nn.Module) -> str | None:

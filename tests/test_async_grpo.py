@@ -244,8 +244,9 @@ def test_replay_worker():
 
 def test_refused_model_names_the_way_out(tmp_path):
     """A model the gate refuses (Bloom: its attention bypasses transformers' interface), a longrope model (one row
-    cannot hold both of its RoPE length classes), a model instance, or an attention implementation of one's own: a
-    clear error at init, naming what to use instead."""
+    cannot hold both of its RoPE length classes), a model instance, an attention implementation of one's own, or a
+    prompt-learning PEFT adapter (its virtual tokens go in front of the packed row): a clear error at init, naming
+    what to use instead."""
     import test_coverage
 
     from hf_tree_attn.trainer import TreeAsyncGRPOConfig, TreeAsyncGRPOTrainer
@@ -267,6 +268,12 @@ def test_refused_model_names_the_way_out(tmp_path):
     )
     with pytest.raises(ValueError, match="Drop the entry"):
         TreeAsyncGRPOTrainer(bloom, args=custom)
+    from peft import PromptTuningConfig
+
+    qwen3 = save_model(tiny_family_config("qwen3"), tmp_path / "qwen3")
+    prompt_tuning = PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)
+    with pytest.raises(ValueError, match="PROMPT_TUNING.*only the first would see them.*AsyncGRPOTrainer"):
+        TreeAsyncGRPOTrainer(qwen3, args=args, processing_class=build_tokenizer(), peft_config=prompt_tuning)
 
 
 def test_parent_api_is_pinned():

@@ -110,3 +110,58 @@ def test_trees_through_a_peft_model(model_type):
             logits = model(input_ids=torch.tensor([seq])).logits[0, :-1].float()
             expected = logits.log_softmax(-1).gather(-1, torch.tensor(seq[1:])[:, None])[:, 0]
             torch.testing.assert_close(logps, expected, atol=TOLERANCES["logps_atol"], rtol=0)
+
+
+@pytest.mark.parametrize(
+    "adapter",
+    ["PromptTuningConfig", "PrefixTuningConfig", "PromptEncoderConfig", "AdaptionPromptConfig", "LoraConfig"],
+)
+def test_the_gate_refuses_prompt_learning_adapters(adapter):
+    """Prompt learning puts virtual tokens (or past key values) in front of each row inside `PeftModel.forward`;
+    on a packed tree the first sequence alone would see them, and the tree forward crashed on the missing mask.
+    The gate names the adapter and the way out; LoRA stays accepted."""
+    import peft
+    from peft import get_peft_model
+    from test_coverage import tiny_config
+    from transformers import AutoModelForCausalLM
+
+    from hf_tree_attn.support import tree_support_error
+
+    base = AutoModelForCausalLM.from_config(tiny_config("llama"), attn_implementation="tree_flex")
+    config = {
+        "LoraConfig": dict(r=4, target_modules=["q_proj", "v_proj"]),
+        "AdaptionPromptConfig": dict(adapter_len=2, adapter_layers=1),
+    }.get(adapter, dict(num_virtual_tokens=3))
+    model = get_peft_model(base, getattr(peft, adapter)(task_type="CAUSAL_LM", **config))
+    reason = tree_support_error(model)
+    if adapter == "LoraConfig":
+        assert reason is None
+    else:
+        assert model.active_peft_config.peft_type.value in reason
+        assert "tree_packing=False" in reason and "LoraConfig" in reason
+
+
+def test_prompt_tuning_trains_on_trls_flat_path(tiny, tmp_path):
+    """`peft_config=PromptTuningConfig(...)`: under `tree_packing="auto"` one warning with the reason and TRL's flat
+    path (tree_fallback=1), the virtual tokens trained; under `tree_packing=True` an error at init."""
+    from peft import PromptTuningConfig
+
+    path, tokenizer = tiny
+    dataset = toy_task.build_dataset(16)
+    prompt_tuning = PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)
+    args = _args(TreeGRPOConfig, tmp_path, max_steps=2, learning_rate=5e-2, logging_steps=1)
+    with pytest.warns(UserWarning, match="PROMPT_TUNING.*Training on TRL's flat path"):
+        trainer = TreeGRPOTrainer(
+            path, token_reward, args, train_dataset=dataset, processing_class=tokenizer, peft_config=prompt_tuning
+        )
+    assert not trainer.tree_packing
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    assert before and all("prompt_encoder" in n for n in before)
+    trainer.train()
+    assert all(entry["tree_fallback"] == 1 for entry in trainer.state.log_history if "tree_fallback" in entry)
+    after = dict(trainer.model.named_parameters())
+    assert any(not torch.equal(before[n], after[n]) for n in before)
+    strict = _args(TreeGRPOConfig, tmp_path, tree_packing=True)
+    with pytest.raises(ValueError, match="tree_packing=True, but .*PROMPT_TUNING"):
+        TreeGRPOTrainer(path, token_reward, strict, train_dataset=dataset, processing_class=tokenizer,
+                        peft_config=prompt_tuning)  # fmt: skip

@@ -34,7 +34,7 @@ from transformers import AutoConfig
 from trl.experimental.async_grpo import AsyncGRPOTrainer
 
 from ..attention import ATTN_IMPLEMENTATION
-from ..support import _fix, config_support_error, rope_split_lengths, tree_support_error
+from ..support import _fix, config_support_error, peft_config_error, rope_split_lengths, tree_support_error
 from ..tree import PackedForest
 from .async_grpo_config import TreeAsyncGRPOConfig
 from .forest_step import recompute_plan, score_forests
@@ -225,6 +225,9 @@ class TreeAsyncGRPOTrainer(AsyncGRPOTrainer):
                 f"model_init_kwargs['attn_implementation']={impl!r}: TreeAsyncGRPOTrainer loads the model with "
                 f"{ATTN_IMPLEMENTATION!r} itself (as TRL's trainer loads it with its own). Drop the entry."
             )
+        reason = peft_config_error(kwargs.get("peft_config"))  # TRL wraps the model after loading it
+        if reason is not None:
+            raise _refusal(model, reason, None)
         self._unpriced: str | None = None  # read by forest_step.recompute_plan
         with _TreeConstruction():
             super().__init__(model, reward_funcs, args, **kwargs)
