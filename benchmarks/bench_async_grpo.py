@@ -267,8 +267,14 @@ def main():
     )
     parser.add_argument("--activation-budget-gib", type=float, default=40.0)
     parser.add_argument("--token-budget", type=int, default=32768, help="TRL's token_budget: unique tokens per row")
-    parser.add_argument("--steps", type=int, default=2, help="measured optimizer steps")
-    parser.add_argument("--warmup", type=int, default=1, help="optimizer steps before the measured ones")
+    parser.add_argument("--steps", type=int, default=4, help="measured optimizer steps")
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=2,
+        help="optimizer steps before the measured ones: FlexAttention compiles for the first row length and again, "
+        "length-generic, at the second",
+    )
     parser.add_argument("--scale", type=float, default=1.0, help="scale every length (CPU smoke runs)")
     parser.add_argument("--dtype", default="bfloat16", help="model weights (AsyncGRPOConfig.dtype)")
     parser.add_argument("--out", default="benchmarks/results/async_grpo.json")

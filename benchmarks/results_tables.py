@@ -823,7 +823,12 @@ SECTIONS = [  # (heading level, title, section, what it measures)
      "`tree_recompute='auto'`). bf16 weights, TRL's defaults otherwise (gradient checkpointing, one micro-batch per "
      "step), a token budget of 32,768 per step; two measured steps after a warm-up step, the ratio of the median "
      "steps. Both sides forward about the same tokens: TRL's packing already computes each shared prefix once. MFU "
-     "counts the same model FLOPs for both sides (the step's samples as one forest). Here the tree is slower."),
+     "counts the same model FLOPs for both sides (the step's samples as one forest). Here the tree is slower. With "
+     "one warm-up step its first measured step may hold a compile: FlexAttention, compiled with torch's automatic "
+     "dynamic shapes, compiles for the first row length and again, length-generic, at the second (`TORCH_LOGS="
+     "recompiles`: \"tensor 'key' size mismatch at index 2\"); the τ² row's tree steps, 11.30 then 2.52 s, fit "
+     "that, the `grpo_mixed` rows' do not. `bench_async_grpo.py` warms up two steps and measures four by default "
+     "(these rows ran with one and two)."),
     (2, "Correctness on the GPU", correctness, None),
     (2, "Other runs", other_runs, None),
     (2, "Result files", result_files,
