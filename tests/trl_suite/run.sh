@@ -7,9 +7,10 @@
 # TRL_GIT: a clone (or bare mirror) of https://github.com/huggingface/trl holding that commit. WORK_DIR: outside the
 # repository; TRL's files are copied there at run time and never committed. PYTHON (default: the repository's .venv,
 # as `make install` makes it, with the train and test extras) runs everything. Tests run in chunks of CHUNK
-# (default 4), each chunk in its own process under `timeout $CHUNK_TIMEOUT` (default 3000 s), one thread. A run
-# resumes: tests with a recorded outcome in WORK_DIR/runs/<trainer>/results.jsonl are not run again (FRESH=1 starts
-# over). On 2 cores the tree trainer's run takes about 2.5 h, TRL's longer (its training tests take 5-15 min each).
+# (default 4), each chunk in its own process under `timeout $CHUNK_TIMEOUT` (default 3000 s), one thread, JOBS
+# (default 1) chunks at a time. A run resumes: tests with a recorded outcome in WORK_DIR/runs/<trainer>/results.jsonl
+# are not run again (FRESH=1 starts over). One core takes about 2.5 h for the tree trainer's run, TRL's longer (its
+# training tests take 5-15 min each).
 # The table: `python WORK_DIR/summarize.py WORK_DIR [-v | --markdown]`.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -19,6 +20,7 @@ work=${2:?WORK_DIR: a directory outside the repository}
 which=${3:-both}
 chunk=${4:-4}
 chunk_timeout=${CHUNK_TIMEOUT:-3000}
+jobs=${JOBS:-1}
 python=${PYTHON:-$project/.venv/bin/python}
 commit=$(cut -d' ' -f1 "$here/TRL_COMMIT.txt")
 
@@ -42,7 +44,15 @@ ln -sfn hub/trl-internal-testing trl-internal-testing
 LIST_OUT=collected.json "$python" -m pytest tests/test_grpo_trainer.py --collect-only -q -p collect_plugin \
   -p no:cacheprovider > /dev/null
 
-run() {  # run <trl|tree>: every selected test without a recorded outcome, in chunks
+run_chunk() {  # run_chunk <trainer> <chunk file>: one process for the chunk's tests, its own temporary directory
+  local trainer=$1 part=$2 dir=runs/$1
+  TRL_PEER_TRAINER=$trainer TRL_PEER_RESULTS=$dir/results.jsonl TRL_PEER_EVENTS=$dir/events.jsonl \
+    timeout "$chunk_timeout" "$python" -m pytest $(cat "$part") -p no:cacheprovider -q -rfEsxX --tb=short \
+    --basetemp="$work/tmp_$trainer/$(basename "$part")" > "$part.log" 2>&1 || true
+  echo "== $(date +%T) $trainer $(basename "$part") ($(wc -l < "$part") tests): $(tail -1 "$part.log")"
+}
+
+run() {  # run <trl|tree>: every selected test without a recorded outcome, in chunks, JOBS chunks at a time
   local trainer=$1 dir=runs/$1
   local stamp
   stamp=$(date +%Y%m%d%H%M%S)
@@ -51,13 +61,10 @@ run() {  # run <trl|tree>: every selected test without a recorded outcome, in ch
   "$python" summarize.py "$work" --todo "$trainer" > "$dir/todo_$stamp.txt"
   [ -s "$dir/todo_$stamp.txt" ] || return 0
   split -l "$chunk" -d -a 3 "$dir/todo_$stamp.txt" "$dir/chunk_${stamp}_"
-  for part in "$dir/chunk_${stamp}_"???; do
-    echo "== $(date +%T) $trainer $(basename "$part") ($(wc -l < "$part") tests)"
-    TRL_PEER_TRAINER=$trainer TRL_PEER_RESULTS=$dir/results.jsonl TRL_PEER_EVENTS=$dir/events.jsonl \
-      timeout "$chunk_timeout" "$python" -m pytest $(cat "$part") -p no:cacheprovider -q -rfEsxX --tb=short \
-      --basetemp="$work/tmp_$trainer" > "$part.log" 2>&1 || true
-    tail -1 "$part.log"
-  done
+  export -f run_chunk
+  export work python chunk_timeout
+  # Each test appends one line to the results file (a short O_APPEND write), so parallel chunks do not mix lines.
+  printf '%s\n' "$dir/chunk_${stamp}_"??? | xargs -P "$jobs" -I{} bash -c 'run_chunk "$0" "$1"' "$trainer" {}
 }
 case $which in
   both) run trl; run tree ;;
