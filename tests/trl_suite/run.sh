@@ -57,7 +57,7 @@ run() {  # run <trl|tree>: every selected test without a recorded outcome, in ch
   local stamp
   stamp=$(date +%Y%m%d%H%M%S)
   if [ "${FRESH:-0}" = 1 ]; then rm -rf "$dir"; fi
-  mkdir -p "$dir"
+  mkdir -p "$dir" "$work/tmp_$trainer"
   "$python" summarize.py "$work" --todo "$trainer" > "$dir/todo_$stamp.txt"
   [ -s "$dir/todo_$stamp.txt" ] || return 0
   split -l "$chunk" -d -a 3 "$dir/todo_$stamp.txt" "$dir/chunk_${stamp}_"
