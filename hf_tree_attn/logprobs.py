@@ -11,6 +11,7 @@ exactly the flat gradient.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Sequence
 
@@ -222,6 +223,7 @@ def forest_logprobs(
     return_entropy: bool = False,
     chunk_rows: int | None = None,
     return_router_logits: bool = False,
+    fp32_head: bool = False,
 ):
     """Score the tokens of one packed forest with one forward.
 
@@ -236,6 +238,7 @@ def forest_logprobs(
         chunk_rows: rows per chunk of the plain-torch LM head; default (None) uses TRL's fused chunked kernel
             when trl is installed (see `lm_head_logprobs`).
         return_router_logits: also return the MoE router logits of this forward (for `tree_router_aux_loss`).
+        fp32_head: run the LM head in float32 with autocast off (TRL's `cast_lm_head_to_fp32`).
 
     Returns:
         `(logps, entropy)`, each `(S,)` float32 indexed by row (0 at unscored rows); `entropy` is None unless
@@ -258,8 +261,9 @@ def forest_logprobs(
         raise ValueError(f"rows {bad} have no parent (a root or padding); only tokens after a first one are scored.")
     targets = forest.input_ids[0].to(device)[rows]
     values, entropy_values = lm_head_logprobs(
-        model, hidden, parents, targets, temperature=temperature, return_entropy=return_entropy, chunk_rows=chunk_rows
-    )
+        model, hidden, parents, targets, temperature=temperature, return_entropy=return_entropy,
+        chunk_rows=chunk_rows, fp32_head=fp32_head,
+    )  # fmt: skip
     seq_len = forest.input_ids.shape[1]
     logps = torch.zeros(seq_len, dtype=torch.float32, device=device).index_put((rows,), values)
     entropy = None
@@ -313,6 +317,7 @@ def lm_head_logprobs(
     temperature: float = 1.0,
     return_entropy: bool = False,
     chunk_rows: int | None = None,
+    fp32_head: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunked LM head + log-softmax on the distinct rows of `hidden` that `sources` points at.
 
@@ -325,6 +330,8 @@ def lm_head_logprobs(
         temperature, return_entropy: as in `forest_logprobs`.
         chunk_rows: rows per chunk of the plain-torch head. Default (None) uses TRL's fused chunked kernel when
             trl is installed (Triton on CUDA), else the torch head with chunks of at most 1 GiB of fp32 logits.
+        fp32_head: hidden states and LM head in float32 with autocast off, as TRL's `cast_lm_head_to_fp32` runs its
+            fused head (which TRL's trainers give an fp32 `lm_head`); else under the caller's autocast, if any.
 
     Returns:
         `(logps, entropy)`: `(E,)` float32 each (`entropy` None unless requested), differentiable w.r.t. `hidden`
@@ -332,6 +339,7 @@ def lm_head_logprobs(
     """
     weight, bias = _lm_head_params(model)
     config = unwrap_model(model).config.get_text_config()
+    precision = torch.autocast(hidden.device.type, enabled=False) if fp32_head else contextlib.nullcontext()
     head = functools.partial(
         _head_logprobs,
         weight=weight,
@@ -343,9 +351,11 @@ def lm_head_logprobs(
         softcap=getattr(config, "final_logit_softcapping", None),
         return_entropy=return_entropy,
         chunk_rows=chunk_rows,
+        fp32=fp32_head,
     )
     owner = _zero3_owner(model, weight)
-    return head(hidden) if owner is None else _in_forward_of(owner, head, hidden)
+    with precision:
+        return head(hidden) if owner is None else _in_forward_of(owner, head, hidden)
 
 
 def _head_logprobs(
@@ -359,8 +369,13 @@ def _head_logprobs(
     softcap: float | None,
     return_entropy: bool,
     chunk_rows: int | None,
+    fp32: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`lm_head_logprobs` on an LM head `weight` `(vocab, hidden)` / `bias` `(vocab,)` the caller has made readable."""
+    """`lm_head_logprobs` on an LM head `weight` `(vocab, hidden)` / `bias` `(vocab,)` the caller has made readable
+    (`fp32`: all three cast to float32 here, where a ZeRO-3 weight is gathered; a no-op on TRL's cast head)."""
+    if fp32:
+        hidden, weight = hidden.float(), weight.float()
+        bias = bias.float() if bias is not None else None
     fused = _fused_lm_head() if chunk_rows is None else None
     if fused is not None:
         # TRL's kernel scores one target per row: a branching parent row is repeated once per child (E rows, barely

@@ -227,6 +227,55 @@ def test_loss_and_grads_match_flat_trainer_under_mixed_precision(
     assert (forest.prefix_plan is not None) == two_level
 
 
+def test_cast_lm_head_to_fp32_runs_the_tree_head_in_float32(tiny, tmp_path, monkeypatch):
+    """`cast_lm_head_to_fp32=True` under TRL's `bf16=True` autocast: TRL's fused head takes float32 hidden states with
+    autocast off; so does the tree head (it ran in bf16 under the trainer's autocast). The loss then stays within
+    the mixed-precision bound of TRL's flat trainer with the same flag."""
+    import hf_tree_attn.logprobs as logprobs
+
+    seen = []
+    head = logprobs._head_logprobs
+
+    def spy(hidden, weight, *args, **kwargs):
+        out = head(hidden, weight, *args, **kwargs)
+        seen.append((kwargs.get("fp32"), torch.is_autocast_enabled("cpu"), out[0].dtype))
+        return out
+
+    monkeypatch.setattr(logprobs, "_head_logprobs", spy)
+    overrides = dict(loss_type="grpo", beta=0.0, num_iterations=1)
+    _, reference = _pair(tiny, tmp_path / "fp32", **overrides)
+    tree, flat = _pair(tiny, tmp_path, **overrides, bf16=True, cast_lm_head_to_fp32=True)
+    assert tree.model.lm_head.weight.dtype == torch.float32
+    inputs = _inputs(reference, reference, tiny[1], 0.0, 1)
+    ref_loss, _ = _loss_and_grads(reference, inputs)
+    seen.clear()
+    (tree_loss, _), (flat_loss, _) = (_loss_and_grads_as_trained(t, inputs) for t in (tree, flat))
+    assert seen and all(fp32 and not autocast for fp32, autocast, _ in seen), seen
+    u = torch.finfo(torch.bfloat16).eps / 2
+    tree_error, flat_error = float((tree_loss - ref_loss).abs()), float((flat_loss - ref_loss).abs())
+    assert tree_error <= 2 * flat_error + u * float(ref_loss.abs()), (tree_error, flat_error)
+
+
+def test_token_budget_with_auto_recompute_is_refused_under_deepspeed_ranks(tiny, tmp_path, monkeypatch):
+    """Under DeepSpeed with several processes (`_lockstep`), a rank with fewer forests in a chunk would run its idle
+    forwards with every layer checkpointed beside ranks recomputing the agreed count: refused at init, naming both
+    ways out; each way out is accepted."""
+    monkeypatch.setattr(TreeGRPOTrainer, "_lockstep", lambda self: True)
+    path, tokenizer = tiny
+    dataset = toy_task.build_dataset(8)
+
+    def build(**overrides):
+        args = _config(TreeGRPOConfig, tmp_path, gradient_checkpointing=True, **overrides)
+        return TreeGRPOTrainer(
+            path, toy_task.copy_letter_reward, args, train_dataset=dataset, processing_class=tokenizer
+        )
+
+    with pytest.raises(ValueError, match="max_tokens_per_mb=1024 with tree_recompute='auto' under DeepSpeed"):
+        build(max_tokens_per_mb=1024)
+    assert build(max_tokens_per_mb=1024, tree_recompute="all").tree_packing
+    assert build().tree_packing
+
+
 @pytest.fixture(scope="module")
 def tiny_hybrid(tmp_path_factory):
     """The embedded task's tiny Qwen3.5 (a Gated DeltaNet layer, then full attention) + char tokenizer, saved."""

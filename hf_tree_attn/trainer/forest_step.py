@@ -72,7 +72,11 @@ def recompute_plan(
         return None, False
     device = trainer.accelerator.device.type
     keep = any(serves(forest, device) for forest in forests) and keeps_attention(model)
-    tree_tokens, dtype_bytes = sum(forest.seq_len for forest in forests), 2 if args.bf16 or args.fp16 else 4
+    # The residual stream and the checkpoints' inputs keep the weights' dtype; autocast lowers only the matmuls'
+    # outputs (fp32 weights with TRL's bf16=True: 4 bytes, an upper bound for the bf16 parts).
+    weights = next((p for p in model.parameters() if p.is_floating_point()), None)
+    dtype_bytes = weights.element_size() if weights is not None else 4
+    tree_tokens = sum(forest.seq_len for forest in forests)
     sizing = dict(dtype_bytes=dtype_bytes, budget_gib=args.tree_activation_budget_gib)
     count = checkpoint_count(config, tree_tokens, bound_tokens, keep_attention=keep, **sizing)
     if (
@@ -97,6 +101,7 @@ def score_forests(
     compute_entropy: bool = False,
     compute_aux_loss: bool = False,
     recompute: tuple[int | None, bool] = (None, False),
+    fp32_head: bool = False,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor | None], torch.Tensor | None]:
     """One forward per forest: `(tables, entropy_tables, aux_loss)`.
 
@@ -111,6 +116,7 @@ def score_forests(
         compute_aux_loss: also return the MoE load-balancing loss of all forests' sequences, each shared token
             weighted by the sequences that contain it (`tree_router_aux_loss`), as a flat forward counts it.
         recompute: `(count, keep_attention)` from `recompute_plan`.
+        fp32_head: the LM head in float32, autocast off (TRL's `cast_lm_head_to_fp32`).
 
     Returns:
         `tables[i]` `(S_i,)` float32 log-probs indexed by row of `forests[i]` (0 at unscored rows), differentiable;
@@ -123,7 +129,7 @@ def score_forests(
             with autocast():
                 table, entropy_table, *router = forest_logprobs(
                     model, forest, rows=scored, temperature=temperature, return_entropy=compute_entropy,
-                    return_router_logits=compute_aux_loss,
+                    return_router_logits=compute_aux_loss, fp32_head=fp32_head,
                 )  # fmt: skip
             tables.append(table)
             entropy_tables.append(entropy_table)

@@ -117,6 +117,22 @@ class TreeGRPOTrainer(GRPOTrainer):
                     )
         if reason is not None and args.tree_packing is True:
             raise ValueError(f"tree_packing=True, but this model cannot run packed trees exactly: {reason}")
+        if (
+            args.tree_packing is not False
+            and reason is None
+            and args.max_tokens_per_mb is not None
+            and args.tree_recompute == "auto"
+            and args.gradient_checkpointing
+            and self._lockstep()
+        ):
+            # A rank with fewer forests runs idle forwards with every layer checkpointed, beside ranks recomputing
+            # the agreed count: under DeepSpeed their gathers and reductions would not pair up.
+            raise ValueError(
+                f"max_tokens_per_mb={args.max_tokens_per_mb} with tree_recompute='auto' under DeepSpeed on "
+                f"{self.accelerator.num_processes} processes: ranks can pack a chunk into different numbers of "
+                "forests, and the ranks with fewer would recompute other layers than the rest. Leave "
+                "max_tokens_per_mb=None (one forest per chunk, as TRL runs one forward), or set tree_recompute='all'."
+            )
         balance_refusal = self._run_balance_refusal()  # beyond the config's own, which TreeGRPOConfig refused
         if args.tree_balance and balance_refusal:
             raise ValueError(f"tree_balance=True, but {balance_refusal} Set tree_balance=None (auto) or False.")
@@ -579,7 +595,7 @@ class TreeGRPOTrainer(GRPOTrainer):
         tables, entropy_tables, aux_loss = score_forests(
             model, [mb.forest for mb, *_ in packed], [rows for _, rows, *_ in packed], temperature=self.temperature,
             autocast=self.accelerator.autocast, compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss,
-            recompute=self._layers_to_checkpoint(packed),
+            recompute=self._layers_to_checkpoint(packed), fp32_head=self.args.cast_lm_head_to_fp32,
         )  # fmt: skip
         for (_, _, row_of, col_of, source_rows), table, entropy_table in zip(packed, tables, entropy_tables):
             logps = logps.index_put((row_of, col_of), table[source_rows])
