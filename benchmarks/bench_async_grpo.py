@@ -279,6 +279,9 @@ def main():
     parser.add_argument("--dtype", default="bfloat16", help="model weights (AsyncGRPOConfig.dtype)")
     parser.add_argument("--out", default="benchmarks/results/async_grpo.json")
     args = parser.parse_args()
+    if args.warmup < 1 or args.steps < 1:
+        parser.error(f"--warmup {args.warmup} --steps {args.steps}: each step time is the gap to the step before, "
+                     "so both need at least 1")  # fmt: skip
 
     import trl
     import trl.experimental.async_grpo.async_grpo_trainer as trl_async

@@ -253,13 +253,16 @@ def test_refused_model_names_the_way_out(tmp_path):
 
     args = TreeAsyncGRPOConfig(output_dir=str(tmp_path / "out"), use_cpu=True, bf16=False, report_to="none")
     bloom = save_model(test_coverage.tiny_config("bloom"), tmp_path / "bloom")
-    with pytest.raises(ValueError, match=r"cannot train .* on exact trees: .*bloom.*AsyncGRPOTrainer"):
+    with pytest.raises(ValueError, match=r"cannot train .* on exact trees: .*bloom.*AsyncGRPOTrainer") as refused:
         TreeAsyncGRPOTrainer(bloom, args=args, processing_class=build_tokenizer())
+    assert "tree_packing=False" not in str(refused.value)  # TreeGRPOTrainer's way out, not this trainer's
     rope = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 10, "factor": 4.0,
             "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}  # fmt: skip
     longrope = tiny_family_config("llama", rope_parameters=rope, max_position_embeddings=40)
     path = save_model(longrope, tmp_path / "longrope")
-    with pytest.raises(ValueError, match="longrope.*one packed row per rank"):
+    with pytest.raises(
+        ValueError, match="longrope RoPE rotates sequences of at most 10 tokens.*one packed row per rank"
+    ):
         TreeAsyncGRPOTrainer(path, args=args, processing_class=build_tokenizer())
     with pytest.raises(TypeError, match="loads the model itself"):
         TreeAsyncGRPOTrainer(AutoModelForCausalLM.from_config(tiny_family_config("qwen3")), args=args)
@@ -272,8 +275,9 @@ def test_refused_model_names_the_way_out(tmp_path):
 
     qwen3 = save_model(tiny_family_config("qwen3"), tmp_path / "qwen3")
     prompt_tuning = PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)
-    with pytest.raises(ValueError, match="PROMPT_TUNING.*only the first would see them.*AsyncGRPOTrainer"):
+    with pytest.raises(ValueError, match="PROMPT_TUNING.*only the first would see them.*LoraConfig") as refused:
         TreeAsyncGRPOTrainer(qwen3, args=args, processing_class=build_tokenizer(), peft_config=prompt_tuning)
+    assert "tree_packing=False" not in str(refused.value)
 
 
 def test_parent_api_is_pinned():

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 from collections.abc import Callable
 from types import SimpleNamespace
 
@@ -34,7 +35,7 @@ from transformers import AutoConfig
 from trl.experimental.async_grpo import AsyncGRPOTrainer
 
 from ..attention import ATTN_IMPLEMENTATION
-from ..support import _fix, config_support_error, peft_config_error, rope_split_lengths, tree_support_error
+from ..support import config_support_error, peft_config_error, rope_split_lengths, tree_support_error
 from ..tree import PackedForest
 from .async_grpo_config import TreeAsyncGRPOConfig
 from .forest_step import recompute_plan, score_forests
@@ -59,14 +60,18 @@ def _trl_names(**replacements):
             setattr(trl_async, name, value)
 
 
-def _refusal(model_id: str, reason: str, model_type: str | None) -> ValueError:
-    # The gate's reason ends with the way out of TreeGRPOTrainer (its flat fallback); this trainer has none.
-    reason = reason.removesuffix(_fix(model_type)).strip()
+def _refusal(model_id: str, reason: str, way_out: str | None = None) -> ValueError:
+    # The gate's reasons end with the way out of TreeGRPOTrainer (tree_packing=False, its flat fallback); this
+    # trainer has no flat path, so that sentence goes.
+    reason = re.sub(r"\s*Train (this|it)\b[^.]*?tree_packing=False.*$", "", reason, flags=re.S).strip()
+    way_out = way_out or (
+        "Train this model with TRL's own AsyncGRPOTrainer (trl.experimental.async_grpo) where its FlashAttention-3 "
+        "tree packing supports it, or synchronously with trl.GRPOTrainer (TreeGRPOTrainer's tree_packing='auto' "
+        "falls back to it by itself)."
+    )
     return ValueError(
         f"TreeAsyncGRPOTrainer cannot train {model_id!r} on exact trees: {reason} It always packs trees (it has no "
-        "flat path). Train this model with TRL's own AsyncGRPOTrainer (trl.experimental.async_grpo) where its "
-        "FlashAttention-3 tree packing supports it, or synchronously with trl.GRPOTrainer (TreeGRPOTrainer's "
-        "tree_packing='auto' falls back to it by itself)."
+        f"flat path). {way_out}"
     )
 
 
@@ -104,17 +109,18 @@ class _TreeConstruction:
         )
         reason = config_support_error(config)  # before reading any weights
         if reason is None and rope_split_lengths(config):
+            limit = " / ".join(str(n) for n in rope_split_lengths(config))
             reason = (
-                f"its longrope RoPE rotates sequences of at most and of more than {rope_split_lengths(config)} "
-                "tokens with different factors, and one packed row per rank cannot hold both exactly (TRL's own "
-                "packing rotates them all with the row's longest)."
+                f"its longrope RoPE rotates sequences of at most {limit} tokens and longer ones with different "
+                "factors, and one packed row per rank cannot hold both exactly (TRL's own packing rotates them all "
+                "with the row's longest)."
             )
         if reason is not None:
-            raise _refusal(model_id, reason, config.model_type)
+            raise _refusal(model_id, reason)
         model = self._load(model_id, **{**kwargs, "attn_implementation": ATTN_IMPLEMENTATION})
         reason = tree_support_error(model)
         if reason is not None:
-            raise _refusal(model_id, reason, getattr(model.config, "model_type", None))
+            raise _refusal(model_id, reason)
         self._hide_from_trl(model)
         return model
 
@@ -227,7 +233,11 @@ class TreeAsyncGRPOTrainer(AsyncGRPOTrainer):
             )
         reason = peft_config_error(kwargs.get("peft_config"))  # TRL wraps the model after loading it
         if reason is not None:
-            raise _refusal(model, reason, None)
+            way_out = (
+                "Use a LoRA-style adapter (LoraConfig), or train synchronously with TreeGRPOTrainer, which runs "
+                "this adapter on TRL's flat path."
+            )
+            raise _refusal(model, reason, way_out)
         self._unpriced: str | None = None  # read by forest_step.recompute_plan
         with _TreeConstruction():
             super().__init__(model, reward_funcs, args, **kwargs)
