@@ -165,3 +165,22 @@ def test_prompt_tuning_trains_on_trls_flat_path(tiny, tmp_path):
     with pytest.raises(ValueError, match="tree_packing=True, but .*PROMPT_TUNING"):
         TreeGRPOTrainer(path, token_reward, strict, train_dataset=dataset, processing_class=tokenizer,
                         peft_config=prompt_tuning)  # fmt: skip
+
+
+@pytest.mark.parametrize("model_type, expected", [("gemma2", "eager"), ("qwen3", "sdpa")])
+def test_fallback_restores_the_implementation_tree_flex_stood_in_for(model_type, expected):
+    """A model that falls back to TRL's path after it was put on `tree_flex` (here: a prompt-tuning adapter) goes
+    back to the implementation `tree_flex` computes outside a tree: `eager` for Gemma 2's attention softcap, which
+    SDPA would drop, `sdpa` otherwise."""
+    from peft import PromptTuningConfig, get_peft_model
+    from test_coverage import tiny_config
+    from transformers import AutoModelForCausalLM
+
+    from hf_tree_attn.support import tree_support_error
+    from hf_tree_attn.trainer.grpo_trainer import restore_stock_attention
+
+    base = AutoModelForCausalLM.from_config(tiny_config(model_type), attn_implementation="tree_flex")
+    model = get_peft_model(base, PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3))
+    reason = tree_support_error(model)
+    restore_stock_attention([model, None], reason)
+    assert base.config._attn_implementation == expected

@@ -101,20 +101,7 @@ class TreeGRPOTrainer(GRPOTrainer):
         if args.tree_packing is not False and reason is None:
             reason = _loaded_model_error(self.model, self.ref_model)  # a model given by path is known only now
         if reason is not None and args.tree_packing == "auto":
-            for loaded in (self.model, self.ref_model):
-                # Back to the stock implementation tree_flex was standing in for (loaded by path, or given already
-                # on tree_flex): a model whose attention bypasses the interface refuses ordinary forwards on it.
-                inner = unwrap_model(loaded) if loaded is not None else None
-                if inner is None or inner.config._attn_implementation != ATTN_IMPLEMENTATION:
-                    continue
-                loaded.set_attn_implementation("sdpa" if inner._supports_sdpa else "eager")
-                if inner.config._attn_implementation == ATTN_IMPLEMENTATION:  # transformers refused the switch
-                    raise ValueError(
-                        f"tree_packing='auto': {reason} The model was given on "
-                        f"attn_implementation={ATTN_IMPLEMENTATION!r}, and {type(inner).__name__} cannot switch "
-                        "implementation after loading, so TRL's flat path cannot run it either. Load it with "
-                        "attn_implementation='eager' (or 'sdpa')."
-                    )
+            restore_stock_attention((self.model, self.ref_model), reason)
         if reason is not None and args.tree_packing is True:
             raise ValueError(f"tree_packing=True, but this model cannot run packed trees exactly: {reason}")
         if (
@@ -654,12 +641,35 @@ def micro_batch_order(permutation: torch.Tensor, num_batches: int) -> list[int]:
 @contextlib.contextmanager
 def stock_attention(model):
     """Run `model` with the stock attention `tree_flex` behaves as outside a tree, then restore `tree_flex`."""
-    softcap = getattr(model.config.get_text_config(), "attn_logit_softcapping", None) is not None
-    model.set_attn_implementation("eager" if softcap else "sdpa")
+    model.set_attn_implementation(_stock_implementation(model))
     try:
         yield model
     finally:
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
+
+
+def _stock_implementation(model) -> str:
+    """The stock implementation `tree_flex` computes as outside a tree: `eager` where SDPA would drop the attention
+    logit softcap (Gemma 2) or is not supported, else `sdpa`."""
+    softcap = getattr(model.config.get_text_config(), "attn_logit_softcapping", None) is not None
+    return "eager" if softcap or not getattr(model, "_supports_sdpa", False) else "sdpa"
+
+
+def restore_stock_attention(models, reason: str) -> None:
+    """Back to the stock implementation `tree_flex` stood in for, on every model loaded on it (loaded by path, or
+    given already on tree_flex), before TRL's own path runs them: a model whose attention bypasses the interface
+    refuses ordinary forwards on `tree_flex`."""
+    for loaded in models:
+        inner = unwrap_model(loaded) if loaded is not None else None
+        if inner is None or inner.config._attn_implementation != ATTN_IMPLEMENTATION:
+            continue
+        loaded.set_attn_implementation(_stock_implementation(inner))
+        if inner.config._attn_implementation == ATTN_IMPLEMENTATION:  # transformers refused the switch
+            raise ValueError(
+                f"tree_packing='auto': {reason} The model was given on attn_implementation={ATTN_IMPLEMENTATION!r}, "
+                f"and {type(inner).__name__} cannot switch implementation after loading, so TRL's path cannot run it "
+                "either. Load it with attn_implementation='eager' (or 'sdpa')."
+            )
 
 
 def _select_tree_attention(model, args: TreeGRPOConfig):

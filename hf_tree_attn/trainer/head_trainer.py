@@ -16,7 +16,7 @@ import warnings
 from ..attention import ATTN_IMPLEMENTATION
 from ..support import unwrap_model
 from .fused_head import TreeLMHead, fused_head_settings
-from .grpo_trainer import _loaded_model_error, _select_tree_attention
+from .grpo_trainer import _loaded_model_error, _select_tree_attention, restore_stock_attention
 
 __all__ = ["TreeHeadTrainerMixin"]
 
@@ -71,7 +71,7 @@ class TreeHeadTrainerMixin:
         if reason is not None and args.tree_packing is True:
             raise ValueError(f"tree_packing=True, but this run cannot use packed trees exactly: {reason}")
         if reason is not None and args.tree_packing == "auto":
-            _restore_stock_attention(models, reason)
+            restore_stock_attention(models, reason)
             warnings.warn(f"tree_packing='auto': {reason} Training on TRL's path instead.", stacklevel=3)
         self.tree_packing = args.tree_packing is not False and reason is None
         sharded = self.is_fsdp_enabled or self.is_deepspeed_enabled
@@ -115,19 +115,3 @@ class TreeHeadTrainerMixin:
             "computed once. The log-probabilities and gradients are those of TRL's forward; only the cost changes."
         )
         return f"\n## Tree training\n\n{intro}\n\n| setting | value |\n| --- | --- |\n{table}\n"
-
-
-def _restore_stock_attention(models, reason: str) -> None:
-    """Back to the stock implementation `tree_flex` stood in for, on every model loaded on it (TRL's path runs a
-    model whose attention bypasses the interface only on its own implementation)."""
-    for loaded in models:
-        inner = unwrap_model(loaded) if loaded is not None else None
-        if inner is None or inner.config._attn_implementation != ATTN_IMPLEMENTATION:
-            continue
-        loaded.set_attn_implementation("sdpa" if inner._supports_sdpa else "eager")
-        if inner.config._attn_implementation == ATTN_IMPLEMENTATION:  # transformers refused the switch
-            raise ValueError(
-                f"tree_packing='auto': {reason} The model was given on attn_implementation={ATTN_IMPLEMENTATION!r}, "
-                f"and {type(inner).__name__} cannot switch implementation after loading, so TRL's path cannot run it "
-                "either. Load it with attn_implementation='eager' (or 'sdpa')."
-            )
