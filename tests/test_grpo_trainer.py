@@ -256,6 +256,25 @@ def test_cast_lm_head_to_fp32_runs_the_tree_head_in_float32(tiny, tmp_path, monk
     assert tree_error <= 2 * flat_error + u * float(ref_loss.abs()), (tree_error, flat_error)
 
 
+def test_attention_dropout_trains_on_trls_path(tiny, tmp_path):
+    """A model whose attention layers drop out (TRL's `disable_dropout` zeroes `nn.Dropout` modules, not the rate
+    the attention layers pass to the kernel) met tree_flex's refusal at its first training forward; it now falls
+    back at init with the reason and the way out, and trains on TRL's path."""
+    from transformers import AutoModelForCausalLM
+
+    path, tokenizer = tiny
+    model = AutoModelForCausalLM.from_pretrained(path, attention_dropout=0.1)
+    args = _config(TreeGRPOConfig, tmp_path, max_steps=1, logging_steps=1)
+    with pytest.warns(UserWarning, match=r"attention_dropout=0.1.*Load the model with attention_dropout=0.0"):
+        trainer = TreeGRPOTrainer(
+            model, toy_task.copy_letter_reward, args, train_dataset=toy_task.build_dataset(8),
+            processing_class=tokenizer,
+        )  # fmt: skip
+    assert not trainer.tree_packing and model.config._attn_implementation == "sdpa"
+    trainer.train()
+    assert trainer.state.log_history[0]["tree_fallback"] == 1
+
+
 def test_token_budget_with_auto_recompute_is_refused_under_deepspeed_ranks(tiny, tmp_path, monkeypatch):
     """Under DeepSpeed with several processes (`_lockstep`), a rank with fewer forests in a chunk would run its idle
     forwards with every layer checkpointed beside ranks recomputing the agreed count: refused at init, naming both

@@ -724,4 +724,17 @@ def _loaded_model_error(model, ref_model) -> str | None:
             check_tree_model(loaded)
         except (ValueError, NotImplementedError) as error:
             return str(error)
+    # The attention modules copy the config's rate at init; TRL's disable_dropout zeroes nn.Dropout modules only.
+    rates = {
+        float(m.attention_dropout)
+        for m in unwrap_model(model).modules()
+        if isinstance(getattr(m, "attention_dropout", None), (int, float)) and m.attention_dropout > 0
+    }
+    if rates:
+        return (
+            f"The model's attention layers have attention_dropout={max(rates)}: tree attention has no dropout (one "
+            "mask per shared token would not be the flat forward's distribution anyway). Load the model with "
+            "attention_dropout=0.0 (a from_pretrained / model_init_kwargs argument) to train on trees, or train "
+            "with tree_packing=False."
+        )
     return None
