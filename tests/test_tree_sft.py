@@ -196,3 +196,25 @@ def test_parent_signatures_are_pinned():
     assert list(inspect.signature(GRPOTrainer._calculate_rewards).parameters) == [
         "self", "inputs", "prompts", "completions", "completion_ids_list"
     ]  # fmt: skip
+
+
+def test_longrope_with_sharded_weights_on_several_processes_takes_trls_path(tiny, tmp_path, monkeypatch):
+    """A longrope model's batch packs into one forest per length class, so ranks could run different numbers of
+    forwards; with sharded weights (FSDP / DeepSpeed) on several processes each forward gathers on all ranks, so the
+    trainer takes TRL's path, with the reason. One process, or unsharded weights, keeps the trees."""
+    from helpers import tiny_config
+
+    _, tokenizer = tiny
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 64, "factor": 4.0,
+            "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}  # fmt: skip
+    config = tiny_config("llama", vocab_size=len(tokenizer), rope_parameters=rope, max_position_embeddings=256)
+    model = AutoModelForCausalLM.from_config(config)
+    dataset = Dataset.from_dict({"text": [SYSTEM + "a."] * 4})
+    args = TreeSFTConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", max_length=None)
+    trainer = TreeSFTTrainer(model, args, train_dataset=dataset, processing_class=tokenizer)
+    assert trainer.tree_packing  # one process
+    monkeypatch.setattr(type(trainer.accelerator), "num_processes", property(lambda self: 2))
+    trainer.is_fsdp_enabled, trainer._tree_ready = True, False
+    with pytest.warns(UserWarning, match="longrope RoPE splits a batch .*at 64 tokens.*Training on TRL's path"):
+        trainer._tree_setup()
+    assert not trainer.tree_packing

@@ -14,7 +14,7 @@ import os
 import warnings
 
 from ..attention import ATTN_IMPLEMENTATION
-from ..support import unwrap_model
+from ..support import rope_split_lengths, unwrap_model
 from .fused_head import TreeLMHead, fused_head_settings
 from .grpo_trainer import _loaded_model_error, _select_tree_attention, restore_stock_attention
 
@@ -60,8 +60,23 @@ class TreeHeadTrainerMixin:
         self._tree_ready = True
         args, reason = self.args, self._tree_reason
         models = [self.model, getattr(self, "ref_model", None)]
+        sharded = self.is_fsdp_enabled or self.is_deepspeed_enabled
         if args.tree_packing is not False and reason is None:
             reason = _loaded_model_error(*models) or self._tree_refusal()
+        split = rope_split_lengths(unwrap_model(self.model).config)
+        if (
+            args.tree_packing is not False
+            and reason is None
+            and split
+            and sharded
+            and self.accelerator.num_processes > 1
+        ):
+            # One forest per length class: ranks could run different numbers of forwards, each gathering weights.
+            lengths = " / ".join(map(str, split))
+            reason = (
+                f"the model's longrope RoPE splits a batch into one forest per length class (at {lengths} tokens), "
+                "and with sharded weights on several processes every rank must run the same number of forwards."
+            )
         if args.tree_packing is not False and reason is None:
             try:
                 for target in self._fused_head_models():
@@ -74,7 +89,6 @@ class TreeHeadTrainerMixin:
             restore_stock_attention(models, reason)
             warnings.warn(f"tree_packing='auto': {reason} Training on TRL's path instead.", stacklevel=3)
         self.tree_packing = args.tree_packing is not False and reason is None
-        sharded = self.is_fsdp_enabled or self.is_deepspeed_enabled
         if self.tree_packing and args.max_tokens_per_mb is not None and sharded and self.accelerator.num_processes > 1:
             raise ValueError(
                 f"max_tokens_per_mb={args.max_tokens_per_mb} with sharded weights (FSDP / DeepSpeed) on "
