@@ -9,7 +9,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 DOCS = ["README.md", "CHANGELOG.md", "benchmarks/results/README.md", *sorted(
-    str(path.relative_to(REPO)) for path in (REPO / "docs").glob("*.md"))]  # fmt: skip
+    str(path.relative_to(REPO)) for folder in ("docs", "tests/trl_suite") for path in (REPO / folder).glob("*.md")
+)]  # fmt: skip
 TOP_LEVEL = ("hf_tree_attn", "benchmarks", "docs", "tests", "trainers", "examples")
 
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")

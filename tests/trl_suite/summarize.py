@@ -1,6 +1,7 @@
 """The table of a run: each selected test's outcome with TRL's `GRPOTrainer` and with `TreeGRPOTrainer`.
 
-    python summarize.py WORK_DIR            counts, then every test whose outcomes differ or that did not pass
+    python summarize.py WORK_DIR            counts, then every test whose outcomes differ or that did not pass;
+                                            exit status 1 if a test passes with TRL's trainer and not with the tree
     python summarize.py WORK_DIR -v         ... plus the tree run's error for each test that passes only with TRL
     python summarize.py WORK_DIR --markdown the same as a Markdown table (what results.md holds)
     python summarize.py WORK_DIR --todo T   the selected tests that run and have no outcome yet with trainer T
@@ -133,13 +134,17 @@ def main() -> None:
     if "-v" in sys.argv:
         tree = load(work, "tree")
         for t, a, b in differing:
-            if a == "passed" and b == "failed":
+            if a == "passed" and b != "passed":
                 print("\n####", t)
                 print(tree[t].get("longrepr", "")[-2500:])
     extra, where = extra_warnings(work)
     print("\nWarnings / log records emitted with the tree trainer but not with TRL's in the same test:")
     for key, n in extra.most_common():
         print(f"  {n:3d} {key}\n        tests: {sorted(where[key])[:6]}")
+    regressions = [t for t, a, b in rows if a == "passed" and b != "passed"]
+    print(f"\nPassed with TRL's trainer, not with the tree trainer: {len(regressions)}")
+    if regressions:
+        sys.exit(1)
 
 
 if __name__ == "__main__":
