@@ -143,8 +143,10 @@ def test_layouts_the_tree_cannot_reproduce_run_trl_forward():
     assert "right-padded" in plan_fused_batch(**left, position_ids=None, labels=labels)
     skewed = dict(input_ids=torch.tensor([[5, 6, 7, 5, 6]]), position_ids=torch.tensor([[0, 1, 2, 1, 2]]))
     assert "position_ids" in plan_fused_batch(**skewed, attention_mask=None, labels=torch.tensor([[-100] * 5]))
-    no_share = plan_fused_batch(torch.tensor(seqs[:1] * 1), None, None, torch.tensor([[-100, 6, 7]]), None, (), 0.5)
+    no_share = plan_fused_batch(torch.tensor(seqs[:1]), None, None, torch.tensor([[-100, 6, 7]]), None, (), 0.5)
     assert no_share.startswith("ratio 1.000")
+    long = plan_fused_batch(torch.tensor([[5] * 200]), None, None, torch.tensor([[-100] + [5] * 199]), 128, (), 1.0)
+    assert long == "a sequence of 200 tokens is longer than max_tokens_per_mb=128"  # TRL's path, not a crash
 
     tree, flat = _twins(outputs=("log_probs",))
     head = TreeLMHead()

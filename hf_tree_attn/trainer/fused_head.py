@@ -174,6 +174,8 @@ def plan_fused_batch(
     entry_row, entry_col = np.nonzero(scored_labels != -100)
     if not real[entry_row, entry_col].all():
         return "a label follows a padding position (the flat forward scores a padding token's hidden state there)"
+    if max_tokens_per_mb is not None and lengths.max() > max_tokens_per_mb:
+        return f"a sequence of {int(lengths.max())} tokens is longer than max_tokens_per_mb={max_tokens_per_mb}"
     forests = pack_forest(sequences, max_tokens_per_mb=max_tokens_per_mb, split_lengths=split_lengths)
     tree_tokens = sum(f.num_tree_tokens for f in forests)
     if tree_tokens > max_token_ratio * ids.size:
@@ -286,18 +288,19 @@ class TreeLMHead:
         mask, pos = kwargs.get("attention_mask"), kwargs.get("position_ids")
         if mask is not None and mask.ndim != 2:
             return "the attention_mask is not a 2-D padding mask"
-        tensors = [t for t in (input_ids, mask, pos, labels) if t is not None]
+        config = unwrap_model(model).config
+        split, limit = rope_split_lengths(config), rope_length_limit(config)
+        tensors = {"ids": input_ids, "mask": mask, "pos": pos, "labels": labels}
         digest = hashlib.blake2b(digest_size=16)
-        for t in tensors:
-            digest.update(repr((tuple(t.shape), str(t.dtype))).encode())
+        digest.update(repr((split, limit)).encode())  # a DPO reference with another RoPE plans its own batches
+        for slot, t in tensors.items():
+            if t is None:
+                continue
+            digest.update(repr((slot, tuple(t.shape), str(t.dtype))).encode())
             digest.update(t.detach().cpu().numpy().tobytes())
         key = digest.hexdigest()
         if key not in self._plans:
-            config = unwrap_model(model).config
-            limit = rope_length_limit(config)
-            plan = plan_fused_batch(
-                input_ids, mask, pos, labels, self.max_tokens_per_mb, rope_split_lengths(config), self.max_token_ratio
-            )
+            plan = plan_fused_batch(input_ids, mask, pos, labels, self.max_tokens_per_mb, split, self.max_token_ratio)
             if isinstance(plan, FusedPlan) and limit is not None and max(f.max_depth for f in plan.forests) >= limit:
                 plan = f"a sequence is longer than the {limit} tokens this model's dynamic RoPE keeps exact"
             self._plans[key] = plan
