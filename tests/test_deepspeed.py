@@ -45,8 +45,9 @@ RANK_SEQUENCES = [
 # log-probs came out bit-identical). Two things are float32, whatever the model's dtype: the log-probability tables and
 # the losses (TRL's, and the tree head's, `.float()`), and ZeRO's master copy of the weights and of their gradients.
 EPS32 = torch.finfo(torch.float32).eps
-# float64 log-probs and entropies of ~|4|, through sums of ~100 terms: 100 * 2.2e-16 * 4, rounded up.
-LOGPS_ATOL = 1e-10
+# Log-probs and entropies (|x| < 8) come from float64 forwards that agree to ~1e-15, into float32 tables: a value on
+# a rounding boundary may land one float32 step apart, 8 * EPS32 at most; a wrong term costs far more.
+LOGPS_ATOL = 8 * EPS32
 # Gradients through ZeRO's float32 buffers: one float32 rounding of each entry and of the cross-rank mean, relative to
 # the largest entry (seen: 8.5e-8 of it).
 GRAD_RTOL = 8 * EPS32

@@ -100,8 +100,11 @@ class _TreeConstruction:
         return self
 
     def __exit__(self, *exc):
-        self._reveal()
-        return self._names.__exit__(*exc)
+        try:
+            self._reveal()
+        finally:  # TRL's module names come back even if a restore fails
+            self._names.__exit__(*exc)
+        return False
 
     def load(self, model_id: str, **kwargs):
         config = AutoConfig.from_pretrained(

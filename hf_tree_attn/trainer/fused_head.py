@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
-import logging
 import types
 import warnings
 from collections import OrderedDict
@@ -41,12 +40,10 @@ from ..tree import PackedForest, pack_forest
 
 __all__ = ["FusedPlan", "TreeLMHead", "fused_head_settings", "plan_fused_batch"]
 
-logger = logging.getLogger(__name__)
 
 # What `add_fused_lm_head` fixes when it installs its forward, read back from that forward's closure so the tree
 # scores with TRL's exact settings (`test_fused_head_settings_are_readable` pins the names).
 _SETTINGS = ("outputs", "temperature", "cast_lm_head_to_fp32", "final_logit_softcapping", "logit_scale")
-_CHUNK_SIZE = 32768  # vocab tile, as TRL's fused head (`_CHUNKED_LOGPROB_CHUNK_SIZE`)
 _OUTPUT_NAMES = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 # Keys of TRL's batches that describe the flat layout only: the forest replaces them.
 _LAYOUT_KEYS = frozenset(
@@ -311,7 +308,7 @@ class TreeLMHead:
     def _forward(self, model, plan: FusedPlan, settings: dict, labels, num_items_in_batch, kwargs: dict):
         """Backbone once per forest, TRL's kernel once per distinct pair; TRL's output layout."""
         from trl.kernels import ChunkedLogProbFunction
-        from trl.trainer.utils import FusedCausalLMOutput, maybe_gather_lm_head_ctx
+        from trl.trainer.utils import _CHUNKED_LOGPROB_CHUNK_SIZE, FusedCausalLMOutput, maybe_gather_lm_head_ctx
 
         text_config = model.config.get_text_config()
         router = bool(kwargs.get("output_router_logits", getattr(text_config, "output_router_logits", False)))
@@ -340,7 +337,7 @@ class TreeLMHead:
                         bias,
                         targets.to(weight.device),
                         settings["temperature"],
-                        _CHUNK_SIZE,
+                        _CHUNKED_LOGPROB_CHUNK_SIZE,  # TRL's vocab tile
                         settings["final_logit_softcapping"],
                         settings["logit_scale"],
                         outputs,

@@ -39,7 +39,6 @@ class _FreshQueue(queue.Queue):
         sample = super().get(block, timeout)
         if self._worker.cycle:
             self.put_nowait(sample)
-        self._worker.replayed += 1
         return dataclasses.replace(sample, model_version=self._worker.model_version, enqueued_at=time.time())
 
 
@@ -58,7 +57,6 @@ class ReplayRolloutWorker:
         self.samples = list(samples)
         self.cycle = cycle
         self.model_version = 0
-        self.replayed = 0
         self.rollout_buffer = _FreshQueue(self)
         self.metrics_queue: queue.Queue = queue.Queue()
 
