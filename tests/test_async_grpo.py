@@ -374,3 +374,17 @@ def test_two_ranks_same_as_trl(tmp_path):
 
 if __name__ == "__main__":
     _run_rank()
+
+
+@pytest.mark.parametrize("field", ["completion_mask", "old_log_probs"])
+def test_a_sample_with_short_per_token_fields_is_refused(field):
+    """A rollout whose completion mask or generator log-probs are shorter than its tokens would train only part of
+    its completion (TRL's packing raises an IndexError only on a longer one): refused, naming the sample."""
+    from hf_tree_attn.trainer.rollout_forest import _pack_row
+
+    sample = dict(input_ids=[1, 2, 3, 4], completion_mask=[0, 0, 1, 1], old_log_probs=[0.0, 0.0, -1.0, -2.0],
+                  advantage=1.0, group_id=7)  # fmt: skip
+    _pack_row([sample, dict(sample)])  # well formed
+    short = dict(sample, **{field: sample[field][:3]})
+    with pytest.raises(ValueError, match=rf"sample 1 of this row \(group 7\).*'{field}': 3"):
+        _pack_row([sample, short])

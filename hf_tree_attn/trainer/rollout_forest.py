@@ -81,6 +81,12 @@ def _pack_row(samples: list[dict[str, Any]]) -> tuple[PackedForest, dict[str, to
     (forest,) = forests
     token_index, old_log_probs, advantages, segment_id = [], [], [], []
     for k, sample in enumerate(samples):
+        lengths = {key: len(sample[key]) for key in ("input_ids", "completion_mask", "old_log_probs")}
+        if len(set(lengths.values())) != 1:  # TRL's own packing raises an IndexError on a longer one only
+            raise ValueError(
+                f"Rollout sample {k} of this row (group {sample.get('group_id')}) has per-token fields of different "
+                f"lengths {lengths}: completion_mask and old_log_probs need one entry per token of input_ids."
+            )
         # TRL scores position p >= 1 of a sample where its completion mask is 1, with the generator's log-prob
         # old_log_probs[p]; here position p of sample k lives at forest row positions(k)[p].
         scored = np.flatnonzero(np.asarray(sample["completion_mask"])[1:]) + 1
