@@ -598,6 +598,8 @@ class TreeGRPOTrainer(GRPOTrainer):
         count, keep = recompute_plan(self, [mb.forest for mb, *_ in packed], flat_tokens)
         if count is not None and self._lockstep():  # the same layers recompute on every rank: the most any needs
             count = int(self.accelerator.gather(torch.tensor([count], device=self.accelerator.device)).max())
+            layers = self.accelerator.unwrap_model(self.model).config.get_text_config().num_hidden_layers
+            self._metrics["train"]["tree_checkpointed_layers"][-1] = count / layers  # what ran, not this rank's plan
         return count, keep
 
 
