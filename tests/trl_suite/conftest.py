@@ -133,6 +133,10 @@ def _emit(rec):
 
 class _Recorder(logging.Handler):
     def emit(self, record):
+        # Attached to the root and to library loggers: a record that propagates reaches it twice, recorded once.
+        if getattr(record, "_trl_peer_recorded", False):
+            return
+        record._trl_peer_recorded = True
         if record.levelno >= logging.WARNING:
             try:
                 msg = record.getMessage()
