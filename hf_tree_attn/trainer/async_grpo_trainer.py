@@ -107,9 +107,9 @@ class _TreeConstruction:
         return False
 
     def load(self, model_id: str, **kwargs):
-        config = AutoConfig.from_pretrained(
-            model_id, revision=kwargs.get("revision"), trust_remote_code=kwargs.get("trust_remote_code", False)
-        )
+        # Read with the loader's own options (a gated, private, offline or sub-folder checkpoint), before any weight.
+        options = ("revision", "trust_remote_code", "token", "cache_dir", "subfolder", "local_files_only")
+        config = AutoConfig.from_pretrained(model_id, **{key: kwargs[key] for key in options if key in kwargs})
         reason = config_support_error(config)  # before reading any weights
         if reason is None and rope_split_lengths(config):
             limit = " / ".join(str(n) for n in rope_split_lengths(config))
