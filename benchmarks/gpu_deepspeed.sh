@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# DeepSpeed ZeRO-2 / ZeRO-3 on one GPU, unattended (about 5 minutes on an H200):
+# DeepSpeed ZeRO-2 / ZeRO-3 on one GPU, unattended (at most ~9 minutes: the tests' 330 s and the main job's 180 s):
 #   1. tests/test_gpu_deepspeed.py: TreeGRPOTrainer against trl.GRPOTrainer under each ZeRO stage in bf16, full
 #      fine-tuning and LoRA, 4 optimizer steps each, measured against TRL's float32 run (one `accelerate launch`
 #      per stage with trainers/configs/deepspeed_zero{2,3}.yaml, --num_processes 1);
@@ -38,17 +38,23 @@ for m in (transformers, trl, peft, accelerate, deepspeed): print(m.__name__, m._
 echo "=== tests/test_gpu_deepspeed.py"
 timeout 330 python3 -m pytest -q -m gpu -p no:cacheprovider -rA tests/test_gpu_deepspeed.py 2>&1 \
   | tee "$OUT/gpu_deepspeed_tests.log" | tail -15
+tests_status=${PIPESTATUS[0]}
 
 echo "=== main job under ZeRO-3"
 rm -rf /tmp/ds_main_job
-{
+(  # a subshell: its exit status is the main job's
   cat "$OUT/versions.txt"
   echo "+ accelerate launch --config_file trainers/configs/deepspeed_zero3.yaml --num_processes 1 trainers/grpo_tree.py" \
     "--max_steps 20 --logging_steps 5 --output_dir /tmp/ds_main_job"
   timeout 180 python3 -m accelerate.commands.launch --config_file trainers/configs/deepspeed_zero3.yaml \
     --num_processes 1 trainers/grpo_tree.py --max_steps 20 --logging_steps 5 --output_dir /tmp/ds_main_job
-  echo "exit status $?"
-} > "$OUT/main_job_zero3.log" 2>&1
+  main_status=$?
+  echo "exit status $main_status"
+  exit "$main_status"
+) > "$OUT/main_job_zero3.log" 2>&1
+main_status=$?
 grep -v -i warn "$OUT/main_job_zero3.log" | grep -E "'loss'|saved|exit status|Error" | cut -c1-300
 cp /tmp/ds_main_job/trainer_state.json "$OUT/main_job_zero3_trainer_state.json" 2>/dev/null
 ls -la "$OUT"
+echo "tests: exit status $tests_status; main job: exit status $main_status"
+[ "$tests_status" = 0 ] && [ "$main_status" = 0 ]
