@@ -7,6 +7,10 @@
 #   bash benchmarks/gpu_async.sh            (repository root, .whl/async carried; results and logs under $OUT)
 #   SKIP="async-qwen3.5 tests" bash benchmarks/gpu_async.sh     leaves those steps out
 #
+# The limits were sized when bench_async_grpo.py ran 1 warm-up and 2 measured steps per side; it now runs 2 and 4
+# (FlexAttention compiles again at the second row length), so a step may keep only its first rows: SKIP the others
+# to give the one wanted room.
+#
 # The H200 image has no trl or datasets. TRL 1.16's async trainer imports trl (pandas, pyarrow, jinja2, requests,
 # pyyaml, psutil: all on the image) and datasets (dill, multiprocess, xxhash, fsspec, pyarrow: the first two are
 # not), so four pure-Python wheels travel in .whl/async (1.8 MB, git-ignored), filled with
