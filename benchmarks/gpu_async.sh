@@ -7,7 +7,7 @@
 #   bash benchmarks/gpu_async.sh            (repository root, .whl/async carried; results and logs under $OUT)
 #   SKIP="async-qwen3.5 tests" bash benchmarks/gpu_async.sh     leaves those steps out
 #
-# The limits were sized when bench_async_grpo.py ran 1 warm-up and 2 measured steps per side; it now runs 2 and 4
+# The limits were sized for 1 warm-up and 2 measured steps per side; bench_async_grpo.py runs 2 and 4 by default
 # (FlexAttention compiles again at the second row length), so a step may keep only its first rows: SKIP the others
 # to give the one wanted room.
 #
