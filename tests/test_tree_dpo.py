@@ -9,7 +9,9 @@ tests.
 
 from __future__ import annotations
 
+import logging
 import math
+import re
 
 import pytest
 import torch
@@ -172,14 +174,17 @@ def test_lora_run_equals_trl(tiny, tmp_path):
     _assert_same_run(tree, flat)
 
 
-def test_precomputed_reference_equals_trl(tiny, tmp_path):
-    """TRL's precompute (inside its `__init__`) runs on trees; the oracle is TRL's reference forward, uncached."""
-    tree = _trainer(TreeDPOTrainer, tiny, tmp_path, rows=8, precompute_ref_log_probs=True)
+def test_precomputed_reference_equals_trl(tiny, tmp_path, caplog):
+    """TRL's precompute (inside its `__init__`) runs on trees, said in one INFO record, its tree metrics kept out of
+    the logged averages; the oracle is TRL's reference forward, uncached."""
+    with caplog.at_level(logging.INFO, logger="hf_tree_attn.trainer.dpo_trainer"):
+        tree = _trainer(TreeDPOTrainer, tiny, tmp_path, rows=8, precompute_ref_log_probs=True)
     flat = _trainer(DPOTrainer, tiny, tmp_path, rows=8)
     batch = flat.data_collator([flat.train_dataset[i] for i in range(8)])
     want = flat.compute_ref_log_probs(flat.ref_model, batch)
     for column, expected in zip(("ref_chosen_logps", "ref_rejected_logps"), want):
         got = torch.tensor(tree.train_dataset[column])
         torch.testing.assert_close(got, expected, atol=TOLERANCES["logps_atol"], rtol=0)
-    fallbacks = [v for mode in ("train", "eval") for v in tree._metrics[mode].get("tree_fallback", [])]
-    assert fallbacks and set(fallbacks) == {0.0}  # the precompute's forwards ran on trees
+    said = [r.getMessage() for r in caplog.records if "precomputed" in r.getMessage()]
+    assert said and all(re.search(r": (\d+) of \1 batches on trees", m) for m in said), said
+    assert not any(k.startswith("tree_") and v for m in tree._metrics.values() for k, v in m.items())

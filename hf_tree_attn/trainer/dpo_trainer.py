@@ -14,6 +14,8 @@ and every metric are TRL's own code on them; none is refused.
 
 from __future__ import annotations
 
+import logging
+
 from trl import DPOTrainer
 
 from .dpo_config import TreeDPOConfig
@@ -21,6 +23,8 @@ from .grpo_trainer import _select_tree_attention
 from .head_trainer import TreeHeadTrainerMixin
 
 __all__ = ["TreeDPOTrainer"]
+
+logger = logging.getLogger(__name__)
 
 
 class TreeDPOTrainer(TreeHeadTrainerMixin, DPOTrainer):
@@ -47,6 +51,23 @@ class TreeDPOTrainer(TreeHeadTrainerMixin, DPOTrainer):
         self._tree_setup()
 
     def _precompute_ref_logps(self, dataset, name, batch_size):
-        """TRL's precompute of the reference log-probabilities (inside TRL's `__init__`), on trees too."""
+        """TRL's precompute of the reference log-probabilities (inside TRL's `__init__`), on trees too.
+
+        Its forwards' tree metrics are taken out of the logged ones (they would weigh into the first log's
+        averages) and summed up in one INFO log record instead."""
         self._tree_setup()
-        return super()._precompute_ref_logps(dataset, name, batch_size)
+        before = {mode: {key: len(values) for key, values in m.items()} for mode, m in self._metrics.items()}
+        try:
+            return super()._precompute_ref_logps(dataset, name, batch_size)
+        finally:
+            fallbacks = []
+            for mode, metrics in self._metrics.items():
+                for key in [k for k in metrics if k.startswith("tree_")]:
+                    start = before.get(mode, {}).get(key, 0)
+                    if key == "tree_fallback":
+                        fallbacks += metrics[key][start:]
+                    del metrics[key][start:]
+            logger.info(
+                "Reference log-probabilities of %s precomputed: %d of %d batches on trees.",
+                name, fallbacks.count(0.0), len(fallbacks),
+            )  # fmt: skip
