@@ -485,14 +485,10 @@ def tree_support_error(model: torch.nn.Module) -> str | None:
         )
     return (
         config_support_error(model.config, family)
-        or _peft_error(model)
+        or peft_config_error(getattr(model, "active_peft_config", None))  # a PeftModel's adapter in use
         or _state_layer_error(model)
         or _lm_head_error(model)
     )
-
-
-def _peft_error(model: torch.nn.Module) -> str | None:
-    return peft_config_error(getattr(model, "active_peft_config", None))  # a PeftModel's adapter in use
 
 
 def peft_config_error(config) -> str | None:

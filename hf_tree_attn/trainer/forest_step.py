@@ -32,8 +32,9 @@ logger = logging.getLogger(__name__)
 
 
 @functools.cache
-def _log_once(level: int, message: str) -> None:
-    logger.log(level, message)
+def _log_once(level: int, message: str, name: str = __name__) -> None:
+    """Log `message` at `level` on the logger `name`, once per process."""
+    logging.getLogger(name).log(level, message)
 
 
 def recompute_plan(

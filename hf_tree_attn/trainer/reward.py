@@ -20,7 +20,6 @@ whose chosen token is padding, extra inputs, or too little sharing (`max_token_r
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import types
 from collections.abc import Callable, Sequence
@@ -39,10 +38,10 @@ from ..support import (
     unwrap_model,
 )
 from ..tree import pack_forest
+from .forest_step import _log_once
 
 __all__ = ["reward_model_error", "score_on_forests", "tree_reward_models"]
 
-logger = logging.getLogger(__name__)
 
 _SWITCHABLE_ATTN = (None, "sdpa", "eager", ATTN_IMPLEMENTATION)
 
@@ -164,7 +163,7 @@ def tree_reward_models(
             model = unwrap_model(func)
             reason = reward_model_error(model)
             if reason is not None:
-                _log_once(f"Reward model {type(model).__name__}: {reason}")
+                _log_once(logging.WARNING, f"Reward model {type(model).__name__}: {reason}", __name__)
                 continue
             impl = model.config._attn_implementation
             if impl != ATTN_IMPLEMENTATION:
@@ -200,13 +199,8 @@ def _tree_forward(stock_forward, max_tokens_per_mb, max_token_ratio, record):
         if not np.isnan(ratio):
             record("reward_tree_compute_ratio", ratio)
         if logits is None:
-            _log_once(f"A reward-model batch scores flat: {reason}.", logging.INFO)
+            _log_once(logging.INFO, f"A reward-model batch scores flat: {reason}.", __name__)
             return stock_forward(input_ids, attention_mask, *args, **kwargs)
         return SequenceClassifierOutputWithPast(logits=logits)
 
     return forward
-
-
-@functools.cache
-def _log_once(message: str, level: int = logging.WARNING) -> None:
-    logger.log(level, message)
