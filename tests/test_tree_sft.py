@@ -220,3 +220,20 @@ def test_longrope_with_sharded_weights_on_several_processes_takes_trls_path(tiny
     with pytest.warns(UserWarning, match="longrope RoPE splits a batch .*at 64 tokens.*Training on TRL's path"):
         trainer._tree_setup()
     assert not trainer.tree_packing
+
+
+@pytest.mark.parametrize("weights", [torch.float32, torch.bfloat16], ids=["fp32-weights", "bf16-weights"])
+def test_mixed_precision_loss_as_close_as_trls(tiny, tmp_path, weights):
+    """TRL's `bf16=True` (autocast) with fp32 or bf16 weights: the tree's first-step loss is as close to the float32
+    run's as TRL's own under the same precision, within twice its error plus one bf16 rounding."""
+    dataset = Dataset.from_dict({"messages": _conversations(16)})
+    common = dict(assistant_only_loss=True, max_steps=1)
+    _, (reference, *_), _ = _run(SFTTrainer, tiny, tmp_path / "fp32", dataset, **common)
+    mixed = dict(common, bf16=True, model_init_kwargs={"dtype": weights})
+    tree, (tree_log, *_), _ = _run(TreeSFTTrainer, tiny, tmp_path, dataset, **mixed)
+    _, (flat_log, *_), _ = _run(SFTTrainer, tiny, tmp_path, dataset, **mixed)
+    assert tree.tree_packing and tree_log["tree_fallback"] == 0.0
+    u = torch.finfo(torch.bfloat16).eps / 2
+    tree_error, flat_error = abs(tree_log["loss"] - reference["loss"]), abs(flat_log["loss"] - reference["loss"])
+    assert flat_error > 0  # the precision did change TRL's numbers
+    assert tree_error <= 2 * flat_error + u * abs(reference["loss"]), (tree_error, flat_error)
