@@ -188,4 +188,3 @@ def test_precomputed_reference_equals_trl(tiny, tmp_path, caplog):
     said = [r.getMessage() for r in caplog.records if "precomputed" in r.getMessage()]
     assert said and all(re.search(r": (\d+) of \1 batches on trees", m) for m in said), said
     assert not any(k.startswith("tree_") and v for m in tree._metrics.values() for k, v in m.items())
-
