@@ -138,6 +138,35 @@ class StepClock(TrainerCallback):
         return [b - a for a, b in zip(self.ends[self.warmup - 1 : -1], self.ends[self.warmup :])]
 
 
+class ProfileStep(TrainerCallback):
+    """One optimizer step (`step`, counted from 0) under the torch profiler, after the timed ones: where its time
+    goes (`profile_step.summarize`)."""
+
+    def __init__(self, step: int):
+        self.step, self.summary, self._prof = step, None, None
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            from torch.profiler import ProfilerActivity, profile
+
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self._prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+            self._prof.__enter__()
+            self._t0 = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self._prof is not None and self.summary is None:
+            from profile_step import summarize
+
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            wall = time.perf_counter() - self._t0
+            self._prof.__exit__(None, None, None)
+            self.summary = summarize(self._prof, wall, top=12)
+            self._prof = None
+
+
 class RowLog:
     """The planner rows each collator call packed, in order (one call per micro-batch; the dispatcher fetches one
     ahead), recorded on both sides' collator classes."""
@@ -185,25 +214,28 @@ def run_side(side: str, path: str, samples: list, tokenizer, args, out_dir: Path
         AsyncGRPOConfig, AsyncGRPOTrainer)  # fmt: skip
     cuda = torch.cuda.is_available()
     extra = {"tree_activation_budget_gib": args.activation_budget_gib} if side == "tree_budget" else {}
+    profiled = args.profile
     options = dict(**extra,
-        output_dir=str(out_dir / trainer_class.__name__), max_steps=args.warmup + args.steps, dtype=args.dtype,
+        output_dir=str(out_dir / trainer_class.__name__), dtype=args.dtype,
+        max_steps=args.warmup + args.steps + (1 if profiled else 0),
         token_budget=args.token_budget, logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True,
         use_cpu=not cuda, bf16=cuda, seed=0,
     )  # fmt: skip
     clock = StepClock(args.warmup)
+    callbacks = [clock, *([ProfileStep(args.warmup + args.steps)] if profiled else [])]
     kernel = flash_varlen_attention if cuda else varlen_attention
     with warnings.catch_warnings(), use_kernel(kernel), RowLog() as rows:
         warnings.simplefilter("ignore")
         trainer = trainer_class(
             path, args=config_class(**options), train_dataset=Dataset.from_dict({"prompt": ["unused"] * 8}),
-            processing_class=tokenizer, callbacks=[clock], rollout_worker=ReplayRolloutWorker(samples, cycle=True),
+            processing_class=tokenizer, callbacks=callbacks, rollout_worker=ReplayRolloutWorker(samples, cycle=True),
             weight_transfer=NoWeightTransfer(),
         )  # fmt: skip
         trainer.train()
     config = trainer.accelerator.unwrap_model(trainer.model).config
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
-    times = clock.step_times()
-    measured = logs[args.warmup :]
+    times = clock.step_times()[: args.steps]  # the profiled step, if any, is not timed
+    measured = logs[args.warmup : args.warmup + args.steps]
     accumulation = trainer.args.gradient_accumulation_steps
     flops = [
         step_flops(config, [s for call in rows.calls[k * accumulation : (k + 1) * accumulation] for s in call])
@@ -225,7 +257,12 @@ def run_side(side: str, path: str, samples: list, tokenizer, args, out_dir: Path
         "loss": [entry["loss"] for entry in measured],
         "tree_checkpointed_layers": _mean(measured, "tree_checkpointed_layers"),
         "tree_kept_attention": _mean(measured, "tree_kept_attention"),
+        "profile": callbacks[-1].summary if profiled else None,
     }
+    if profiled and result["profile"]:
+        prof = result["profile"]
+        kinds = ", ".join(f"{k} {v['s']:.3f}" for k, v in prof["by_kind"].items())
+        print(f"  {side} profiled step: {prof['wall_profiled_s']:.3f} s, GPU busy {100 * prof['busy']:.0f}%: {kinds}")
     trainer.accelerator.free_memory()
     del trainer
     gc.collect()
@@ -274,6 +311,12 @@ def main():
         default=2,
         help="optimizer steps before the measured ones: FlexAttention compiles for the first row length and again, "
         "length-generic, at the second",
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="one more step per side under the torch profiler, after the timed ones: its kernel time by "
+        "kind, the top kernels and host ops, under the side's `profile`",
     )
     parser.add_argument("--scale", type=float, default=1.0, help="scale every length (CPU smoke runs)")
     parser.add_argument("--dtype", default="bfloat16", help="model weights (AsyncGRPOConfig.dtype)")

@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
-# The GPU job of the asynchronous GRPO trainer, unattended on one H200 in about 8 minutes (9 at most: the limits
-# below): the GPU tests of TreeAsyncGRPOTrainer, then the through-train() benchmarks side by side with TRL's own
-# trainers, most wanted first. Each step has its own time limit and writes its JSON row by row, so a step that runs
-# out of time keeps the rows it finished.
+# The GPU job of the asynchronous GRPO trainer, unattended on one H200 in at most 9.5 minutes (the limits below): the
+# GPU tests of TreeAsyncGRPOTrainer, then the through-train() benchmarks side by side with TRL's own trainers, most
+# wanted first, each side with one more step under the torch profiler (--profile: where the step's time goes). Each
+# step has its own time limit and writes its JSON row by row, so a step that runs out of time keeps the rows it
+# finished.
 #
 #   bash benchmarks/gpu_async.sh            (repository root, .whl/async carried; results and logs under $OUT)
 #   SKIP="async-qwen3.5 tests" bash benchmarks/gpu_async.sh     leaves those steps out
 #
-# The limits were sized for 1 warm-up and 2 measured steps per side; bench_async_grpo.py runs 2 and 4 by default
-# (FlexAttention compiles again at the second row length), so a step may keep only its first rows: SKIP the others
-# to give the one wanted room.
+# The limits are sized for bench_async_grpo.py's defaults (2 warm-up and 4 measured steps per side: FlexAttention
+# compiles again at the second row length) plus the profiled step; the steps after the first four do not fit in one
+# call with them: SKIP those four to run the others.
 #
 # The H200 image has no trl or datasets. TRL 1.16's async trainer imports trl (pandas, pyarrow, jinja2, requests,
 # pyyaml, psutil: all on the image) and datasets (dill, multiprocess, xxhash, fsspec, pyarrow: the first two are
@@ -44,15 +45,19 @@ step() {  # step <seconds> <name> <command...>: run with a limit, log it, print 
   echo "=== $name: rc ${PIPESTATUS[0]}, $((SECONDS - start)) s" | tee -a "$LOG"
 }
 
-step 120 tests python3 -m pytest -q -rf -m gpu -p no:cacheprovider tests/test_gpu_async_grpo.py
-step 140 async-qwen3-1.7b python3 benchmarks/bench_async_grpo.py --models qwen3-1.7b \
-  --workloads grpo_mixed tau2_like --out "$OUT/async_grpo_h200_qwen3-1.7b.json"
-step 100 async-qwen3-8b python3 benchmarks/bench_async_grpo.py --models qwen3-8b --workloads grpo_mixed \
-  --out "$OUT/async_grpo_h200_qwen3-8b.json"
+step 100 tests python3 -m pytest -q -rf -m gpu -p no:cacheprovider tests/test_gpu_async_grpo.py
+step 200 async-qwen3-1.7b python3 benchmarks/bench_async_grpo.py --models qwen3-1.7b \
+  --workloads grpo_mixed tau2_like --profile --out "$OUT/async_grpo_h200_qwen3-1.7b.json"
+# the tree side again with FlexAttention alone (the shared-prefix kernels off): what each attention path costs
+HF_TREE_ATTN_PREFIX_ATTENTION=never step 75 async-qwen3-1.7b-flex python3 benchmarks/bench_async_grpo.py \
+  --models qwen3-1.7b --workloads grpo_mixed --sides tree --profile \
+  --out "$OUT/async_grpo_h200_qwen3-1.7b_flex_only.json"
+step 140 async-qwen3-8b python3 benchmarks/bench_async_grpo.py --models qwen3-8b --workloads grpo_mixed \
+  --profile --out "$OUT/async_grpo_h200_qwen3-8b.json"
 step 80 sync-qwen3-1.7b python3 benchmarks/bench_sync_grpo.py --models qwen3-1.7b \
   --workloads grpo_P4096_C512 grpo_mixed --out "$OUT/sync_grpo_h200_qwen3-1.7b.json"
-step 60 async-qwen3.5 python3 benchmarks/bench_async_grpo.py --models qwen3.5-0.8b qwen3.5-2b \
+step 90 async-qwen3.5 python3 benchmarks/bench_async_grpo.py --models qwen3.5-0.8b qwen3.5-2b \
   --workloads grpo_mixed --token-budget 16384 --out "$OUT/async_grpo_h200_qwen3.5.json"
-step 40 async-qwen3-1.7b-budget python3 benchmarks/bench_async_grpo.py --models qwen3-1.7b --workloads grpo_mixed \
+step 60 async-qwen3-1.7b-budget python3 benchmarks/bench_async_grpo.py --models qwen3-1.7b --workloads grpo_mixed \
   --sides tree_budget --activation-budget-gib 60 --out "$OUT/async_grpo_h200_qwen3-1.7b_budget.json"
 echo "=== total $SECONDS s" | tee -a "$LOG"

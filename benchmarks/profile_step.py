@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import re
 import time
 
@@ -65,6 +66,34 @@ def busy_time(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+def summarize(prof, wall: float, top: int = 20) -> dict:
+    """A profiled step's CUDA kernels: `busy` (share of `wall` with a kernel running), `kernel_s`, time `by_kind`
+    (`KINDS`), the `top_kernels` by time and the `top_host_ops` by self CPU time (the host's share of the step)."""
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        by_name.setdefault(e.name, []).append(e.time_range.elapsed_us() / 1e6)
+    by_kind: dict[str, float] = {}
+    for name, times in by_name.items():
+        by_kind[kind_of(name)] = by_kind.get(kind_of(name), 0.0) + sum(times)
+    kernel_s = sum(by_kind.values()) or math.nan
+    busy = busy_time([(e.time_range.start / 1e6, e.time_range.end / 1e6) for e in kernels])
+    host = sorted(prof.key_averages(), key=lambda a: -a.self_cpu_time_total)[:top]
+    return {
+        "wall_profiled_s": wall,
+        "busy": busy / wall,
+        "kernel_s": kernel_s,
+        "by_kind": {k: {"s": v, "share": v / kernel_s} for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
+        "top_kernels": [
+            {"name": n[:160], "kind": kind_of(n), "calls": len(t), "s": sum(t), "share": sum(t) / kernel_s}
+            for n, t in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
+        ],
+        "top_host_ops": [
+            {"name": a.key[:120], "calls": a.count, "self_cpu_s": a.self_cpu_time_total / 1e6} for a in host
+        ],
+    }
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen3-1.7b")
@@ -104,15 +133,7 @@ def main():
         step()
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    by_name: dict[str, list[float]] = {}
-    for e in kernels:
-        by_name.setdefault(e.name, []).append(e.time_range.elapsed_us() / 1e6)
-    by_kind: dict[str, float] = {}
-    for name, times in by_name.items():
-        by_kind[kind_of(name)] = by_kind.get(kind_of(name), 0.0) + sum(times)
-    kernel_s = sum(by_kind.values())
-    busy = busy_time([(e.time_range.start / 1e6, e.time_range.end / 1e6) for e in kernels])
+    kernel_summary = summarize(prof, wall, args.top)
     flops = hf_tree_attn.estimate_flops(model.config, wl.sequences, prompt_lengths=wl.prompt_lengths)
     timing = {"micro_batches": 1}
     result = {
@@ -131,15 +152,8 @@ def main():
         },
         "compiled_graphs": int(torch._dynamo.utils.counters["stats"]["unique_graphs"]),
         "wall_s": wall_unprofiled,
-        "wall_profiled_s": wall,
-        "busy": busy / wall,
         "mfu": model_flops(args.method, timing, flops) / wall_unprofiled / PEAK_FLOPS,
-        "kernel_s": kernel_s,
-        "by_kind": {k: {"s": v, "share": v / kernel_s} for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
-        "top_kernels": [
-            {"name": n[:160], "kind": kind_of(n), "calls": len(t), "s": sum(t), "share": sum(t) / kernel_s}
-            for n, t in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[: args.top]
-        ],
+        **kernel_summary,
     }
     print(f"{args.model} {wl.name} {args.method} liger={args.liger} compile={args.compile_layers} "
           f"ckpt={args.checkpointing}: wall {wall_unprofiled:.3f} s, mfu {100 * result['mfu']:.1f}%, "
