@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The GPU job of the asynchronous GRPO trainer, unattended on one H200 in at most 9.5 minutes (the limits below): the
-# GPU tests of TreeAsyncGRPOTrainer, then the through-train() benchmarks side by side with TRL's own trainers, most
-# wanted first, each side with one more step under the torch profiler (--profile: where the step's time goes). Each
+# The GPU job of the asynchronous GRPO trainer, unattended on one H200 (the limits below; SKIP some to fit one call):
+# the shared-prefix kernels on new shapes, the GPU tests of TreeAsyncGRPOTrainer, then the through-train()
+# benchmarks side by side with TRL's own trainers, most wanted first, each side with one more step under the torch profiler (--profile: where the step's time goes). Each
 # step has its own time limit and writes its JSON row by row, so a step that runs out of time keeps the rows it
 # finished.
 #
@@ -45,6 +45,11 @@ step() {  # step <seconds> <name> <command...>: run with a limit, log it, print 
   echo "=== $name: rc ${PIPESTATUS[0]}, $((SECONDS - start)) s" | tee -a "$LOG"
 }
 
+# what a forest of new shapes costs the shared-prefix kernels (cuDNN graphs) and FlexAttention, and the CUDA rule
+step 60 prefix-new-shapes python3 benchmarks/prefix_attention_new_shapes.py \
+  --out "$OUT/prefix_attention_new_shapes_h200.json"
+step 60 prefix-rule python3 -m pytest -q -rf -m gpu -p no:cacheprovider tests/test_prefix_attention.py \
+  -k kernels_only_where
 step 100 tests python3 -m pytest -q -rf -m gpu -p no:cacheprovider tests/test_gpu_async_grpo.py
 step 200 async-qwen3-1.7b python3 benchmarks/bench_async_grpo.py --models qwen3-1.7b \
   --workloads grpo_mixed tau2_like --profile --out "$OUT/async_grpo_h200_qwen3-1.7b.json"
@@ -52,7 +57,7 @@ step 200 async-qwen3-1.7b python3 benchmarks/bench_async_grpo.py --models qwen3-
 HF_TREE_ATTN_PREFIX_ATTENTION=never step 75 async-qwen3-1.7b-flex python3 benchmarks/bench_async_grpo.py \
   --models qwen3-1.7b --workloads grpo_mixed --sides tree --profile \
   --out "$OUT/async_grpo_h200_qwen3-1.7b_flex_only.json"
-step 140 async-qwen3-8b python3 benchmarks/bench_async_grpo.py --models qwen3-8b --workloads grpo_mixed \
+step 200 async-qwen3-8b python3 benchmarks/bench_async_grpo.py --models qwen3-8b --workloads grpo_mixed \
   --profile --out "$OUT/async_grpo_h200_qwen3-8b.json"
 step 80 sync-qwen3-1.7b python3 benchmarks/bench_sync_grpo.py --models qwen3-1.7b \
   --workloads grpo_P4096_C512 grpo_mixed --out "$OUT/sync_grpo_h200_qwen3-1.7b.json"

@@ -24,7 +24,8 @@ given one; a call with a single query or key (cuDNN refuses one over one) runs a
 
 `tree_flex_attention` uses this for layers whose mask is the plain causal tree mask of a forest with a
 `prefix_plan`, with q, k and v heads equally wide: always on CPU (5-18x the dense-mask SDPA on forests of 3k-20k
-tokens), and on CUDA where `fast_on_cuda` says the kernels beat FlexAttention (large trees, mostly prompt pairs).
+tokens), and on CUDA where `fast_on_cuda` says the kernels beat FlexAttention (large trees, mostly prompt pairs) and
+the forest's call shapes recur (`warm_on_cuda`: cuDNN builds a graph per new shape).
 FlexAttention serves every other case (deeper trees, windows, softcap, sinks, latent attention, fp32 on CUDA).
 `HF_TREE_ATTN_PREFIX_ATTENTION=never` (or `MODE`) turns it off, `always` uses it for every two-level forest.
 """
@@ -32,6 +33,7 @@ FlexAttention serves every other case (deeper trees, windows, softcap, sinks, la
 from __future__ import annotations
 
 import os
+from collections import OrderedDict
 from typing import NamedTuple
 
 import numpy as np
@@ -54,6 +56,7 @@ __all__ = [
     "prefix_trees",
     "serves",
     "supports",
+    "warm_on_cuda",
 ]
 
 _MODES = {"auto": "auto", "always": "always", "never": "never", "1": "always", "0": "never"}
@@ -144,13 +147,57 @@ def decode_plan(plan: torch.Tensor) -> tuple[int, tuple[PrefixTree, ...]]:
     return values[0], tuple(trees)
 
 
+# Call signatures (`_cuda_signature`) of the forests `serves` has been asked about on CUDA, least recent first.
+_SEEN_ON_CUDA: OrderedDict[tuple, None] = OrderedDict()
+_SEEN_LIMIT = 4096
+
+
+def _cuda_signature(seq_len: int, trees: tuple[PrefixTree, ...]) -> tuple:
+    """What PyTorch's cuDNN attention keys its execution graphs on for this forest's calls (`MHA.cpp`'s `MHAParams`:
+    lengths and strides; a tree's prompt and completion rows are slices of the `(1, S, heads, dim)` projections, so
+    `S` is in their strides), per tree: prompt length, completion rows, completion count, longest, all equal."""
+    shapes = []
+    for tree in trees:
+        lengths = np.diff(tree.bounds)
+        longest = int(lengths.max()) if len(lengths) else 0
+        shapes.append((tree.stop - tree.start, tree.bounds[-1] - tree.bounds[0], len(lengths), longest,
+                       bool((lengths == longest).all())))  # fmt: skip
+    return (seq_len, tuple(shapes))
+
+
+def warm_on_cuda(forest) -> bool:
+    """Whether a forest of `forest`'s call signature was asked about before in this process (decided once per
+    forest, kept with its masks; the first such forest records it).
+
+    cuDNN builds an execution graph on the host for each new signature before its kernel runs, ~1-3 ms per call
+    measured on an H200 with every shape new (`benchmarks/results/prefix_attention_new_shapes_h200.json`): with
+    sampled completion lengths, mixed prompts or a planner's rows, every forest is new, and the step waits on the
+    host (GPU busy 44%, 1.9x slower than FlexAttention on TRL's async `grpo_mixed` rows,
+    `async_grpo_h200_qwen3-1.7b.json`). `fast_on_cuda` was measured with the graphs built; FlexAttention, compiled
+    for dynamic shapes, takes new lengths at no cost. So on CUDA the kernels take a forest whose signature recurs (a
+    fixed-length workload, from its second forest on) and FlexAttention every other."""
+    cache = forest._mask_cache
+    if "prefix_warm_on_cuda" not in cache:
+        if torch.compiler.is_compiling():  # a compiled layer sees the eager decision; none made: FlexAttention
+            return False
+        signature = _cuda_signature(forest.seq_len, decode_plan(forest.prefix_plan)[1])
+        cache["prefix_warm_on_cuda"] = signature in _SEEN_ON_CUDA
+        _SEEN_ON_CUDA[signature] = None
+        _SEEN_ON_CUDA.move_to_end(signature)
+        while len(_SEEN_ON_CUDA) > _SEEN_LIMIT:
+            _SEEN_ON_CUDA.popitem(last=False)
+    return cache["prefix_warm_on_cuda"]
+
+
 def serves(forest, device_type: str) -> bool:
     """Whether the kernels take the plain causal layers of `forest` (a `PackedForest`) on `device_type`: it is
-    two-level and, on CUDA, `fast_on_cuda` (or `MODE` is "always"). Each layer's tensors are checked again
-    (`supports`)."""
+    two-level and, on CUDA, `fast_on_cuda` with a call signature seen before (`warm_on_cuda`), or `MODE` is
+    "always". Each layer's tensors are checked again (`supports`)."""
     if MODE == "never" or forest.prefix_plan is None:
         return False
-    return device_type != "cuda" or MODE == "always" or forest.prefix_fast_on_cuda
+    if device_type != "cuda" or MODE == "always":
+        return True
+    return forest.prefix_fast_on_cuda and warm_on_cuda(forest)
 
 
 def supports(query: torch.Tensor) -> bool:

@@ -311,6 +311,39 @@ def test_switched_off_gives_the_same_results(monkeypatch):
         torch.testing.assert_close(a, b, atol=TOLERANCES["grad_max_rel"] * float(b.abs().max()), rtol=0)
 
 
+def test_cuda_decision_waits_for_a_recurring_call_signature(monkeypatch):
+    """`serves` on CUDA (auto): a two-level forest the size rule picks takes the kernels only once a forest of the
+    same call signature (row length, each tree's prompt, completion rows, count, longest) was asked about before,
+    decided once per forest and shared with its device copies; a new row length or a new completion length is a
+    new signature; CPU and `MODE="always"` never wait."""
+    from collections import OrderedDict
+
+    from hf_tree_attn.prefix_attention import serves, warm_on_cuda
+
+    seen = OrderedDict()
+    monkeypatch.setattr(hf_tree_attn.prefix_attention, "_SEEN_ON_CUDA", seen)
+    rng = random.Random(0)
+    prompt = [rng.randrange(1, 128) for _ in range(8192)]
+    large = [prompt + [first] + [rng.randrange(1, 128) for _ in range(300)] for first in range(1, 9)]
+
+    def fresh(seqs, **kwargs):
+        (forest,) = pack_forest(seqs, **kwargs)
+        assert forest.prefix_plan is not None and forest.prefix_fast_on_cuda
+        return forest
+
+    first = fresh(large)
+    assert serves(first, "cpu") and not serves(first, "cuda")
+    assert not serves(first.to("cpu"), "cuda")  # decided once per forest, copies included
+    second = fresh(large)
+    assert serves(second, "cuda") and warm_on_cuda(second)
+    assert not serves(fresh(large, pad_multiple=256), "cuda")  # another row length: other strides
+    longer = [*large[:-1], large[-1] + [5]]
+    assert not serves(fresh(longer), "cuda")  # one completion a token longer
+    assert len(seen) == 3
+    monkeypatch.setattr(hf_tree_attn.prefix_attention, "MODE", "always")
+    assert serves(fresh(large + [large[0] + [7]]), "cuda")
+
+
 def test_regional_compile_with_block_masks_takes_it():
     """With `BlockMask`s (what CUDA builds), compiled decoder layers call the kernel as one opaque op: the same
     log-probs and gradients as eager, no graph break, no new graph for new forests once warm. On CPU FlexAttention
@@ -387,9 +420,13 @@ def test_cudnn_kernel_as_close_as_flex_attention(heads, dim):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_takes_the_kernels_only_where_they_are_faster(monkeypatch):
-    """On CUDA, `MODE="auto"` runs FlexAttention for a forest of small trees and the kernels for long prompts with
-    short completions; `"always"` runs the kernels for both."""
+    """On CUDA, `MODE="auto"` runs FlexAttention for a forest of small trees, and for long prompts with short
+    completions the kernels once a forest of the same call signature came before (the first pays no cuDNN graph
+    build); `"always"` runs the kernels for both at once."""
+    from collections import OrderedDict
+
     torch.manual_seed(0)
+    monkeypatch.setattr(hf_tree_attn.prefix_attention, "_SEEN_ON_CUDA", OrderedDict())
     model = AutoModelForCausalLM.from_config(copy.deepcopy(CONFIG), attn_implementation="tree_flex")
     model = model.to("cuda", torch.bfloat16).eval()
     calls = _count_calls(monkeypatch)
@@ -397,7 +434,8 @@ def test_cuda_takes_the_kernels_only_where_they_are_faster(monkeypatch):
     small = _two_level_groups(rng, 2)
     prompt = [rng.randrange(1, 128) for _ in range(8192)]
     large = [prompt + [first] + [rng.randrange(1, 128) for _ in range(300)] for first in range(1, 9)]
-    for mode, seqs, expected in (("auto", small, 0), ("auto", large, 2), ("always", small, 2)):
+    cases = (("auto", small, 0), ("auto", large, 0), ("auto", large, 2), ("always", small, 2))
+    for mode, seqs, expected in cases:
         monkeypatch.setattr(hf_tree_attn.prefix_attention, "MODE", mode)
         calls[0] = 0
         with torch.no_grad():
