@@ -219,11 +219,13 @@ def test_reference_model_under_mixed_precision_runs_on_trees(tiny, tmp_path, wei
     assert next(tree.ref_model.parameters()).dtype == weights
     u = torch.finfo(torch.bfloat16).eps / 2
 
-    def bound(got, flat_value, want):
-        """max |got - want| <= 2 max |flat - want| + u max |want|."""
+    def bound(got, flat_value, want, scale=None):
+        """max |got - want| <= 2 max |flat - want| + u * scale, `scale` the size of the values rounded (default
+        max |want|)."""
         got, flat_value, want = (torch.as_tensor(t, dtype=torch.float64) for t in (got, flat_value, want))
         tree_error, flat_error = (got - want).abs().max(), (flat_value - want).abs().max()
-        return tree_error <= 2 * flat_error + u * want.abs().max(), (float(tree_error), float(flat_error))
+        scale = want.abs().max() if scale is None else scale
+        return tree_error <= 2 * flat_error + u * scale, (float(tree_error), float(flat_error))
 
     # The reference forward on one batch, under the trainer's autocast as TRL calls it.
     batch = flat.data_collator([flat.train_dataset[i] for i in range(8)])
@@ -240,26 +242,37 @@ def test_reference_model_under_mixed_precision_runs_on_trees(tiny, tmp_path, wei
     inputs = dict(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
     seen = {}
     for name, trainer in (("tree", tree), ("flat", flat)):
-        decoder = trainer.ref_model.get_decoder()
-        hook = decoder.register_forward_pre_hook(
-            lambda *_, name=name: seen.setdefault(name, torch.is_autocast_enabled("cpu"))
-        )
+
+        def record(module, args, name=name):
+            seen[name] = torch.is_autocast_enabled("cpu")  # returns None: the decoder's inputs stay as they are
+
+        hook = trainer.ref_model.get_decoder().register_forward_pre_hook(record)
         with torch.no_grad():
             out = trainer.ref_model(**inputs, labels=labels, fused_lm_head=True)
         hook.remove()
         seen[name] = (seen[name], out.log_probs.dtype)
     assert seen["tree"] == seen["flat"] == (True, torch.float32), seen
 
-    # Two steps: every logged value and the trained weights.
+    # Two steps: every logged value and the trained weights. A reward is beta times the difference of a policy and
+    # a reference log-probability, each rounded at its own size (about the logged logps'), so its rounding term is
+    # at that size, not at the (cancelled) reward's; the margin sums the two rewards, and the loss, -logsigmoid of
+    # the margin, moves by at most as much as the margin does.
     (tree_logs, tree_params), (flat_logs, flat_params), (want_logs, want_params) = (
         _run(t) for t in (tree, flat, reference)
     )
     assert len(tree_logs) == len(flat_logs) == len(want_logs) == 2
+    beta = tree.args.beta
     for step, (got_log, flat_log, want_log) in enumerate(zip(tree_logs, flat_logs, want_logs)):
         assert got_log["tree_fallback"] == 0.0, step
+        chosen, rejected = (2 * beta * abs(want_log[f"logps/{side}"]) for side in ("chosen", "rejected"))
+        scales = {"rewards/chosen": chosen, "rewards/rejected": rejected, "rewards/margins": chosen + rejected}
+        scales["loss"] = scales["rewards/margins"]
         for key in METRICS:
-            ok, errors = bound(got_log[key], flat_log[key], want_log[key])
+            ok, errors = bound(got_log[key], flat_log[key], want_log[key], scales.get(key))
             assert ok, (step, key, errors)
+    # At the first step the policy is the reference: TRL's run scores both alike, rewards exactly 0; so must the tree.
+    assert [tree_logs[0][f"rewards/{side}"] for side in ("chosen", "rejected")] == [0.0, 0.0]
+    assert [flat_logs[0][f"rewards/{side}"] for side in ("chosen", "rejected")] == [0.0, 0.0]
     for name, want_param in want_params.items():
         ok, errors = bound(tree_params[name].float(), flat_params[name].float(), want_param)
         assert ok, (name, errors)
