@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import types
 import warnings
 
 import pytest
@@ -218,3 +219,86 @@ def test_installing_twice_wraps_trl_forward_once():
         flat(**inputs, labels=labels, fused_lm_head=True).log_probs,
         atol=TOLERANCES["logps_atol"], rtol=0,
     )  # fmt: skip
+
+
+def _prepared_as_accelerate(model, dtype=torch.bfloat16):
+    """`model.forward` wrapped as `Accelerator.prepare_model` wraps it under mixed precision (autocast, then the
+    float32-output cast outside it), its forward before that kept as `_original_forward`; the autocast returned."""
+    from accelerate.utils.operations import convert_outputs_to_fp32
+
+    autocast = torch.autocast("cpu", dtype=dtype)
+    model._original_forward = model.forward
+    model.forward = types.MethodType(autocast(model.forward.__func__), model)
+    model.forward = types.MethodType(convert_outputs_to_fp32(model.forward.__func__), model)
+    return autocast
+
+
+def test_tree_head_goes_inside_accelerates_mixed_precision_wrappers():
+    """A model accelerate prepared for mixed precision after TRL installed its head (TRL's DPO reference model):
+    the settings are read through accelerate's layers, and the tree head is installed inside them, so a call
+    outside any autocast still runs under accelerate's autocast with its outputs cast to float32; a second head
+    replaces the first there, never stacks."""
+    from accelerate.utils.operations import ConvertOutputsToFp32
+
+    from hf_tree_attn.trainer.mixed_precision_forward import peel
+
+    tree, flat = _twins(outputs=("log_probs",))
+    float32 = copy.deepcopy(flat)  # TRL's head, unprepared: the float32 values
+    settings = fused_head_settings(tree)
+    autocasts = [_prepared_as_accelerate(model) for model in (tree, flat)]
+    assert fused_head_settings(tree) == settings
+    first, second = TreeLMHead(max_token_ratio=1.0), TreeLMHead(max_token_ratio=1.0)
+    for head in (first, first, second):
+        head.install(tree)
+    func, layers = peel(tree.forward)
+    assert func._tree_lm_head is second and [layer.autocast for layer in layers] == [None, autocasts[0]]
+    assert isinstance(tree.forward.__wrapped__, ConvertOutputsToFp32)
+    assert tree._original_forward.__func__ is func  # accelerate's record of the forward under its layers
+    seen = []
+    hooks = [
+        m.get_decoder().register_forward_pre_hook(lambda *_: seen.append(torch.is_autocast_enabled("cpu")))
+        for m in (tree, flat)
+    ]
+    seqs = _sequences()
+    inputs, labels = _padded(seqs, _labels(seqs, LOSS_MASKS["every_token"]))
+    with torch.no_grad():
+        got, flat_out, want = (
+            m(**inputs, labels=labels, fused_lm_head=True, use_cache=False).log_probs for m in (tree, flat, float32)
+        )
+    for hook in hooks:
+        hook.remove()
+    assert seen == [True, True] and got.dtype == flat_out.dtype == torch.float32
+    # As close to float32 as TRL's head under the same autocast (the bound of tests/test_precision.py).
+    tree_error, flat_error = (got - want).abs().max(), (flat_out - want).abs().max()
+    assert flat_error > 0  # the autocast did run
+    u = torch.finfo(torch.bfloat16).eps / 2
+    assert tree_error <= 2 * flat_error + u * want.abs().max(), (tree_error, flat_error)
+
+
+def test_fused_head_settings_errors_name_what_was_found(monkeypatch):
+    """Only a TRL fused head lacking a setting blames the trl version; a model TRL did not patch, or a forward some
+    other wrapper hides, is named as such."""
+    import functools
+
+    from hf_tree_attn.trainer import fused_head
+
+    plain = tiny_model("qwen3")
+    with pytest.raises(ValueError, match="Qwen3ForCausalLM.forward.*not the fused LM head") as error:
+        fused_head_settings(plain)
+    assert "trl version" not in str(error.value)
+    model = tiny_model("qwen3")
+    add_fused_lm_head(model)
+    inner = model.forward.__func__
+
+    def other_wrapper(self, *args, **kwargs):
+        return inner(self, *args, **kwargs)
+
+    model.forward = types.MethodType(functools.update_wrapper(other_wrapper, inner, updated=()), model)
+    with pytest.raises(ValueError, match="other_wrapper at .*something else wraps that head") as error:
+        fused_head_settings(model)
+    assert "trl version" not in str(error.value)
+    trl_model = tiny_model("qwen3")
+    add_fused_lm_head(trl_model)
+    monkeypatch.setattr(fused_head, "_SETTINGS", (*fused_head._SETTINGS, "top_k"))
+    with pytest.raises(ValueError, match=r"TRL's fused LM head .* keeps no \['top_k'\].*this trl version"):
+        fused_head_settings(trl_model)

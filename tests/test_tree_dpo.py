@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import re
+import warnings
 
 import pytest
 import torch
@@ -188,3 +189,90 @@ def test_precomputed_reference_equals_trl(tiny, tmp_path, caplog):
     said = [r.getMessage() for r in caplog.records if "precomputed" in r.getMessage()]
     assert said and all(re.search(r": (\d+) of \1 batches on trees", m) for m in said), said
     assert not any(k.startswith("tree_") and v for m in tree._metrics.values() for k, v in m.items())
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# A separate reference model under TRL's mixed precision.
+
+
+def _ref_logps(trainer, batch) -> torch.Tensor:
+    """`(2 * pairs,)` float: TRL's reference log-probabilities of the batch, chosen then rejected."""
+    return torch.cat(trainer.compute_ref_log_probs(trainer.ref_model, dict(batch))).float()
+
+
+@pytest.mark.parametrize("weights", [torch.float32, torch.bfloat16], ids=["fp32-weights", "bf16-weights"])
+def test_reference_model_under_mixed_precision_runs_on_trees(tiny, tmp_path, weights):
+    """TRL's `bf16=True` (autocast) with a separate reference model, fp32 or bf16 weights. Accelerate wraps the
+    reference's forward (autocast, outputs to float32) inside TRL's `__init__`, before the tree head is installed;
+    the tree head goes inside those wrappers. So the reference runs on trees, with autocast on and float32 outputs
+    even when called outside the trainer's autocast, as TRL's; its log-probabilities, and a two-step run's logged
+    values and weights, are as close to the float32 run's as TRL's own under the same precision: within twice its
+    error plus one bf16 rounding at the values' scale (see tests/test_precision.py for why that bound)."""
+    mixed = dict(bf16=True, model_init_kwargs={"dtype": weights})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tree = _trainer(TreeDPOTrainer, tiny, tmp_path / "tree", **mixed)
+    assert not [str(w.message) for w in caught if "TRL's path" in str(w.message)]
+    assert tree.tree_packing and tree.ref_model is not None
+    flat = _trainer(DPOTrainer, tiny, tmp_path / "flat", **mixed)
+    reference = _trainer(DPOTrainer, tiny, tmp_path / "fp32")
+    assert next(tree.ref_model.parameters()).dtype == weights
+    u = torch.finfo(torch.bfloat16).eps / 2
+
+    def bound(got, flat_value, want, scale=None):
+        """max |got - want| <= 2 max |flat - want| + u * scale, `scale` the size of the values rounded (default
+        max |want|)."""
+        got, flat_value, want = (torch.as_tensor(t, dtype=torch.float64) for t in (got, flat_value, want))
+        tree_error, flat_error = (got - want).abs().max(), (flat_value - want).abs().max()
+        scale = want.abs().max() if scale is None else scale
+        return tree_error <= 2 * flat_error + u * scale, (float(tree_error), float(flat_error))
+
+    # The reference forward on one batch, under the trainer's autocast as TRL calls it.
+    batch = flat.data_collator([flat.train_dataset[i] for i in range(8)])
+    for metrics in tree._metrics.values():
+        metrics.clear()
+    want, got, flat_logps = (_ref_logps(t, batch) for t in (reference, tree, flat))
+    assert [v for m in tree._metrics.values() for v in m["tree_fallback"]] == [0.0]
+    assert not torch.equal(flat_logps, want)  # the precision did change TRL's numbers
+    ok, errors = bound(got, flat_logps, want)
+    assert ok, errors
+
+    # Called directly, outside any autocast: accelerate's wrappers still run autocast and convert the outputs.
+    labels = batch["input_ids"].masked_fill(batch["completion_mask"] == 0, -100)
+    inputs = dict(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
+    seen = {}
+    for name, trainer in (("tree", tree), ("flat", flat)):
+
+        def record(module, args, name=name):
+            seen[name] = torch.is_autocast_enabled("cpu")  # returns None: the decoder's inputs stay as they are
+
+        hook = trainer.ref_model.get_decoder().register_forward_pre_hook(record)
+        with torch.no_grad():
+            out = trainer.ref_model(**inputs, labels=labels, fused_lm_head=True)
+        hook.remove()
+        seen[name] = (seen[name], out.log_probs.dtype)
+    assert seen["tree"] == seen["flat"] == (True, torch.float32), seen
+
+    # Two steps: every logged value and the trained weights. A reward is beta times the difference of a policy and
+    # a reference log-probability, each rounded at its own size (about the logged logps'), so its rounding term is
+    # at that size, not at the (cancelled) reward's; the margin sums the two rewards, and the loss, -logsigmoid of
+    # the margin, moves by at most as much as the margin does.
+    (tree_logs, tree_params), (flat_logs, flat_params), (want_logs, want_params) = (
+        _run(t) for t in (tree, flat, reference)
+    )
+    assert len(tree_logs) == len(flat_logs) == len(want_logs) == 2
+    beta = tree.args.beta
+    for step, (got_log, flat_log, want_log) in enumerate(zip(tree_logs, flat_logs, want_logs)):
+        assert got_log["tree_fallback"] == 0.0, step
+        chosen, rejected = (2 * beta * abs(want_log[f"logps/{side}"]) for side in ("chosen", "rejected"))
+        scales = {"rewards/chosen": chosen, "rewards/rejected": rejected, "rewards/margins": chosen + rejected}
+        scales["loss"] = scales["rewards/margins"]
+        for key in METRICS:
+            ok, errors = bound(got_log[key], flat_log[key], want_log[key], scales.get(key))
+            assert ok, (step, key, errors)
+    # At the first step the policy is the reference: TRL's run scores both alike, rewards exactly 0; so must the tree.
+    assert [tree_logs[0][f"rewards/{side}"] for side in ("chosen", "rejected")] == [0.0, 0.0]
+    assert [flat_logs[0][f"rewards/{side}"] for side in ("chosen", "rejected")] == [0.0, 0.0]
+    for name, want_param in want_params.items():
+        ok, errors = bound(tree_params[name].float(), flat_params[name].float(), want_param)
+        assert ok, (name, errors)

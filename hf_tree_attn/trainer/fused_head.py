@@ -37,6 +37,7 @@ import torch
 from ..logprobs import _decoder, _lm_head_params, forest_forward_kwargs, tree_router_aux_loss
 from ..support import rope_length_limit, rope_split_lengths, unwrap_model
 from ..tree import PackedForest, pack_forest
+from .mixed_precision_forward import MixedPrecisionLayer, peel, wrap
 
 __all__ = ["FusedPlan", "TreeLMHead", "fused_head_settings", "plan_fused_batch"]
 
@@ -55,20 +56,46 @@ _PLAN_CACHE = 8  # DPO scores one batch with the policy and the reference: plan 
 
 def fused_head_settings(forward) -> dict:
     """The settings of the fused LM head TRL installed (`outputs`, `temperature`, `cast_lm_head_to_fp32`,
-    `final_logit_softcapping`, `logit_scale`), read from its forward (a model or its bound `forward`); raises
-    `ValueError` if that is not TRL's fused forward."""
+    `final_logit_softcapping`, `logit_scale`), read from its forward (a model or its bound `forward`), through
+    accelerate's mixed-precision wrappers and a tree head already installed; raises `ValueError` naming what was
+    found instead of TRL's fused forward."""
     forward = forward.forward if isinstance(forward, torch.nn.Module) else forward
-    func = getattr(forward, "__func__", None)
+    return _settings_of(_trl_fused_forward(forward)[0])
+
+
+def _trl_fused_forward(forward) -> tuple[Callable, tuple[MixedPrecisionLayer, ...], TreeLMHead | None]:
+    """What lies under a model's `forward`: the function TRL's fused head should be (unbound), accelerate's
+    mixed-precision layers around it (outermost first, `mixed_precision_forward.peel`) and the tree head installed
+    between them and it (None if none is)."""
+    func, layers = peel(forward)
+    head = getattr(func, "_tree_lm_head", None)
+    if head is not None:
+        func = func._trl_forward
+    return func, layers, head
+
+
+def _settings_of(func: Callable) -> dict:
+    """The settings in the closure of TRL's fused forward `func` (unbound); `ValueError` if `func` is not it."""
     code, closure = getattr(func, "__code__", None), getattr(func, "__closure__", None)
     cells = dict(zip(code.co_freevars, (c.cell_contents for c in closure))) if code and closure else {}
     missing = [name for name in _SETTINGS if name not in cells]
-    if missing:
+    if not missing:
+        return {name: cells[name] for name in _SETTINGS}
+    where = f"{code.co_filename}:{code.co_firstlineno}" if code else type(func).__name__
+    if getattr(func, "__globals__", {}).get("__name__") == "trl.trainer.utils":
         raise ValueError(
-            f"{getattr(func, '__qualname__', forward)!r} is not the fused LM head of trl.trainer.utils."
-            f"add_fused_lm_head (missing {missing}): this trl version is not the one hf_tree_attn reads (trl "
-            "1.16). Set tree_packing=False."
+            f"TRL's fused LM head ({code.co_name} at {where}) keeps no {missing} in its closure: this trl version is "
+            "not the one hf_tree_attn reads (trl 1.16). Install trl 1.16, or set tree_packing=False."
         )
-    return {name: cells[name] for name in _SETTINGS}
+    # What `functools.wraps` calls it (the model's `forward`), and the def that really runs.
+    wrapped_name = getattr(func, "__qualname__", repr(func))
+    def_name = getattr(code, "co_qualname", getattr(code, "co_name", "?"))
+    raise ValueError(
+        f"The model's forward (seen through accelerate's mixed-precision wrappers) is {wrapped_name} ({def_name} at "
+        f"{where}), not the fused LM head trl.trainer.utils.add_fused_lm_head installs (its closure lacks {missing}): "
+        "TRL did not install its head on this model, or something else wraps that head. Let the tree trainer install "
+        "its head before that wrapper, or set tree_packing=False."
+    )
 
 
 @dataclass
@@ -228,13 +255,18 @@ class TreeLMHead:
         self._warned: set[str] = set()
 
     def install(self, model: torch.nn.Module) -> None:
-        """Wrap the fused forward TRL installed on `model` (the causal LM itself, under PEFT its base model)."""
+        """Wrap the fused forward TRL installed on `model` (the causal LM itself, under PEFT its base model).
+
+        Where accelerate already wrapped that forward for mixed precision (TRL's DPO prepares a separate reference
+        model in its `__init__`), the tree head goes inside accelerate's layers: it runs under the same autocast,
+        and its outputs are cast to float32, as TRL's forward there."""
         target = unwrap_model(model)
-        if getattr(target.forward, "_tree_lm_head", None) is self:
+        trl_func, layers, installed = _trl_fused_forward(target.forward)
+        if installed is self:
             return
         # Another head's wrapper (a second trainer on the same model) is replaced, never stacked.
-        trl_forward = getattr(target.forward, "_trl_forward", target.forward)
-        settings = fused_head_settings(trl_forward)
+        settings = _settings_of(trl_func)
+        trl_forward = types.MethodType(trl_func, target)
         head = self
 
         def forward(self, *args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None, **kw):
@@ -255,9 +287,11 @@ class TreeLMHead:
             head.record("tree_compute_ratio", plan.tree_tokens / plan.flat_tokens)
             return head._forward(self, plan, settings, labels, num_items_in_batch, kw)
 
-        functools.update_wrapper(forward, trl_forward.__func__)  # the model's signature, which `generate` checks
-        forward._tree_lm_head, forward._trl_forward = self, trl_forward
-        target.forward = types.MethodType(forward, target)
+        functools.update_wrapper(forward, trl_func)  # the model's signature, which `generate` checks
+        forward._tree_lm_head, forward._trl_forward = self, trl_func
+        target.forward = types.MethodType(wrap(forward, layers), target)
+        if "_original_forward" in vars(target):  # accelerate's record of the forward under its layers
+            target._original_forward = types.MethodType(forward, target)
 
     def _warn_once(self, reason: str) -> None:
         kind = "ratio" if reason.startswith("ratio") else reason
