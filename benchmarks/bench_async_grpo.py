@@ -19,7 +19,8 @@ optimizer), with `dtype="bfloat16"` weights and an explicit `token_budget`. Work
   and two U[80, 400]-token responses, each response a sample holding the whole history before it.
 
 Per side: the wall time of each optimizer step after `--warmup` steps (CUDA-synchronized; planner, collator,
-forward, backward, optimizer and weight sync included), trained tokens per second, MFU, peak memory. `mfu` counts
+forward, backward, optimizer and weight sync included), trained tokens per second, MFU, peak memory (above what
+was allocated when the side started: `resident_before_gib`, an earlier side's trainer). `mfu` counts
 the same model FLOPs for both sides: 3x the forward FLOPs of the step's samples as one prefix forest
 (`estimate_flops`' `tree_flops`; forward + backward, recompute not counted) per step second over 989 TFLOP/s;
 `trl_mfu_wall_clock` is TRL's own metric (its FLOP formula over each side's forwarded tokens). `--sides
@@ -222,6 +223,10 @@ def run_side(side: str, path: str, samples: list, tokenizer, args, out_dir: Path
         use_cpu=not cuda, bf16=cuda, seed=0,
     )  # fmt: skip
     clock = StepClock(args.warmup)
+    # What an earlier side left on the GPU: TRL's async trainer is still alive after train(), `del` and gc (a weak
+    # reference to its model says so, on CPU), its weights and optimizer state allocated; this side's peak is
+    # counted above them.
+    resident = torch.cuda.memory_allocated() if cuda else 0
     callbacks = [clock, *([ProfileStep(args.warmup + args.steps)] if profiled else [])]
     kernel = flash_varlen_attention if cuda else varlen_attention
     with warnings.catch_warnings(), use_kernel(kernel), RowLog() as rows:
@@ -253,7 +258,8 @@ def run_side(side: str, path: str, samples: list, tokenizer, args, out_dir: Path
         "mfu": statistics.mean(f / t / PEAK_FLOPS for f, t in zip(flops, times)),
         "trl_mfu_wall_clock": _mean(measured, "perf/mfu_wall_clock"),
         "trl_fwd_bwd_s": _mean(measured, "perf/fwd_bwd_s"),
-        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+        "peak_gib": (torch.cuda.max_memory_allocated() - resident) / 2**30 if cuda else None,
+        "resident_before_gib": resident / 2**30 if cuda else None,
         "loss": [entry["loss"] for entry in measured],
         "tree_checkpointed_layers": _mean(measured, "tree_checkpointed_layers"),
         "tree_kept_attention": _mean(measured, "tree_kept_attention"),

@@ -62,7 +62,15 @@ SOURCES = {
     "sync_grpo_h200_qwen3-1.7b.json": "async-grpo",
     "async_grpo_h200_qwen3-1.7b.json": "async-grpo",
     "async_grpo_h200_qwen3-8b.json": "async-grpo",
+    "async_grpo_h200_qwen3-1.7b_prefix_kernels.json": "async-grpo-prefix-kernels",
+    "async_grpo_h200_qwen3-1.7b_flex_only.json": "async-grpo",
+    "async_grpo_h200_qwen3-8b_tau2.json": "async-grpo-more",
+    "async_grpo_h200_qwen3.5-0.8b.json": "async-grpo-more",
+    "prefix_attention_new_shapes_h200.json": "async-grpo",
     "h200_gpu_async.log": "async-grpo",
+    "h200_gpu_tests_prefix_rule.log": "async-grpo-more",
+    "trees_beyond_grpo_h200.json": "trees-beyond-grpo",
+    "trees_beyond_grpo_h200.log": "trees-beyond-grpo",
     "h200_gpu_tests_precision.log": "gpu-tests-precision",
     "hybrid_kernel_checks_h200.json": "hybrid-kernels",
     "hybrid_kernels_h200.log": "hybrid-kernels",
@@ -188,7 +196,21 @@ ASYNC_ROWS = [
     ("async_grpo_h200_qwen3-1.7b.json", "grpo_mixed"),
     ("async_grpo_h200_qwen3-1.7b.json", "tau2_like"),
     ("async_grpo_h200_qwen3-8b.json", "grpo_mixed"),
+    ("async_grpo_h200_qwen3-8b_tau2.json", "tau2_like"),
 ]
+# The tree alone where TRL's async trainer refuses the model (its refusal recorded in the file).
+ASYNC_TREE_ONLY = ["async_grpo_h200_qwen3.5-0.8b.json"]
+# The same Qwen3-1.7B grpo_mixed rows, tree side, per attention path: the shared-prefix kernels on every two-level
+# forest (the size rule alone), FlexAttention alone, the CUDA rule's default (the first ASYNC_ROWS file); and what a
+# forest of new shapes costs each kernel by itself.
+ASYNC_ATTENTION_PATHS = {
+    "shared-prefix kernels on every forest (cuDNN)": "async_grpo_h200_qwen3-1.7b_prefix_kernels.json",
+    "FlexAttention alone (`HF_TREE_ATTN_PREFIX_ATTENTION=never`)": "async_grpo_h200_qwen3-1.7b_flex_only.json",
+    "default: the kernels only for recurring shapes": "async_grpo_h200_qwen3-1.7b.json",
+}
+PREFIX_NEW_SHAPES = "prefix_attention_new_shapes_h200.json"
+# SFT / DPO / reward models on trees against TRL's trainers (bench_trees_beyond_grpo.py).
+BEYOND_GRPO = "trees_beyond_grpo_h200.json"
 
 PROFILES = [name for name in SOURCES if name.startswith("profile_") and "_flex-" not in name]
 FLEX_OPTIONS = [name for name in SOURCES if name.startswith("profile_") and "_flex-" in name]
@@ -211,7 +233,11 @@ GPU_TEST_LOGS = {  # log: the tests it ran
     "h200_gpu_tests_precision.log": "`test_precision.py` without the hybrids: the tree against flat, each against "
     "a float32 run, under TRL's precisions, every recompute mode, shared-prefix kernels and FlexAttention",
     "h200_gpu_async.log": "`test_gpu_async_grpo.py`: the flash varlen op against the reference, "
-    "`TreeAsyncGRPOTrainer` against TRL's `AsyncGRPOTrainer` in bf16, a hybrid's log-probs against `eager`",
+    "`TreeAsyncGRPOTrainer` against TRL's `AsyncGRPOTrainer` in bf16 (each side's error against a float32 run), a "
+    "hybrid's log-probs against `eager`",
+    "h200_gpu_tests_prefix_rule.log": "`test_prefix_attention.py -k 'kernels_only_where or fused_merge'`: the CUDA "
+    "rule (FlexAttention for small trees and for new shapes, the kernels for recurring ones) and the Triton merge",
+    "trees_beyond_grpo_h200.log": "`test_gpu_trees.py`: SFT, DPO and reward-model trees on CUDA",
     "h200_gpu_tests_hybrid_kernels.log": "`test_gpu_recurrent.py` on FlashQLA: Qwen3.5 and Qwen3-Next trees (K = 128) "
     "against per-sequence float32 forwards",
 }
@@ -260,9 +286,18 @@ NOTES = {
     "generation_modes_h200_more.json": "the tree's and TRL's continuous-batching steps are two runs (transformers "
     "5.24 and 5.17).",
     "generation_modes_h200.json": "random weights never emit EOS: every completion is 256 tokens.",
-    "h200_gpu_async.log": "`test_same_as_trl_async_on_cuda` compared the two bf16 runs with each other (gradient "
-    "cosine > 0.995) and failed at 0.985. The test now bounds each side's error against a float32 run instead, and "
-    "has not run on the GPU in that form.",
+    "async_grpo_h200_qwen3-1.7b.json": "peak memory counted from zero while TRL's trainer, run first in the same "
+    "process, still held its weights and optimizer state: the tree's peak includes them. The tree alone on these "
+    "rows (`async_grpo_h200_qwen3-1.7b_flex_only.json`, same forests and recompute) peaked at 18.1 GiB against "
+    "TRL's 18.6. `bench_async_grpo.py` now counts each side's peak above what was allocated when it started.",
+    "async_grpo_h200_qwen3-8b.json": "peak memory counted as in the Qwen3-1.7B file: the tree's includes TRL's "
+    "trainer, still allocated (an 8B model's bf16 weights and AdamW state are about 45 GiB).",
+    "async_grpo_h200_qwen3-1.7b_prefix_kernels.json": "ran before the CUDA rule waited for recurring shapes: the "
+    "kernels took every forest the size rule (`fast_on_cuda`) picked, here every profiled one; its stage runs them "
+    "on every two-level forest (`HF_TREE_ATTN_PREFIX_ATTENTION=always`). Peak memory counted as in the Qwen3-1.7B "
+    "file.",
+    "async_grpo_h200_qwen3-8b_tau2.json": "two measured steps after two warm-up steps (the call's time limit); peak "
+    "memory counted as in the Qwen3-1.7B file.",
     "h200_gpu_tests_precision.log": "its 70 s limit stopped it in the 9th test: Qwen3 with fp32 weights under bf16 "
     "autocast in every recompute mode and under fp16 autocast without recompute passed; the rest (fp16 autocast "
     "with recompute, bf16 weights, Gemma 2, GPT-OSS) did not run.",
@@ -274,15 +309,20 @@ NOTES = {
 PENDING = {
     "sync": ["Qwen3-8B shape, G=16, P=4,096, C=512"],
     "through_trainer": [
-        "SFT and DPO on trees",
         "DeepSpeed ZeRO",
+    ],
+    "beyond_grpo": [
+        "SFT on per-turn agent trajectories (`sft_agent_turns`)",
+        "GRPO with a Qwen3-1.7B-shaped reward model (`grpo_reward_model`): TRL's own trainer, run first, had a NaN "
+        "gradient norm at its first step with random bf16 weights and its next generation stopped on a device-side "
+        "assert (`probability tensor contains either inf, nan or element < 0`): the run ended there",
     ],
     "hybrids": ["the hybrids on a real Gated DeltaNet kernel route (one varlen call per level)"],
     "balance": ["FSDP2 on two H200s, Qwen3-1.7B shape, balanced vs not (stage `balance-fsdp2`)"],
     "peers": [
         "AReaL's tree-training code, same workloads",
         "TRL's own tree packing on its FlashAttention-3 kernel from the Hub (the rows above ran FlashAttention-2)",
-        "Qwen3.5 hybrids on `TreeAsyncGRPOTrainer`, the tree side alone (TRL's trainer refuses them)",
+        "Qwen3.5-2B on `TreeAsyncGRPOTrainer`; the hybrids on a real Gated DeltaNet kernel",
     ],
     "gradients": [
         "Liger + compiled layers at 36 layers without inductor's mix-order reduction "

@@ -19,7 +19,10 @@ import sys
 from pathlib import Path
 
 from results_registry import (
+    ASYNC_ATTENTION_PATHS,
     ASYNC_ROWS,
+    ASYNC_TREE_ONLY,
+    BEYOND_GRPO,
     FLEX_OPTIONS,
     GPU_TEST_LOGS,
     GRAD_CHECKS,
@@ -35,6 +38,7 @@ from results_registry import (
     OPTION_GAINS,
     PENDING,
     PLOT,
+    PREFIX_NEW_SHAPES,
     PREFIX_PARTS,
     PREFIX_RUNS,
     PROBES_ON_GPU,
@@ -607,14 +611,72 @@ def peers() -> list[str]:
     headers = ["model", "workload", "tokens forwarded per step, tree / TRL", "step, TRL (each measured step)",
                "step, tree", "tree vs TRL (median step)", "MFU tree / TRL", "tree layers recomputed",
                "peak GiB tree / TRL", "source"]  # fmt: skip
+    alone = []
+    for name in ASYNC_TREE_ONLY:
+        (row,) = load(name)["rows"]
+        trl, tree = row["sides"]["trl"], row["sides"]["tree"]
+        alone.append([
+            MODELS[row["model"]], rollout_workload(row), f"{load(name)['token_budget']:,}", steps(tree["step_s"]),
+            pct(tree["mfu"], 1), f"{tree['peak_gib']:.1f}", trl["error"].split(". ")[0], notes.source(name),
+        ])  # fmt: skip
+    paths = []
+    for what, name in ASYNC_ATTENTION_PATHS.items():
+        tree = next(r for r in load(name)["rows"] if r["workload"] == "grpo_mixed")["sides"]["tree"]
+        busy = f"{pct(tree['profile']['busy'])}" if tree.get("profile") else "—"
+        paths.append([what, steps(tree["step_s"]), secs(tree["median_step_s"]), busy, notes.source(name)])
+    shapes = load(PREFIX_NEW_SHAPES)
+    medians = shapes["median"]
+    first, repeat = (secs(medians["prefix_cudnn"][when] / 1e3) for when in ("first_ms", "repeat_ms"))
+    flex_first, flex_repeat = (secs(medians["flex"][when] / 1e3) for when in ("first_ms", "repeat_ms"))
     return (
         table(headers, rows)
-        + notes.lines()
         + [line + "  " for line in uneven[:-1]]
         + uneven[-1:]
         + [""] * bool(uneven)
+        + [
+            "Where TRL's async trainer refuses the model (the tree alone, Gated DeltaNet on transformers' torch "
+            "kernels):",
+            "",
+        ]
+        + table(
+            ["model", "workload", "token budget", "step, tree", "MFU", "peak GiB", "TRL's trainer", "source"], alone
+        )  # fmt: skip
+        + [
+            "The tree side of the Qwen3-1.7B `grpo_mixed` rows per attention path. Each of TRL's rows packs a few "
+            "prompts' groups; their lengths differ from row to row, so every forest is new to cuDNN, which builds "
+            "an execution graph on the host for each new call signature (lengths and strides) before its kernel "
+            "runs. With the kernels on every forest the GPU sat idle half of the step:",
+            "",
+        ]
+        + table(
+            ["tree attention", "step (each measured step)", "median step", "GPU busy (profiled step)", "source"], paths
+        )  # fmt: skip
+        + notes.lines()
+        + [
+            f"Attention alone on {len(shapes['rows'])} such forests (Qwen3-1.7B heads, forward + backward, bf16): "
+            f"the shared-prefix kernels' first call on a forest takes {first} (median), a repeat {repeat}; "
+            f"FlexAttention {flex_first} and {flex_repeat} {Notes().source(PREFIX_NEW_SHAPES)}. So on CUDA the "
+            "kernels take a forest only once its call "
+            "signature came before (`warm_on_cuda`): a fixed-length workload from its second forest on.",
+            "",
+        ]
         + table(["measurement", "result"], pending("peers", 2))
     )
+
+
+def beyond_grpo() -> list[str]:
+    data, notes, rows = load(BEYOND_GRPO), Notes(), []
+    for run in data["runs"]:
+        trl, tree = run["trl"], run["tree"]
+        rows.append([
+            f"`{run['workload']}`", run["description"], MODELS[run["model"]], steps(trl["step_times_s"]),
+            steps(tree["step_times_s"]), f"**{x(run['speedup'])}**", x(run["token_ceiling"]),
+            pct(run["share_of_token_ceiling"]), f"{tree['peak_gib']:.1f} / {trl['peak_gib']:.1f}",
+            f"{run['max_loss_diff']:.4f}", notes.source(BEYOND_GRPO),
+        ])  # fmt: skip
+    headers = ["workload", "batch", "model", "step, TRL (each step)", "step, tree", "tree vs TRL (median measured)",
+               "token ceiling", "% of ceiling", "peak GiB tree / TRL", "max loss diff", "source"]  # fmt: skip
+    return table(headers, rows) + notes.lines() + table(["measurement", "result"], pending("beyond_grpo", 2))
 
 
 def test_outcome(name: str) -> str:
@@ -822,13 +884,18 @@ SECTIONS = [  # (heading level, title, section, what it measures)
      "`tree_flex` at its defaults (FlexAttention, or the shared-prefix kernels where the CUDA rule picks them, "
      "`tree_recompute='auto'`). bf16 weights, TRL's defaults otherwise (gradient checkpointing, one micro-batch per "
      "step), a token budget of 32,768 per step; two measured steps after a warm-up step, the ratio of the median "
-     "steps. Both sides forward about the same tokens: TRL's packing already computes each shared prefix once. MFU "
-     "counts the same model FLOPs for both sides (the step's samples as one forest). Here the tree is slower. With "
-     "one warm-up step its first measured step may hold a compile: FlexAttention, compiled with torch's automatic "
-     "dynamic shapes, compiles for the first row length and again, length-generic, at the second (`TORCH_LOGS="
-     "recompiles`: \"tensor 'key' size mismatch at index 2\"); the τ² row's tree steps, 11.30 then 2.52 s, fit "
-     "that, the `grpo_mixed` rows' do not. `bench_async_grpo.py` warms up two steps and measures four by default "
-     "(these rows ran with one and two)."),
+     "steps. Both sides forward about the same tokens: TRL's packing already computes each shared prefix once, so "
+     "what differs is the kernels and the recompute. MFU counts the same model FLOPs for both sides (the step's "
+     "samples as one forest). Four measured steps after two warm-up steps (FlexAttention, compiled with torch's "
+     "automatic dynamic shapes, compiles for the first row length and again, length-generic, at the second), the "
+     "ratio of the median steps; each side also ran one more step under the torch profiler (`--profile`)."),
+    (2, "SFT, DPO and reward models on trees", beyond_grpo,
+     "`TreeSFTTrainer` and `TreeDPOTrainer` against TRL's `SFTTrainer` and `DPOTrainer`, each through "
+     "`trainer.train()` on the same data, one after the other in one process, TRL's defaults (gradient "
+     "checkpointing, AdamW, bf16), random-weight bf16 Qwen3 shapes (`bench_trees_beyond_grpo.py`). Step times: "
+     "every optimizer step; the ratio is of the median after the warm-up steps. The token ceiling is the batch's "
+     "tokens over its unique tokens; TRL pads each batch to its longest sequence, so the tree can pass it. The "
+     "loss difference is the largest over the steps, bf16 against bf16 (the float32 equality is tested on CPU)."),
     (2, "Correctness on the GPU", correctness, None),
     (2, "Other runs", other_runs, None),
     (2, "Result files", result_files,

@@ -163,11 +163,35 @@ for stage in "$@"; do
         --out "$OUT/generation_modes_h200_flat_compiled.json" 2>&1 | grep -v -i warn \
         | grep -E "^\||step [0-9]|skipped" | tee "$OUT/generation_modes_h200_flat_compiled.log" ;;
     # ---- the GRPO trainers against TRL's own through trainer.train(), and the async trainer's GPU tests
-    async-grpo)  # gpu_async.sh (~8 min; carry .whl/async): tests/test_gpu_async_grpo.py, TreeAsyncGRPOTrainer vs TRL's
-      # AsyncGRPOTrainer (bench_async_grpo.py), TreeGRPOTrainer vs trl.GRPOTrainer (bench_sync_grpo.py); the committed
-      # run left out its last step (SKIP=async-qwen3-1.7b-budget)
+    async-grpo)  # gpu_async.sh (~13 min with every step; carry .whl/async): the shared-prefix kernels on new shapes,
+      # tests/test_gpu_async_grpo.py, TreeAsyncGRPOTrainer vs TRL's AsyncGRPOTrainer (bench_async_grpo.py),
+      # TreeGRPOTrainer vs trl.GRPOTrainer (bench_sync_grpo.py); the committed files came from calls with SKIP subsets
+      # (h200_gpu_async.log holds two of them)
       bash benchmarks/gpu_async.sh
       mv "$OUT/gpu_async.log" "$OUT/h200_gpu_async.log" ;;
+    async-grpo-prefix-kernels)  # the tree side of the 1.7B rows on the shared-prefix kernels for every two-level
+      # forest (the committed file ran before the CUDA rule waited for recurring shapes: the size rule alone)
+      python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/async/*.whl
+      HF_TREE_ATTN_PREFIX_ATTENTION=always PYTHONPATH=/tmp/site:$PWD timeout 200 python3 benchmarks/bench_async_grpo.py \
+        --models qwen3-1.7b --workloads grpo_mixed tau2_like --profile \
+        --out "$OUT/async_grpo_h200_qwen3-1.7b_prefix_kernels.json" 2>&1 | grep -E "^qwen|rror:" ;;
+    async-grpo-more)  # the CUDA rule's GPU test (transformers from .whl/common), a Qwen3.5 hybrid on the tree alone
+      # (TRL refuses it), Qwen3-8B on the agent rows (~4 min; carry .whl/async and .whl/common)
+      python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/async/*.whl
+      python3 -m pip install -q --no-index --no-deps --target /tmp/common .whl/common/*.whl
+      PYTHONPATH=/tmp/common:/tmp/site:$PWD timeout 70 python3 -m pytest -q -rf -m gpu -p no:cacheprovider \
+        tests/test_prefix_attention.py -k "kernels_only_where or fused_merge" 2>&1 | tail -4 \
+        | tee "$OUT/h200_gpu_tests_prefix_rule.log"
+      PYTHONPATH=/tmp/site:$PWD timeout 110 python3 benchmarks/bench_async_grpo.py --models qwen3.5-0.8b \
+        --workloads grpo_mixed --token-budget 16384 --warmup 2 --steps 2 \
+        --out "$OUT/async_grpo_h200_qwen3.5-0.8b.json" 2>&1 | grep -E "^qwen|rror:"
+      PYTHONPATH=/tmp/site:$PWD timeout 140 python3 benchmarks/bench_async_grpo.py --models qwen3-8b \
+        --workloads tau2_like --warmup 2 --steps 2 --out "$OUT/async_grpo_h200_qwen3-8b_tau2.json" 2>&1 \
+        | grep -E "^qwen|rror:" ;;
+    trees-beyond-grpo)  # gpu_trees_beyond_grpo.sh (~6 min; carry .whl/trees_beyond_grpo): tests/test_gpu_trees.py,
+      # then TreeSFTTrainer / TreeDPOTrainer / reward-model trees vs TRL's trainers through train()
+      bash benchmarks/gpu_trees_beyond_grpo.sh
+      cat "$OUT/gpu_trees_tests.log" "$OUT/trees_beyond_grpo_bench.log" > "$OUT/trees_beyond_grpo_h200.log" ;;
     deepspeed)  # gpu_deepspeed.sh (~5 min; carry .whl/deepspeed): tests/test_gpu_deepspeed.py, TreeGRPOTrainer vs
       # trl.GRPOTrainer under ZeRO-2 and ZeRO-3 in bf16 (one GPU), then the main job under ZeRO-3
       bash benchmarks/gpu_deepspeed.sh ;;
