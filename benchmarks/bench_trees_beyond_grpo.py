@@ -39,6 +39,7 @@ import statistics
 import string
 import sys
 import time
+import traceback
 
 import torch
 import transformers
@@ -294,7 +295,8 @@ def grpo_reward_model(args, tok, timer: list):
     )
 
 
-WORKLOADS = ("sft_system_prompt", "dpo_long_prompt", "grpo_reward_model", "sft_agent_turns")
+# The GRPO row last: it generates, and a device-side assert there (a NaN policy's sampling) ends the CUDA context.
+WORKLOADS = ("sft_system_prompt", "dpo_long_prompt", "sft_agent_turns", "grpo_reward_model")
 
 
 def main() -> None:
@@ -335,8 +337,19 @@ def main() -> None:
             grpo_reward_model(args, tok, reward_timer) if name == "grpo_reward_model" else globals()[name](args, tok)
         )
         start = time.perf_counter()
-        flat = train(make_flat, args.warmup, reward_timer if name == "grpo_reward_model" else None)
-        tree = train(make_tree, args.warmup, reward_timer if name == "grpo_reward_model" else None)
+        try:
+            flat = train(make_flat, args.warmup, reward_timer if name == "grpo_reward_model" else None)
+            tree = train(make_tree, args.warmup, reward_timer if name == "grpo_reward_model" else None)
+        except Exception as error:  # recorded with the workload; a CUDA error leaves no usable context: stop there
+            results["runs"].append({"workload": name, "description": description, "model": args.model,
+                                    "error": f"{type(error).__name__}: {error}"[:2000]})  # fmt: skip
+            with open(args.out, "w") as f:
+                json.dump(results, f, indent=2)
+            print(f"{name:<18} failed: {type(error).__name__}: {str(error)[:300]}", flush=True)
+            traceback.print_exc()
+            if isinstance(error, torch.AcceleratorError):
+                break
+            continue
         run = {"workload": name, "description": description, "model": args.model, "trl": flat, "tree": tree}
         run["speedup"] = flat["step_time_s"] / tree["step_time_s"]
         run["peak_memory_ratio"] = tree["peak_gib"] / flat["peak_gib"]

@@ -667,6 +667,8 @@ def peers() -> list[str]:
 def beyond_grpo() -> list[str]:
     data, notes, rows = load(BEYOND_GRPO), Notes(), []
     for run in data["runs"]:
+        if "error" in run:  # a workload that failed: its pending line says what happened
+            continue
         trl, tree = run["trl"], run["tree"]
         rows.append([
             f"`{run['workload']}`", run["description"], MODELS[run["model"]], steps(trl["step_times_s"]),
