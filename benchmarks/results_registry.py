@@ -286,6 +286,9 @@ NOTES = {
     "generation_modes_h200_more.json": "the tree's and TRL's continuous-batching steps are two runs (transformers "
     "5.24 and 5.17).",
     "generation_modes_h200.json": "random weights never emit EOS: every completion is 256 tokens.",
+    "sync_grpo_h200_qwen3-1.7b.json": "ran before the CUDA rule waited for recurring shapes: forests the size rule "
+    "picked took the shared-prefix kernels, in the mixed-length row with shapes new to cuDNN at every step (a graph "
+    "build on the host each time); the rule now runs those on FlexAttention. Not re-measured since.",
     "async_grpo_h200_qwen3-1.7b.json": "peak memory counted from zero while TRL's trainer, run first in the same "
     "process, still held its weights and optimizer state: the tree's peak includes them. The tree alone on these "
     "rows (`async_grpo_h200_qwen3-1.7b_flex_only.json`, same forests and recompute) peaked at 18.1 GiB against "
