@@ -169,13 +169,14 @@ def warm_on_cuda(forest) -> bool:
     """Whether a forest of `forest`'s call signature was asked about before in this process (decided once per
     forest, kept with its masks; the first such forest records it).
 
-    cuDNN builds an execution graph on the host for each new signature before its kernel runs, ~1-3 ms per call
-    measured on an H200 with every shape new (`benchmarks/results/prefix_attention_new_shapes_h200.json`): with
-    sampled completion lengths, mixed prompts or a planner's rows, every forest is new, and the step waits on the
-    host (GPU busy 44%, 1.9x slower than FlexAttention on TRL's async `grpo_mixed` rows,
-    `async_grpo_h200_qwen3-1.7b.json`). `fast_on_cuda` was measured with the graphs built; FlexAttention, compiled
-    for dynamic shapes, takes new lengths at no cost. So on CUDA the kernels take a forest whose signature recurs (a
-    fixed-length workload, from its second forest on) and FlexAttention every other."""
+    cuDNN builds an execution graph on the host for each new signature before its kernel runs: on an H200 a
+    GRPO-shaped forest's first forward + backward through the kernels took 0.86 s (median of six), a repeat
+    0.011 s, FlexAttention 0.012 s (`benchmarks/results/prefix_attention_new_shapes_h200.json`). With sampled
+    completion lengths, mixed prompts or a planner's rows every forest is new, and the step waits on the host (GPU
+    busy 44%, 1.9x slower than FlexAttention alone on TRL's async `grpo_mixed` rows,
+    `async_grpo_h200_qwen3-1.7b_prefix_kernels.json`). `fast_on_cuda` was measured with the graphs built;
+    FlexAttention, compiled for dynamic shapes, takes new lengths at no cost. So on CUDA the kernels take a forest
+    whose signature recurs (a fixed-length workload, from its second forest on) and FlexAttention every other."""
     cache = forest._mask_cache
     if "prefix_warm_on_cuda" not in cache:
         if torch.compiler.is_compiling():  # a compiled layer sees the eager decision; none made: FlexAttention
