@@ -6,7 +6,8 @@ Imports only what the GPU machine's transformers (5.17) has: `tests/helpers.py` 
 - `replayed_samples`: GRPO groups and multi-turn samples with the model's own generator log-probs;
 - `train`: TRL's AsyncGRPOTrainer (its FlashAttention call swapped, `trl_varlen`) or TreeAsyncGRPOTrainer, through
   `train()` on those samples;
-- `spy_on_forests` / `check_against_eager`: what the tree trainer scored, against per-sample `eager` forwards.
+- `spy_on_forests` / `check_against_eager`: what the tree trainer scored, against per-sample `eager` forwards;
+- `relative_error`: one step's gradients against a reference run's, as one vector.
 """
 
 from __future__ import annotations
@@ -112,6 +113,12 @@ def train(tree: bool, path: str, samples: list, out: Path, kernel=varlen_attenti
         trainer.compute_loss = lambda *a, **k: losses.append(compute_loss(*a, **k)) or losses[-1]
         trainer.train()
     return trainer, [float(loss.detach()) for loss in losses], gradients
+
+
+def relative_error(grads: dict, exact: dict) -> float:
+    """|grads - exact| / |exact| over all parameters as one vector."""
+    diff = sum(float((grads[n].float() - g.float()).square().sum()) for n, g in exact.items())
+    return (diff / sum(float(g.float().square().sum()) for g in exact.values())) ** 0.5
 
 
 def spy_on_forests(monkeypatch) -> list:

@@ -31,6 +31,8 @@ from async_grpo_helpers import (
     VOCAB,
     build_tokenizer,
     check_against_eager,
+    eager_logprobs,
+    relative_error,
     replayed_samples,
     save_model,
     spy_on_forests,
@@ -88,6 +90,58 @@ def test_same_as_trl_async(family, tmp_path):
         assert tree_entry["batch/packing_ratio"] >= trl_entry["batch/packing_ratio"] > 1
         # tree_recompute="auto" within TRL's memory: every layer recomputes whole, as in TRL's trainer
         assert tree_entry["tree_checkpointed_layers"] == 1.0 and tree_entry.get("tree_kept_attention", 0.0) == 0.0
+
+
+def _away_from_clip(samples: list, path: str, margin: float, epsilon: float = 0.2) -> list:
+    """`samples` with each scored token's generator log-prob moved, where needed, so that its importance ratio under
+    the saved model is at least `margin` (in log space) from both clip edges `log(1 -+ epsilon)`: still some tokens
+    clipped and some not, but none that a bf16 rounding of its log-prob could carry across an edge."""
+    edges = np.log([1 - epsilon, 1 + epsilon])
+    eager = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
+    out = []
+    with torch.no_grad():
+        for sample in samples:
+            logps = eager_logprobs(eager, sample.input_ids.tolist()).numpy()
+            old = sample.old_log_probs.copy()
+            log_ratio = logps - old[1:]
+            for edge in edges:
+                near = np.abs(log_ratio - edge) < margin
+                log_ratio[near] = edge + np.where(log_ratio[near] < edge, -margin, margin)
+            old[1:] = (logps - log_ratio).astype(np.float32)
+            out.append(dataclasses.replace(sample, old_log_probs=old))
+    return out
+
+
+@pytest.mark.parametrize("weights", ["float32", "bfloat16"])
+def test_as_close_to_float32_as_trl_under_bf16(weights, tmp_path):
+    """TRL's mixed precision on the CPU (`bf16=True`: CPU autocast to bf16, fp32 or bf16 weights): the tree trainer
+    is as close to the float32 run (TRL's trainer, plain-torch attention, no autocast, fp32 weights) as TRL's own
+    packing is (on `trl_varlen.varlen_attention`, which computes as FlashAttention does on bf16 inputs): the
+    micro-batch losses and every optimizer step's gradients within twice TRL's error plus one bf16 rounding, the bound
+    of `test_gpu_async_grpo.test_same_as_trl_async_on_cuda`, with the losses taken as one vector as the gradients
+    are. A loss is a signed sum of per-token errors of equal size on both sides (RMS ~1e-2 per log-prob, measured),
+    so one loss alone can land near the float32 one on TRL's side by cancellation; over the four that luck averages.
+
+    The clipped objective's gradient jumps where a token's ratio crosses a clip edge, and a bf16 log-prob moves by
+    up to ~0.05 here: a token that one side's rounding carries across and the other's does not would change a step's
+    gradient by a whole token's share, by chance. The replayed ratios keep 0.1 from both edges."""
+    path = save_model(tiny_family_config("qwen3"), tmp_path / "model")
+    samples = _away_from_clip(replayed_samples(path), path, margin=0.1)
+    _, ref_losses, ref_grads = train(False, path, samples, tmp_path / "fp32")
+    mixed = dict(bf16=True, dtype=weights)
+    trl, trl_losses, trl_grads = train(False, path, samples, tmp_path, **mixed)
+    tree, tree_losses, tree_grads = train(True, path, samples, tmp_path, **mixed)
+
+    assert len(tree_losses) == len(trl_losses) == len(ref_losses) == 4
+    assert trl_losses != ref_losses  # autocast is on: the comparison is not vacuous
+    u = torch.finfo(torch.bfloat16).eps / 2
+    ref, trl_l, tree_l = (torch.tensor(x) for x in (ref_losses, trl_losses, tree_losses))
+    tree_error, trl_error = (tree_l - ref).norm(), (trl_l - ref).norm()
+    assert tree_error <= 2 * trl_error + u * ref.norm(), (tree_l, trl_l, ref)
+    assert len(tree_grads.steps) == len(trl_grads.steps) == len(ref_grads.steps) == 2
+    for step, (got, want, exact) in enumerate(zip(tree_grads.steps, trl_grads.steps, ref_grads.steps)):
+        tree_error, trl_error = (relative_error(grads, exact) for grads in (got, want))
+        assert tree_error <= 2 * trl_error + u, (step, tree_error, trl_error)
 
 
 def test_recompute_stays_within_trl_memory_unless_given_a_budget():

@@ -11,7 +11,14 @@ import math
 
 import pytest
 import torch
-from async_grpo_helpers import check_against_eager, replayed_samples, save_model, spy_on_forests, train
+from async_grpo_helpers import (
+    check_against_eager,
+    relative_error,
+    replayed_samples,
+    save_model,
+    spy_on_forests,
+    train,
+)
 from transformers import Qwen3_5TextConfig, Qwen3Config
 from trl_varlen import flash_varlen_attention, varlen_attention
 
@@ -59,12 +66,6 @@ def test_flash_varlen_matches_reference():
             assert torch.nn.functional.cosine_similarity(g.flatten().float(), w.flatten(), dim=0) > 0.999, window
 
 
-def _relative_error(grads: dict, exact: dict) -> float:
-    """|grads - exact| / |exact| over all parameters as one vector."""
-    diff = sum(float((grads[n].float() - g.float()).square().sum()) for n, g in exact.items())
-    return (diff / sum(float(g.float().square().sum()) for g in exact.values())) ** 0.5
-
-
 def test_same_as_trl_async_on_cuda(tmp_path):
     """TRL's defaults on the GPU (fp32 weights, bf16 autocast, gradient checkpointing): the tree (FlexAttention or
     the shared-prefix kernels) is as close to the float32 run (TRL's trainer, plain-torch attention, no autocast) as
@@ -84,7 +85,7 @@ def test_same_as_trl_async_on_cuda(tmp_path):
     ref, trl_l, tree_l = (torch.tensor(x) for x in (ref_losses, trl_losses, tree_losses))
     assert ((tree_l - ref).abs() <= 2 * (trl_l - ref).abs() + u * ref.abs()).all(), (tree_l, trl_l, ref)
     for step, (got, want, exact) in enumerate(zip(tree_grads.steps, trl_grads.steps, ref_grads.steps)):
-        tree_error, trl_error = (_relative_error(grads, exact) for grads in (got, want))
+        tree_error, trl_error = (relative_error(grads, exact) for grads in (got, want))
         assert tree_error <= 2 * trl_error + u, (step, tree_error, trl_error)
     for key in ("ratio", "kl", "entropy"):
         got, want = (trainer.state.log_history[0][key] for trainer in (tree, trl))

@@ -27,24 +27,33 @@ def varlen_attention(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=None, causal=True,
     window_size=(-1, -1), softcap=0.0,
 ):  # fmt: skip
-    """FlashAttention's `flash_attn_varlen_func` in plain torch: `(total_q, heads, head_dim)`."""
+    """FlashAttention's `flash_attn_varlen_func` in plain torch: `(total_q, heads, head_dim)` in `q`'s dtype.
+
+    With its precision: inputs in bf16 (TRL casts them to the autocast dtype) are multiplied exactly and summed in
+    float32, the scores and their softmax stay float32, the probabilities are rounded to the input dtype for the
+    product with the values (as FlashAttention feeds them to its second matmul), which is summed in float32 and
+    rounded once to the input dtype. Autocast is off inside: under it a CPU `einsum` would round the scores to bf16
+    before the softmax, which no FlashAttention kernel does. Float32 inputs stay float32 throughout."""
+    dtype = q.dtype
     groups = q.shape[1] // k.shape[1]
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     outputs = []
-    for i in range(len(cu_seqlens_q) - 1):
-        qi = q[cu_seqlens_q[i] : cu_seqlens_q[i + 1]]
-        ki = k[cu_seqlens_k[i] : cu_seqlens_k[i + 1]].repeat_interleave(groups, dim=1)
-        vi = v[cu_seqlens_k[i] : cu_seqlens_k[i + 1]].repeat_interleave(groups, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", qi, ki) * scale
-        if softcap:
-            scores = softcap * torch.tanh(scores / softcap)
-        query_at = torch.arange(len(qi), device=q.device)[:, None] + (len(ki) - len(qi))
-        key_at = torch.arange(len(ki), device=q.device)[None]
-        allowed = key_at <= query_at if causal else torch.ones_like(key_at <= query_at)
-        if window_size[0] >= 0:
-            allowed &= key_at >= query_at - window_size[0]
-        probs = scores.masked_fill(~allowed, -math.inf).softmax(-1).to(vi.dtype)
-        outputs.append(torch.einsum("hqk,khd->qhd", probs, vi))
+    with torch.autocast(q.device.type, enabled=False):
+        q, k, v = q.float(), k.float(), v.float()
+        for i in range(len(cu_seqlens_q) - 1):
+            qi = q[cu_seqlens_q[i] : cu_seqlens_q[i + 1]]
+            ki = k[cu_seqlens_k[i] : cu_seqlens_k[i + 1]].repeat_interleave(groups, dim=1)
+            vi = v[cu_seqlens_k[i] : cu_seqlens_k[i + 1]].repeat_interleave(groups, dim=1)
+            scores = torch.einsum("qhd,khd->hqk", qi, ki) * scale
+            if softcap:
+                scores = softcap * torch.tanh(scores / softcap)
+            query_at = torch.arange(len(qi), device=q.device)[:, None] + (len(ki) - len(qi))
+            key_at = torch.arange(len(ki), device=q.device)[None]
+            allowed = key_at <= query_at if causal else torch.ones_like(key_at <= query_at)
+            if window_size[0] >= 0:
+                allowed &= key_at >= query_at - window_size[0]
+            probs = scores.masked_fill(~allowed, -math.inf).softmax(-1).to(dtype).float()
+            outputs.append(torch.einsum("hqk,khd->qhd", probs, vi).to(dtype))
     return torch.cat(outputs)
 
 
