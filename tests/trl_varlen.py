@@ -33,13 +33,14 @@ def varlen_attention(
     float32, the scores and their softmax stay float32, the probabilities are rounded to the input dtype for the
     product with the values (as FlashAttention feeds them to its second matmul), which is summed in float32 and
     rounded once to the input dtype. Autocast is off inside: under it a CPU `einsum` would round the scores to bf16
-    before the softmax, which no FlashAttention kernel does. Float32 inputs stay float32 throughout."""
+    before the softmax, which no FlashAttention kernel does. Float32 / float64 inputs keep their dtype."""
     dtype = q.dtype
     groups = q.shape[1] // k.shape[1]
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     outputs = []
     with torch.autocast(q.device.type, enabled=False):
-        q, k, v = q.float(), k.float(), v.float()
+        acc = torch.promote_types(dtype, torch.float32)  # float64 inputs stay float64
+        q, k, v = q.to(acc), k.to(acc), v.to(acc)
         for i in range(len(cu_seqlens_q) - 1):
             qi = q[cu_seqlens_q[i] : cu_seqlens_q[i + 1]]
             ki = k[cu_seqlens_k[i] : cu_seqlens_k[i + 1]].repeat_interleave(groups, dim=1)
@@ -52,7 +53,7 @@ def varlen_attention(
             allowed = key_at <= query_at if causal else torch.ones_like(key_at <= query_at)
             if window_size[0] >= 0:
                 allowed &= key_at >= query_at - window_size[0]
-            probs = scores.masked_fill(~allowed, -math.inf).softmax(-1).to(dtype).float()
+            probs = scores.masked_fill(~allowed, -math.inf).softmax(-1).to(dtype).to(acc)
             outputs.append(torch.einsum("hqk,khd->qhd", probs, vi).to(dtype))
     return torch.cat(outputs)
 
