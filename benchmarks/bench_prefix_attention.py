@@ -32,6 +32,16 @@ SHAPES = {  # name: (q heads, kv heads, head dim, groups, G, P, C)
 }
 
 
+def attention_kernels(forest, q, k, v, scale: float, block_mask=None) -> dict:
+    """`{"prefix": ..., "flex": ...}`: calls of the shared-prefix kernels and of FlexAttention with the forest's tree
+    mask on `q` `(1, heads, S, dim)`, `k`, `v` `(1, kv_heads, S, dim)`, each returning `(1, heads, S, dim)`."""
+    block_mask = forest.block_mask(q.device.type) if block_mask is None else block_mask
+    return {
+        "prefix": lambda: prefix_attention(q, k, v, forest.prefix_plan, scale),
+        "flex": lambda: _flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)[0],
+    }
+
+
 def _time(fn, repeats: int) -> float:
     fn()
     times = []
@@ -62,10 +72,7 @@ def measure(name: str, repeats: int) -> dict:
         torch.randn(1, kv_heads, forest.seq_len, dim, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in "kv"
     )
     q, k, v = (x.requires_grad_() for x in (q, k, v))
-    kernels = {
-        "prefix": lambda: prefix_attention(q, k, v, forest.prefix_plan, scale),
-        "flex": lambda: _flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)[0],
-    }
+    kernels = attention_kernels(forest, q, k, v, scale, block_mask)
     pairs = groups * (p * (p + 1) / 2 + g * (c * p + c * (c + 1) / 2))
     flops = 4 * pairs * heads * dim
     row = {"shape": dict(zip(("heads", "kv_heads", "head_dim", "groups", "G", "P", "C"), SHAPES[name])),

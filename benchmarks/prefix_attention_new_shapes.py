@@ -27,10 +27,9 @@ import time
 
 import torch
 import transformers
+from bench_prefix_attention import attention_kernels
 
 import hf_tree_attn
-from hf_tree_attn.attention import _flex_attention
-from hf_tree_attn.prefix_attention import prefix_attention
 
 HEADS, KV_HEADS, DIM = 16, 8, 128  # Qwen3-1.7B
 
@@ -72,11 +71,8 @@ def main():
         return [x.requires_grad_() for x in (q, k, v)]
 
     def kernels(forest, q, k, v):
-        mask = forest.block_mask("cuda")
-        return {
-            "prefix_cudnn": lambda: prefix_attention(q, k, v, forest.prefix_plan, scale),
-            "flex": lambda: _flex_attention(q, k, v, block_mask=mask, scale=scale, enable_gqa=True)[0],
-        }
+        named = attention_kernels(forest, q, k, v, scale)
+        return {"prefix_cudnn": named["prefix"], "flex": named["flex"]}
 
     for _ in range(2):  # FlexAttention compiles for the first length and again, length-generic, at the second
         forest = grpo_forest(rng, args.groups)
