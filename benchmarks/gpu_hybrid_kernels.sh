@@ -6,11 +6,7 @@
 # has its own time limit and the whole run a budget (BUDGET seconds, default 540): what does not fit is skipped and
 # said so; nothing waits on a hung step.
 #
-# Wheels (git-ignored, ~38 MiB, carried as `.whl/hybrid`): tilelang_site.tar.xz (tilelang 0.1.15, apache-tvm-ffi
-# 0.1.12, torch-c-dlpack-ext 0.1.5, z3-solver 4.15.4.0, installed with pip --target and xz-compressed: the wheels
-# alone are 82 MB), fla06/ (flash-linear-attention + fla-core 0.6.0), fla042/ (0.4.2), flashqla/ (flash-qla
-# 0.1.3). causal-conv1d is not carried: PyPI has only its source, whose CUDA build takes longer than this window;
-# the short convolution runs on transformers' torch fallback (cheap next to the scan).
+# Packages and caches: benchmarks/hybrid_env.sh (carry .whl/hybrid).
 #
 #   bash benchmarks/gpu_hybrid_kernels.sh          results in $OUT (at most 8 files; see the end of this script)
 set -uo pipefail
@@ -22,19 +18,7 @@ W=/tmp/hyb
 mkdir -p "$OUT" "$W"
 exec > >(tee "$W/main.log") 2>&1
 
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 TOKENIZERS_PARALLELISM=false NCCL_NVLS_ENABLE=0
-# Compiled kernels and autotuning results on disk, shared by every process of the run (each route's check warms the
-# shapes its tests and benchmarks use: 16 heads of 128, 4 of 64).
-export TRITON_CACHE_DIR=$W/triton TILELANG_CACHE_DIR=$W/tilelang TVM_FFI_CACHE_DIR=$W/tvm-ffi FLA_CACHE_RESULTS=1 \
-  TILELANG_PRINT_ON_COMPILATION=0
-if [ -z "${CUDA_HOME:-}" ]; then  # TileLang's JIT needs nvcc and the CUDA headers
-  for home in "$(dirname "$(dirname "$(readlink -f "$(command -v nvcc || echo /nonexistent)")")")" /usr/local/cuda; do
-    if [ -x "$home/bin/nvcc" ] && [ -f "$home/include/cuda.h" ]; then export CUDA_HOME=$home; break; fi
-  done
-fi
-
 left() { echo $((BUDGET - (SECONDS - START))); }
-note() { echo "$*" | tee -a "$W/status"; }
 # step NAME MAX_S LOG CMD...: CMD (output to LOG, its last lines shown) under a limit of min(MAX_S, time left - 15 s);
 # skipped below 30 s.
 step() {
@@ -54,45 +38,9 @@ step() {
   return $rc
 }
 
-# ---- install: one target folder per package set; each route composes its own PYTHONPATH from them
-echo "=== install ($(left) s left)"
-if [ ! -f "$WHL/tilelang_site.tar.xz" ]; then
-  echo "no $WHL/tilelang_site.tar.xz: carry .whl/hybrid (see the header)"
-  exit 1
-fi
-python3 - "$WHL/tilelang_site.tar.xz" "$W/tl" <<'EOF' || note "tilelang unpack failed"
-import sys, tarfile
-with tarfile.open(sys.argv[1], "r:xz") as tar:
-    tar.extractall(sys.argv[2], filter="tar")
-EOF
-for set in fla06 fla042 flashqla; do
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$W/$set" "$WHL/$set"/*.whl \
-    || note "pip install $set failed"
-done
-# .whl/common (when carried): the transformers release the tests are written for, with its hub / tokenizers, under
-# every route's packages.
-COMMON=
-if compgen -G ".whl/common/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$W/common" .whl/common/*.whl \
-    && COMMON=$W/common || note "pip install common failed"
-fi
-declare -A PATHS=([flash_qla]="$W/flashqla:$W/fla06:$W/tl" [fla_tilelang]="$W/fla06:$W/tl" [fla_triton]="$W/fla06"
-  [fla042]="$W/fla042")
-declare -A ROUTE=([flash_qla]=flash_qla [fla_tilelang]=fla_tilelang [fla_triton]=fla_triton [fla042]=fla_triton)
+source benchmarks/hybrid_env.sh
 # Preference order for the benchmark rows; ROUTES="flash_qla fla_tilelang" runs only those.
 read -r -a LABELS <<<"${ROUTES:-flash_qla fla_tilelang fla_triton fla042}"
-pypath() { echo "${PATHS[$1]:+${PATHS[$1]}:}$PWD${COMMON:+:$COMMON}"; }  # a label's PYTHONPATH (base: torch kernels)
-nvidia-smi --query-gpu=name,memory.used,memory.total,driver_version --format=csv,noheader
-nvcc --version | tail -2
-echo "CUDA_HOME=${CUDA_HOME:-unset}"
-for label in flash_qla fla042; do  # metadata only: importing torch here would cost seconds
-  PYTHONPATH=$(pypath $label) python3 -c "import importlib.metadata as m
-names = ('torch', 'triton', 'transformers', 'flash-linear-attention', 'fla-core', 'flash-qla', 'tilelang',
-         'apache-tvm-ffi', 'torch-c-dlpack-ext', 'z3-solver')
-print('$label:', *(f'{n} {m.version(n)}' for n in names if any(d.metadata['Name'] == n for d in m.distributions())))"
-done
-note "install done at $((SECONDS - START)) s"
-
 # ---- 1. per-route kernel checks, all at once (compilation is CPU work; the GPU work is small). As soon as a route's
 # check passes, its parity tests start beside the others (nothing here is timed); the benchmark rows go to the first
 # route, in the order of LABELS, whose check passes.

@@ -4,6 +4,8 @@
 # go to $OUT (the device tool's output folder; /tmp/trees_beyond_grpo_out elsewhere).
 #
 #   bash benchmarks/gpu_trees_beyond_grpo.sh        carry: .whl/trees_beyond_grpo
+#   TESTS=0 WORKLOADS="sft_agent_turns grpo_reward_model" RESULT=trees_beyond_grpo_h200_more \
+#     bash benchmarks/gpu_trees_beyond_grpo.sh      some workloads only, no GPU tests, into $OUT/RESULT.json
 #
 # The H200 image has torch, transformers 5.17, accelerate, peft, pandas, pyarrow, fsspec, xxhash, huggingface-hub;
 # it lacks trl and datasets and datasets' dill and multiprocess. Their Python 3.12 wheels travel in
@@ -25,11 +27,15 @@ python3 -c "import torch, transformers, trl, datasets, peft, accelerate; print('
 'transformers', transformers.__version__, 'trl', trl.__version__, 'datasets', datasets.__version__, 'peft',
 peft.__version__, 'accelerate', accelerate.__version__)" || exit 1
 
-echo "=== GPU tests (tests/test_gpu_trees.py)"
-timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_trees.py 2>&1 \
-  | tee "$OUT/gpu_trees_tests.log" | tail -15
+RESULT=${RESULT:-trees_beyond_grpo_h200}
+if [ "${TESTS:-1}" != 0 ]; then
+  echo "=== GPU tests (tests/test_gpu_trees.py)"
+  timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu_trees.py 2>&1 \
+    | tee "$OUT/gpu_trees_tests.log" | tail -15
+fi
 
 echo "=== benchmark (tree vs TRL through trainer.train())"
-timeout 270 python3 benchmarks/bench_trees_beyond_grpo.py --out "$OUT/trees_beyond_grpo_h200.json" 2>&1 \
-  | tee "$OUT/trees_beyond_grpo_bench.log" | grep -E "^(sft|dpo|grpo)_|Error|error:|Traceback" | tail -40
+# shellcheck disable=SC2086
+timeout "${BENCH_MAX:-270}" python3 benchmarks/bench_trees_beyond_grpo.py ${WORKLOADS:+--workloads $WORKLOADS} \
+  --out "$OUT/$RESULT.json" 2>&1 | tee "$OUT/${RESULT}_bench.log" | grep -E "^(sft|dpo|grpo)_|Error|error:|Traceback" | tail -40
 ls -la "$OUT"

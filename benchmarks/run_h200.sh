@@ -101,6 +101,11 @@ for stage in "$@"; do
       mv "$OUT/kernel_checks.json" "$OUT/hybrid_kernel_checks_h200.json"
       mv "$OUT/hybrid_gpu.log" "$OUT/hybrid_kernels_h200.log"
       mv "$OUT/gpu_tests_hybrid_kernels.log" "$OUT/h200_gpu_tests_hybrid_kernels.log" ;;
+    hybrid-rows-warm)  # gpu_hybrid_rows.sh's first call (~9 min; carry .whl/hybrid): the fla + TileLang route's parity
+      # tests and one untimed run of each benchmark, all at once, filling the compile and autotuning caches in /tmp
+      PHASE=warm bash benchmarks/gpu_hybrid_rows.sh ;;
+    hybrid-rows)  # its second call, made right after the first on the same (warm) machine: the rows, timed
+      PHASE=rows bash benchmarks/gpu_hybrid_rows.sh ;;
     hybrid-kernels-fla-tilelang-rows)  # the benchmark rows alone on fla + TileLang: no checks, no parity test (on a
       # fresh machine: the script keeps its work files, status lines included, in /tmp/hyb)
       ROUTES=fla_tilelang CHECKS=0 PARITY_K=no_such_test BENCH_MAX=330 BUDGET=500 bash benchmarks/gpu_hybrid_kernels.sh
@@ -191,7 +196,10 @@ for stage in "$@"; do
     trees-beyond-grpo)  # gpu_trees_beyond_grpo.sh (~6 min; carry .whl/trees_beyond_grpo): tests/test_gpu_trees.py,
       # then TreeSFTTrainer / TreeDPOTrainer / reward-model trees vs TRL's trainers through train()
       bash benchmarks/gpu_trees_beyond_grpo.sh
-      cat "$OUT/gpu_trees_tests.log" "$OUT/trees_beyond_grpo_bench.log" > "$OUT/trees_beyond_grpo_h200.log" ;;
+      cat "$OUT/gpu_trees_tests.log" "$OUT/trees_beyond_grpo_h200_bench.log" > "$OUT/trees_beyond_grpo_h200.log" ;;
+    trees-beyond-grpo-more)  # the per-turn SFT row and the reward-model GRPO row alone (carry .whl/trees_beyond_grpo)
+      TESTS=0 WORKLOADS="sft_agent_turns grpo_reward_model" RESULT=trees_beyond_grpo_h200_more \
+        bash benchmarks/gpu_trees_beyond_grpo.sh ;;
     deepspeed)  # gpu_deepspeed.sh (~5 min; carry .whl/deepspeed): tests/test_gpu_deepspeed.py, TreeGRPOTrainer vs
       # trl.GRPOTrainer under ZeRO-2 and ZeRO-3 in bf16 (one GPU), then the main job under ZeRO-3
       bash benchmarks/gpu_deepspeed.sh ;;
