@@ -18,8 +18,10 @@ Workloads (lengths in tokens: the tokenizer is character-level, so a character i
                       one trajectory's 8 turns).
   dpo_long_prompt     8 pairs per batch, 2-4k-token prompts, 100-400-token chosen / rejected; a separate reference
                       model (a copy of the policy); the policy and the reference forward both run on trees.
-  grpo_reward_model   a Qwen3-0.6B-shaped policy (its vocabulary cut to the tokenizer's, so that sampled ids decode)
-                      generating 64 tokens for 2 prompts x G=16 per step, 2k-token prompts, scored by a
+  grpo_reward_model   a Qwen3-0.6B-shaped policy (its vocabulary cut to the tokenizer's, so that sampled ids decode;
+                      float32 weights under bf16 autocast: with bf16 weights TRL's own trainer logged a NaN
+                      gradient norm at its first step on the H200, then failed in sampling) generating 64 tokens
+                      for 2 prompts x G=16 per step, 2k-token prompts, scored by a
                       Qwen3-1.7B-shaped sequence-classification reward model; `reward_time_s` is the time of TRL's
                       `_calculate_rewards` (the reward model's forward) per step, the ratio isolates the reward
                       model.
@@ -73,8 +75,11 @@ TEMPLATE = (
 )
 
 
-def tokenizer() -> PreTrainedTokenizerFast:
+def tokenizer(size: int = 0) -> PreTrainedTokenizerFast:
+    """Character-level: `<pad>`, `<eos>`, `<unk>` and CHARS; with `size`, filled up to `size` ids with CJK characters
+    (one token each, so that any id a policy samples decodes and encodes back to itself)."""
     vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{c: i + 3 for i, c in enumerate(CHARS)}}
+    vocab.update({chr(0x4E00 + i): len(vocab) + i for i in range(max(0, size - len(vocab)))})
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
     tok.decoder = decoders.Fuse()
@@ -98,10 +103,10 @@ def config(shape: str, tok, **overrides) -> Qwen3Config:
     return Qwen3Config(**{**kwargs, **overrides})
 
 
-def causal_lm(cfg: Qwen3Config, seed: int = 0):
+def causal_lm(cfg: Qwen3Config, seed: int = 0, dtype: torch.dtype = torch.bfloat16):
     torch.manual_seed(seed)
     with DEVICE:
-        return AutoModelForCausalLM.from_config(copy.deepcopy(cfg), dtype=torch.bfloat16, attn_implementation="sdpa")
+        return AutoModelForCausalLM.from_config(copy.deepcopy(cfg), dtype=dtype, attn_implementation="sdpa")
 
 
 def sync() -> None:
@@ -124,6 +129,21 @@ class StepTimer(TrainerCallback):
         self.times.append(time.perf_counter() - self._start)
 
 
+class NonFiniteGradients(TrainerCallback):
+    """Stops training after the first optimizer step whose gradients hold a NaN or an infinity, and records which
+    parameters (a NaN written into the weights makes the next generation's sampling fail on a device-side assert,
+    which ends the process's CUDA context and every workload after it)."""
+
+    def __init__(self):
+        self.found = None
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        bad = [n for n, p in kwargs["model"].named_parameters() if p.grad is not None and not p.grad.isfinite().all()]
+        if bad and self.found is None:
+            self.found = {"step": state.global_step + 1, "parameters": len(bad), "first": bad[:8]}
+            control.should_training_stop = True
+
+
 def common_args(steps: int) -> dict:
     return dict(
         output_dir="/tmp/bench_trees_beyond_grpo", bf16=DEVICE.type == "cuda", use_cpu=DEVICE.type == "cpu",
@@ -139,12 +159,15 @@ def train(make_trainer, warmup: int, extra_timer=None) -> dict:
     if cuda:
         torch.cuda.empty_cache()
     trainer = make_trainer()
-    timer = StepTimer()
+    timer, guard = StepTimer(), NonFiniteGradients()
     trainer.add_callback(timer)
+    trainer.add_callback(guard)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     trainer.train()
     logs = [e for e in trainer.state.log_history if "loss" in e]
+    if guard.found is not None:
+        raise FloatingPointError(f"non-finite gradients, training stopped: {guard.found}")
     timed = timer.times[warmup:]
     out = {
         "step_time_s": statistics.median(timed),
@@ -255,13 +278,17 @@ def grpo_reward_model(args, tok, timer: list):
     rng = random.Random(3)
     dataset = Dataset.from_dict({"prompt": [text(rng, 2048) for _ in range(2 * args.steps)]})
     small = args.model == "tiny"
+    # The policy's vocabulary is the tokenizer's (every sampled id decodes), args.policy_vocab ids: TRL's Triton LM
+    # head gave NaN gradients on the H200 with the 55 ids of the plain character tokenizer.
+    tok = tokenizer(args.policy_vocab)
     policy_cfg = config("tiny" if small else "qwen3-0.6b", tok, vocab_size=len(tok), tie_word_embeddings=False)
-    reward_cfg = config("tiny" if small else "qwen3-1.7b", tok, num_labels=1)
+    reward_shape = "tiny" if small else "qwen3-1.7b"
+    reward_cfg = config(reward_shape, tok, num_labels=1, vocab_size=max(SHAPES[reward_shape]["vocab_size"], len(tok)))
     kwargs = dict(
         common_args(args.steps), per_device_train_batch_size=32, num_generations=16, max_completion_length=64,
         temperature=1.0,
     )  # fmt: skip
-    gen_tok = tokenizer()
+    gen_tok = tokenizer(args.policy_vocab)
     gen_tok.padding_side = "left"
 
     def make(trainer_cls, config_cls):
@@ -271,8 +298,8 @@ def grpo_reward_model(args, tok, timer: list):
                 copy.deepcopy(reward_cfg), dtype=torch.bfloat16, attn_implementation="sdpa"
             ).eval()
         trainer = trainer_cls(
-            causal_lm(policy_cfg), reward, config_cls(**kwargs), train_dataset=dataset, processing_class=gen_tok,
-            reward_processing_classes=tok,
+            causal_lm(policy_cfg, dtype=torch.float32), reward, config_cls(**kwargs), train_dataset=dataset,
+            processing_class=gen_tok, reward_processing_classes=tok,
         )  # fmt: skip
         calculate = trainer._calculate_rewards
 
@@ -290,8 +317,8 @@ def grpo_reward_model(args, tok, timer: list):
     return (
         lambda: make(GRPOTrainer, GRPOConfig),
         lambda: make(TreeGRPOTrainer, TreeGRPOConfig),
-        "2 prompts x G=16 per step, 2048-token prompts, 64-token completions; Qwen3-0.6B-shaped policy, "
-        "Qwen3-1.7B-shaped reward model",
+        "2 prompts x G=16 per step, 2048-token prompts, 64-token completions; Qwen3-0.6B-shaped policy (float32 "
+        "weights, bf16 autocast), Qwen3-1.7B-shaped bf16 reward model",
     )
 
 
@@ -308,6 +335,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--device", default="cuda", help="cpu only for a smoke run of this script")
     parser.add_argument("--scale", type=float, default=1.0, help="multiplies every length (smoke runs)")
+    parser.add_argument("--policy-vocab", type=int, default=4096, help="the GRPO policy's vocabulary size")
+    parser.add_argument("--no-cudnn-sdpa", action="store_true", help="SDPA without its cuDNN backend, both sides")
+    parser.add_argument("--detect-anomaly", action="store_true", help="autograd anomaly detection (diagnosis)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     global DEVICE, SCALE
@@ -331,6 +361,9 @@ def main() -> None:
         "runs": [],
     }
     tok = tokenizer()
+    torch.autograd.set_detect_anomaly(args.detect_anomaly)
+    if args.no_cudnn_sdpa:
+        torch.backends.cuda.enable_cudnn_sdp(False)
     for name in args.workloads:
         reward_timer = []
         make_flat, make_tree, description = (
