@@ -18,13 +18,15 @@ Workloads (lengths in tokens: the tokenizer is character-level, so a character i
                       one trajectory's 8 turns).
   dpo_long_prompt     8 pairs per batch, 2-4k-token prompts, 100-400-token chosen / rejected; a separate reference
                       model (a copy of the policy); the policy and the reference forward both run on trees.
-  grpo_reward_model   a Qwen3-0.6B-shaped policy (its vocabulary cut to the tokenizer's, so that sampled ids decode;
-                      float32 weights under bf16 autocast: with bf16 weights TRL's own trainer logged a NaN
-                      gradient norm at its first step on the H200, then failed in sampling) generating 64 tokens
-                      for 2 prompts x G=16 per step, 2k-token prompts, scored by a
-                      Qwen3-1.7B-shaped sequence-classification reward model; `reward_time_s` is the time of TRL's
-                      `_calculate_rewards` (the reward model's forward) per step, the ratio isolates the reward
-                      model.
+  grpo_reward_model   a Qwen3-0.6B-shaped policy (float32 weights under bf16 autocast; its vocabulary is the
+                      tokenizer's, 4,096 ids with `--policy-vocab`, so that every sampled id decodes) generating 64
+                      tokens for 2 prompts x G=16 per step, 2k-token prompts, scored by a Qwen3-1.7B-shaped
+                      sequence-classification reward model; `reward_time_s` is the time of TRL's `_calculate_rewards`
+                      (the reward model's forward) per step, the ratio isolates the reward model. On the H200 (torch
+                      2.11) run it with `--no-cudnn-sdpa`: PyTorch's cuDNN attention backward returned NaN in TRL's
+                      flat policy update at its first step (`--detect-anomaly` names
+                      `ScaledDotProductCudnnAttentionBackward0`); without cuDNN, SDPA takes its other kernels on both
+                      sides.
 
     python benchmarks/bench_trees_beyond_grpo.py --out benchmarks/results/trees_beyond_grpo_h200.json
 """
@@ -278,8 +280,7 @@ def grpo_reward_model(args, tok, timer: list):
     rng = random.Random(3)
     dataset = Dataset.from_dict({"prompt": [text(rng, 2048) for _ in range(2 * args.steps)]})
     small = args.model == "tiny"
-    # The policy's vocabulary is the tokenizer's (every sampled id decodes), args.policy_vocab ids: TRL's Triton LM
-    # head gave NaN gradients on the H200 with the 55 ids of the plain character tokenizer.
+    # The policy's vocabulary is the tokenizer's, args.policy_vocab ids: every id it samples decodes and encodes back.
     tok = tokenizer(args.policy_vocab)
     policy_cfg = config("tiny" if small else "qwen3-0.6b", tok, vocab_size=len(tok), tie_word_embeddings=False)
     reward_shape = "tiny" if small else "qwen3-1.7b"

@@ -39,22 +39,25 @@ finish() {
   ls -la "$OUT"
 }
 
-# The benchmark commands: NAME ARGS... (bench_tree_vs_flat.py unless NAME starts with "levels")
+# The benchmarks: NAME SCRIPT ARGS... (each writes $R/NAME_<route>.json). The route written in them is the default;
+# ROUTE=... replaces it.
 BENCHES=(
-  "qwen3.5-0.8b_grpo --models qwen3.5-0.8b --workloads grpo_G16_P4096_C512 --scale 0.25 --repeats 1"
-  "qwen3.5-0.8b_agent20 --models qwen3.5-0.8b --workloads agent_20_turns --scale 0.25 --repeats 1"
-  "levels --device cuda --heads 16 --dim 128 --scale 1"
-  "qwen3.5-2b_grpo --models qwen3.5-2b --workloads grpo_G16_P4096_C512 --scale 0.25 --repeats 1"
+  "qwen3.5-0.8b_grpo benchmarks/bench_tree_vs_flat.py --models qwen3.5-0.8b --workloads grpo_G16_P4096_C512 \
+    --scale 0.25 --repeats 1 --gdn-route fla_tilelang"
+  "qwen3.5-0.8b_agent20 benchmarks/bench_tree_vs_flat.py --models qwen3.5-0.8b --workloads agent_20_turns \
+    --scale 0.25 --repeats 1 --gdn-route fla_tilelang"
+  "levels benchmarks/bench_levels.py --device cuda --heads 16 --dim 128 --scale 1 --gdn-route fla_tilelang"
+  "qwen3.5-2b_grpo benchmarks/bench_tree_vs_flat.py --models qwen3.5-2b --workloads grpo_G16_P4096_C512 \
+    --scale 0.25 --repeats 1 --gdn-route fla_tilelang"
 )
+bench_cmd() {  # bench_cmd NAME SCRIPT ARGS...: the benchmark's command line on $LABEL's route
+  local name=$1
+  shift
+  echo python3 "${@/#fla_tilelang/${ROUTE[$LABEL]}}" --out "$R/${name}_$LABEL.json"
+}
 if [ -n "${ONLY:-}" ]; then
   mapfile -t BENCHES < <(for spec in "${BENCHES[@]}"; do [[ " $ONLY " == *" ${spec%% *} "* ]] && echo "$spec"; done)
 fi
-bench_cmd() {  # bench_cmd NAME ARGS...: the benchmark's command line, writing $R/NAME_<route>.json
-  local name=$1 script=bench_tree_vs_flat.py
-  shift
-  [[ $name == levels* ]] && script=bench_levels.py
-  echo python3 "benchmarks/$script" "$@" --gdn-route "${ROUTE[$LABEL]}" --out "$R/${name}_$LABEL.json"
-}
 
 if [ "$PHASE" = warm ]; then
   # Where each process spends its time: every autotuning (Triton prints the config it picked and how long it took)

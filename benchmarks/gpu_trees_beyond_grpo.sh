@@ -6,6 +6,9 @@
 #   bash benchmarks/gpu_trees_beyond_grpo.sh        carry: .whl/trees_beyond_grpo
 #   TESTS=0 WORKLOADS="sft_agent_turns grpo_reward_model" RESULT=trees_beyond_grpo_h200_more \
 #     bash benchmarks/gpu_trees_beyond_grpo.sh      some workloads only, no GPU tests, into $OUT/RESULT.json
+# The benchmark's command, with the defaults and with those settings:
+#   python3 benchmarks/bench_trees_beyond_grpo.py --out $OUT/trees_beyond_grpo_h200.json
+#   python3 benchmarks/bench_trees_beyond_grpo.py --workloads sft_agent_turns grpo_reward_model --out $OUT/trees_beyond_grpo_h200_more.json
 #
 # The H200 image has torch, transformers 5.17, accelerate, peft, pandas, pyarrow, fsspec, xxhash, huggingface-hub;
 # it lacks trl and datasets and datasets' dill and multiprocess. Their Python 3.12 wheels travel in

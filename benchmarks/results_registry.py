@@ -76,6 +76,18 @@ SOURCES = {
     "hybrid_kernels_h200.log": "hybrid-kernels",
     "h200_gpu_tests_hybrid_kernels.log": "hybrid-kernels",
     "hybrid_kernels_h200_fla_tilelang_rows.log": "hybrid-kernels-fla-tilelang-rows",
+    "tree_vs_flat_h200_qwen3.5-0.8b_fla_tilelang.json": "hybrid-rows",
+    "tree_vs_flat_h200_qwen3.5-0.8b_agent20_fla_tilelang.json": "hybrid-rows",
+    "tree_vs_flat_h200_qwen3.5-2b_fla_tilelang.json": "hybrid-rows-2b",
+    "levels_h200_fla_tilelang.json": "hybrid-rows-2b",
+    "h200_gpu_tests_hybrid_rows.log": "hybrid-rows-2b-warm",
+    "trees_beyond_grpo_h200_more.json": "trees-beyond-grpo-more",
+    "trees_beyond_grpo_h200_cudnn_nan.log": "trees-beyond-grpo-cudnn-nan",
+    "trees_beyond_grpo_h200_reward_model.json": "trees-beyond-grpo-reward-model",
+    "h200_gpu_tests_deepspeed.log": "deepspeed",
+    "deepspeed_zero2_bf16_h200.json": "deepspeed",
+    "deepspeed_zero3_bf16_h200.json": "deepspeed",
+    "deepspeed_main_job_zero3_h200.log": "deepspeed",
     "balance_simulation.json": None,
     "balance_cpu_2proc.json": None,
     "levels_cpu.json": None,
@@ -209,13 +221,27 @@ ASYNC_ATTENTION_PATHS = {
     "default: the kernels only for recurring shapes": "async_grpo_h200_qwen3-1.7b.json",
 }
 PREFIX_NEW_SHAPES = "prefix_attention_new_shapes_h200.json"
-# SFT / DPO / reward models on trees against TRL's trainers (bench_trees_beyond_grpo.py).
-BEYOND_GRPO = "trees_beyond_grpo_h200.json"
+# SFT / DPO / reward models on trees against TRL's trainers (bench_trees_beyond_grpo.py); a failed workload's row is
+# left out (its file's note says why).
+BEYOND_GRPO = [
+    "trees_beyond_grpo_h200.json",
+    "trees_beyond_grpo_h200_more.json",
+    "trees_beyond_grpo_h200_reward_model.json",
+]
+# DeepSpeed ZeRO on one H200 (gpu_deepspeed.sh): the tests' per-stage measurements and the main job's log.
+DEEPSPEED_RUNS = ["deepspeed_zero2_bf16_h200.json", "deepspeed_zero3_bf16_h200.json"]
+DEEPSPEED_MAIN_JOB = "deepspeed_main_job_zero3_h200.log"
 
 PROFILES = [name for name in SOURCES if name.startswith("profile_") and "_flex-" not in name]
 FLEX_OPTIONS = [name for name in SOURCES if name.startswith("profile_") and "_flex-" in name]
-HYBRID_ROWS = ["tree_vs_flat_h200_qwen3.5-0.8b.json", "tree_vs_flat_h200_qwen3.5-0.8b_agent20.json"]
-LEVELS = ["levels_h200.json", "levels_cpu.json"]
+HYBRID_ROWS = [
+    "tree_vs_flat_h200_qwen3.5-0.8b.json",
+    "tree_vs_flat_h200_qwen3.5-0.8b_fla_tilelang.json",
+    "tree_vs_flat_h200_qwen3.5-0.8b_agent20.json",
+    "tree_vs_flat_h200_qwen3.5-0.8b_agent20_fla_tilelang.json",
+    "tree_vs_flat_h200_qwen3.5-2b_fla_tilelang.json",
+]
+LEVELS = ["levels_h200.json", "levels_h200_fla_tilelang.json", "levels_cpu.json"]
 # The Gated DeltaNet kernel routes checked against the torch reference (gdn_kernel_check.py, one file per call of
 # gpu_hybrid_kernels.sh), and the logs of that script's calls (their steps: what ran, what ran out of time).
 KERNEL_CHECKS = "hybrid_kernel_checks_h200.json"
@@ -240,6 +266,11 @@ GPU_TEST_LOGS = {  # log: the tests it ran
     "trees_beyond_grpo_h200.log": "`test_gpu_trees.py`: SFT, DPO and reward-model trees on CUDA",
     "h200_gpu_tests_hybrid_kernels.log": "`test_gpu_recurrent.py` on FlashQLA: Qwen3.5 and Qwen3-Next trees (K = 128) "
     "against per-sequence float32 forwards",
+    "h200_gpu_tests_hybrid_rows.log": "`test_gpu_recurrent.py` on fla + TileLang: Qwen3.5 (K = 128 and 64) and "
+    "Qwen3-Next trees against per-sequence float32 forwards on the torch kernels, forward and backward, bf16 and "
+    "fp32; varlen level batches against padded ones",
+    "h200_gpu_tests_deepspeed.log": "`test_gpu_deepspeed.py`: `TreeGRPOTrainer` against `trl.GRPOTrainer` under "
+    "ZeRO-2 and ZeRO-3 in bf16, full and LoRA, 4 steps, each side's error against TRL's float32 run (one GPU)",
 }
 # The files the plot in README.md is drawn from (`plot_results.py`: a later file's row wins).
 PLOT = [
@@ -304,6 +335,16 @@ NOTES = {
     "h200_gpu_tests_precision.log": "its 70 s limit stopped it in the 9th test: Qwen3 with fp32 weights under bf16 "
     "autocast in every recompute mode and under fp16 autocast without recompute passed; the rest (fp16 autocast "
     "with recompute, bf16 weights, Gemma 2, GPT-OSS) did not run.",
+    "trees_beyond_grpo_h200_more.json": "its GRPO row stopped at TRL's first step: a NaN gradient from PyTorch's "
+    "cuDNN attention backward (`ScaledDotProductCudnnAttentionBackward0`, named by autograd's anomaly mode in "
+    "`trees_beyond_grpo_h200_cudnn_nan.log`); the row ran again with that backend off "
+    "(`trees_beyond_grpo_h200_reward_model.json`).",
+    "trees_beyond_grpo_h200_reward_model.json": "SDPA's cuDNN backend off on both sides (`--no-cudnn-sdpa`, see "
+    "[trees_beyond_grpo_h200_cudnn_nan.log](trees_beyond_grpo_h200_cudnn_nan.log)); the policy in float32 weights "
+    "under bf16 autocast. Its step is generation, scoring and the update; the token ceiling is the reward model's "
+    "(the tree trainer's `reward_tree_compute_ratio`), against which its scoring time is measured.",
+    "tree_vs_flat_h200_qwen3.5-0.8b_fla_tilelang.json": "the short convolution on transformers' torch fallback "
+    "(`causal-conv1d` not installed) on every method.",
     "h200_gpu_tests_hybrid_kernels.log": "no error text was kept: the script's summary filter dropped the failures' "
     "messages (it keeps them now), and the 200 s limit stopped the run in its 8th test.",
 }
@@ -312,20 +353,19 @@ NOTES = {
 PENDING = {
     "sync": ["Qwen3-8B shape, G=16, P=4,096, C=512"],
     "through_trainer": [
-        "DeepSpeed ZeRO",
+        "DeepSpeed ZeRO step times (ZeRO-2 / ZeRO-3 are tested equal to TRL on one H200, not timed)",
     ],
-    "beyond_grpo": [
-        "SFT on per-turn agent trajectories (`sft_agent_turns`)",
-        "GRPO with a Qwen3-1.7B-shaped reward model (`grpo_reward_model`): TRL's own trainer, run first, had a NaN "
-        "gradient norm at its first step with random bf16 weights and its next generation stopped on a device-side "
-        "assert (`probability tensor contains either inf, nan or element < 0`): the run ended there",
+    "beyond_grpo": [],
+    "hybrids": [
+        "fp32 trees on fla's kernels at K = 128 (the parity tests' time limit stopped them); at K = 64 the tree's "
+        "`in_proj_a` gradient reached cosine 0.988 against the float32 torch reference (bound 0.999; bf16: 0.9997)",
+        "Qwen3.5 on FlashQLA and on fla's Triton kernels alone, rows",
     ],
-    "hybrids": ["the hybrids on a real Gated DeltaNet kernel route (one varlen call per level)"],
     "balance": ["FSDP2 on two H200s, Qwen3-1.7B shape, balanced vs not (stage `balance-fsdp2`)"],
     "peers": [
         "AReaL's tree-training code, same workloads",
         "TRL's own tree packing on its FlashAttention-3 kernel from the Hub (the rows above ran FlashAttention-2)",
-        "Qwen3.5-2B on `TreeAsyncGRPOTrainer`; the hybrids on a real Gated DeltaNet kernel",
+        "Qwen3.5-2B on `TreeAsyncGRPOTrainer`; `TreeAsyncGRPOTrainer`'s hybrids on fla's kernels",
     ],
     "gradients": [
         "Liger + compiled layers at 36 layers without inductor's mix-order reduction "

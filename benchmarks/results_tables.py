@@ -23,6 +23,8 @@ from results_registry import (
     ASYNC_ROWS,
     ASYNC_TREE_ONLY,
     BEYOND_GRPO,
+    DEEPSPEED_MAIN_JOB,
+    DEEPSPEED_RUNS,
     FLEX_OPTIONS,
     GPU_TEST_LOGS,
     GRAD_CHECKS,
@@ -55,7 +57,7 @@ SCRIPT = "benchmarks/run_h200.sh"
 BEGIN, END = "<!-- benchmarks/results_tables.py writes this table -->", "<!-- end of the table -->"
 
 MODELS = {"qwen3-0.6b": "Qwen3-0.6B", "qwen3-1.7b": "Qwen3-1.7B", "qwen3-8b": "Qwen3-8B", "gemma3-1b": "Gemma-3-1B",
-          "qwen3.5-0.8b": "Qwen3.5-0.8B"}  # fmt: skip
+          "qwen3.5-0.8b": "Qwen3.5-0.8B", "qwen3.5-2b": "Qwen3.5-2B"}  # fmt: skip
 WORKLOADS = {"tau2_like_agent": "τ²-like agent", "agent_20_turns": "τ²-like agent, 20 turns",
              "no_sharing": "no sharing", "grpo_mixed_prompts": "GRPO, mixed prompt lengths",
              "grpo_P4096_C512": "P=4,096 + G=16 × C=512",
@@ -422,18 +424,27 @@ def generation_modes() -> list[str]:
     ]  # fmt: skip
 
 
+def gdn_kernels(described: str | None) -> str:
+    """The Gated DeltaNet kernels a run recorded (`gdn_kernels.describe`); older runs ran the torch ones."""
+    if not described or described.startswith("torch"):
+        return "transformers' torch reference"
+    return re.sub(r" \(fwd .*?(, dqkwg on (\w+) in .*)?\)$", lambda m: f", dqkwg on {m[2]}" if m[2] else "", described)
+
+
 def hybrids() -> list[str]:
     notes, rows = Notes(), []
     for name in HYBRID_ROWS:
         run = run_of(name)
         rows.append([
-            MODELS[run["model"]], workload(run), str(int(run["tree"]["levels"])),
+            MODELS[run["model"]], workload(run), gdn_kernels(run["tree"].get("gdn_kernels")),
+            str(int(run["tree"]["levels"])),
             f"{x(run['token_ceiling'])} / {x(run['flop_ceiling'])}", f"**{x(run['speedup_vs_padded'])}**",
             x(run["speedup_vs_packed"]), f"{run['pct_of_flop_ceiling']:.0f}%",
             f"{pct(run['tree']['mfu'], 1)} / {pct(run['flat_padded']['mfu'], 1)}",
             x(run["tree"]["peak_gib"] / run["flat_padded"]["peak_gib"]), notes.source(name),
         ])  # fmt: skip
-    headers = ["model", "workload", "levels", "token / FLOP ceiling", "tree vs flat padded", "tree vs flat packed",
+    headers = ["model", "workload", "Gated DeltaNet kernels", "levels", "token / FLOP ceiling", "tree vs flat padded",
+               "tree vs flat packed",
                "% of FLOP ceiling", "MFU tree / flat padded", "peak tree / flat padded", "source"]  # fmt: skip
     level_rows = []
     for name in LEVELS:
@@ -442,18 +453,19 @@ def hybrids() -> list[str]:
             extra = r["by_level_over_one_call"]
             level_rows.append([
                 data["device"], f"{data['heads']} heads × {data['dim']}, {data['dtype'].removeprefix('torch.')}",
+                gdn_kernels(r.get("kernels")),
                 WORKLOADS.get(wl, wl.replace("_", " ")), str(r["levels"]), f"{r['tree_tokens']:,}",
                 secs(r["by_level_s"]), secs(r["one_call_s"]), f"{extra:+.1%}",
                 f"{r['per_level_ms']:.2f} ms" if extra > 0 else "—", Notes().source(name),
             ])  # fmt: skip
-    level_headers = ["device", "scan", "tree", "levels", "tree tokens", "level by level", "one call, same tokens",
-                     "extra", "per level", "source"]  # fmt: skip
+    level_headers = ["device", "scan", "kernels", "tree", "levels", "tree tokens", "level by level",
+                     "one call, same tokens", "extra", "per level", "source"]  # fmt: skip
     return (
         table(headers, rows + pending("hybrids", len(headers)))
         + notes.lines()
         + [
-            "Going level by level, one Gated DeltaNet scan alone (transformers' torch kernel, forward + backward), "
-            "against one call over as many tokens:",
+            "Going level by level, one Gated DeltaNet scan alone (forward + backward), against one call over as many "
+            "tokens:",
             "",
         ]  # fmt: skip
         + table(level_headers, level_rows)
@@ -665,20 +677,29 @@ def peers() -> list[str]:
 
 
 def beyond_grpo() -> list[str]:
-    data, notes, rows = load(BEYOND_GRPO), Notes(), []
-    for run in data["runs"]:
-        if "error" in run:  # a workload that failed: its pending line says what happened
-            continue
-        trl, tree = run["trl"], run["tree"]
-        rows.append([
-            f"`{run['workload']}`", run["description"], MODELS[run["model"]], steps(trl["step_times_s"]),
-            steps(tree["step_times_s"]), f"**{x(run['speedup'])}**", x(run["token_ceiling"]),
-            pct(run["share_of_token_ceiling"]), f"{tree['peak_gib']:.1f} / {trl['peak_gib']:.1f}",
-            f"{run['max_loss_diff']:.4f}", notes.source(BEYOND_GRPO),
-        ])  # fmt: skip
+    notes, rows = Notes(), []
+    for name in BEYOND_GRPO:
+        for run in load(name)["runs"]:
+            if "error" in run:  # a workload that failed: the file's note says what happened
+                notes.source(name)
+                continue
+            trl, tree = run["trl"], run["tree"]
+            reward = (
+                f"{secs(trl['reward_time_s'])} / {secs(tree['reward_time_s'])} (**{x(run['reward_speedup'])}**)"
+                if "reward_speedup" in run
+                else "—"
+            )
+            rows.append([
+                f"`{run['workload']}`", run["description"], MODELS[run["model"]], steps(trl["step_times_s"]),
+                steps(tree["step_times_s"]), f"**{x(run['speedup'])}**", reward, x(run["token_ceiling"]),
+                pct(run["share_of_token_ceiling"]), f"{tree['peak_gib']:.1f} / {trl['peak_gib']:.1f}",
+                f"{run['max_loss_diff']:.4f}", notes.source(name),
+            ])  # fmt: skip
     headers = ["workload", "batch", "model", "step, TRL (each step)", "step, tree", "tree vs TRL (median measured)",
-               "token ceiling", "% of ceiling", "peak GiB tree / TRL", "max loss diff", "source"]  # fmt: skip
-    return table(headers, rows) + notes.lines() + table(["measurement", "result"], pending("beyond_grpo", 2))
+               "reward model per step, TRL / tree", "token ceiling", "% of ceiling", "peak GiB tree / TRL",
+               "max loss diff", "source"]  # fmt: skip
+    left = pending("beyond_grpo", 2)
+    return table(headers, rows) + notes.lines() + (table(["measurement", "result"], left) if left else [])
 
 
 def test_outcome(name: str) -> str:
@@ -769,6 +790,28 @@ def deepspeed_summary() -> str:
     )
 
 
+def deepspeed_h200_summary() -> str:
+    """Each ZeRO stage's bf16 runs on one H200: both trainers' errors against TRL's float32 run."""
+    parts = []
+    for name in DEEPSPEED_RUNS:
+        data = load(name)
+        runs = "; ".join(
+            f"{run}: loss {data[run]['loss_error']['tree']:.1e} / {data[run]['loss_error']['trl']:.1e}, update "
+            f"{data[run]['update_error']['tree']:.1e} / {data[run]['update_error']['trl']:.1e}"
+            for run in ("full", "lora")
+        )
+        parts.append(f"ZeRO-{data['stage']} ({runs})")
+    return "error against TRL's float32 run, tree / TRL: " + "; ".join(parts)
+
+
+def deepspeed_main_job_summary() -> str:
+    log = text(DEEPSPEED_MAIN_JOB)
+    runtime = re.search(r"'train_runtime': '([\d.]+)'", log)[1]
+    status = re.search(r"^exit status (\d+)", log, flags=re.M)[1]
+    saved = "; model, tokenizer and `trainer_state.json` saved" if "trainer_state.json saved" in log else ""
+    return f"exit status {status}, 20 steps in {runtime} s{saved}"
+
+
 def other_runs() -> list[str]:
     pack = load("pack_forest_cpu.json")
     wl = pack["workload"]
@@ -786,6 +829,13 @@ def other_runs() -> list[str]:
         )
     rows.append(["CPU, 2 gloo processes: DeepSpeed ZeRO-2 and ZeRO-3 through `trainers/configs/deepspeed_zero*.yaml`",
                  deepspeed_summary(), Notes().source("deepspeed_cpu_2proc.log")])  # fmt: skip
+    rows.append([
+        "One H200, one process: DeepSpeed ZeRO-2 and ZeRO-3 in bf16, `TreeGRPOTrainer` and `trl.GRPOTrainer`, 4 "
+        "steps, full and LoRA (`test_gpu_deepspeed.py`)",
+        deepspeed_h200_summary(), " ".join(Notes().source(name) for name in DEEPSPEED_RUNS),
+    ])  # fmt: skip
+    rows.append(["One H200: the main job under `trainers/configs/deepspeed_zero3.yaml`", deepspeed_main_job_summary(),
+                 Notes().source(DEEPSPEED_MAIN_JOB)])  # fmt: skip
     check = load("tree_vs_flat_h200_qwen3-0.6b.json")["recompile_check"]
     rows += [
         ["H200: six tree steps of random shapes, compiled graphs after each step",
@@ -861,16 +911,18 @@ SECTIONS = [  # (heading level, title, section, what it measures)
      "defaults). The tree speeds up the trainer phase only, so its end-to-end gain is bounded by that phase's share."),
     (2, "Hybrid models", hybrids,
      "Qwen3.5 shape, 18 Gated DeltaNet and 6 attention layers: the recurrent layers run segment by segment, level by "
-     "level, on transformers' torch kernels in the tree and in flat alike (the benchmark loop; flat packed is a "
-     "forest without sharing). Every hybrid row here is on the torch kernels."),
+     "level, on the same Gated DeltaNet kernels in the tree and in flat (the benchmark loop; flat packed is a forest "
+     "without sharing): transformers' torch reference, or flash-linear-attention 0.6's Triton kernels with the gated "
+     "`chunk_bwd_dqkwg` on TileLang (`--gdn-route fla_tilelang`, fla's default on Hopper with Triton 3.6; "
+     "`benchmarks/gpu_hybrid_rows.sh`), each row saying which."),
     (3, "Gated DeltaNet kernels on the H200", kernel_checks,
      "The varlen kernels a tree level calls (`benchmarks/gdn_kernels.py` routes: FlashQLA; fla's Triton kernels "
      "with TileLang's dqkwg backward; fla's Triton kernels with fla 0.6's Hopper refusal lifted where the tile is "
      "BK = 128; fla 0.4.2), each checked by `gdn_kernel_check.py`: one varlen forward + backward over segments of "
      "4,096, 257, 1, 64 and 700 tokens with initial states, against transformers' torch reference run per segment "
      "in float32. The gate case is Qwen3.5's heads (K = V = 128) in bf16; the other cases (fp32, K = 64) show the "
-     "route elsewhere. A route that passes the gate has not yet passed the model-level parity tests or given a "
-     "benchmark row: the torch kernels remain the measured path."),
+     "route elsewhere. The fla + TileLang route then passed the model-level parity tests in bf16 and gave the "
+     "benchmark rows above (`h200_gpu_tests_hybrid_rows.log` in the GPU tests table); the others have no rows."),
     (2, "Shared-prefix attention kernels", prefix_kernels,
      "Attention alone (`bench_prefix_attention.py`), bf16, Qwen3 heads of 128, one GRPO forest: FlexAttention's tree "
      "mask against the shared-prefix kernels, median of 10 after a warm-up; a step is two forwards and one backward, "

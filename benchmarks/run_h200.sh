@@ -101,11 +101,23 @@ for stage in "$@"; do
       mv "$OUT/kernel_checks.json" "$OUT/hybrid_kernel_checks_h200.json"
       mv "$OUT/hybrid_gpu.log" "$OUT/hybrid_kernels_h200.log"
       mv "$OUT/gpu_tests_hybrid_kernels.log" "$OUT/h200_gpu_tests_hybrid_kernels.log" ;;
-    hybrid-rows-warm)  # gpu_hybrid_rows.sh's first call (~9 min; carry .whl/hybrid): the fla + TileLang route's parity
-      # tests and one untimed run of each benchmark, all at once, filling the compile and autotuning caches in /tmp
-      PHASE=warm bash benchmarks/gpu_hybrid_rows.sh ;;
-    hybrid-rows)  # its second call, made right after the first on the same (warm) machine: the rows, timed
-      PHASE=rows bash benchmarks/gpu_hybrid_rows.sh ;;
+    # gpu_hybrid_rows.sh: two calls made back to back on one (warm) machine, the first filling the compile and autotuning
+    # caches in /tmp beside the route's parity tests, the second timing the rows (carry .whl/hybrid; ~9 min each)
+    hybrid-rows-warm)  # fla + TileLang: the route's 10 parity tests and one untimed run of each 0.8B benchmark
+      PHASE=warm BUDGET=560 bash benchmarks/gpu_hybrid_rows.sh ;;
+    hybrid-rows)  # the 0.8B rows, timed
+      PHASE=rows BUDGET=330 bash benchmarks/gpu_hybrid_rows.sh
+      cp /tmp/hyb/rows/qwen3.5-0.8b_grpo_fla_tilelang.json "$OUT/tree_vs_flat_h200_qwen3.5-0.8b_fla_tilelang.json"
+      cp /tmp/hyb/rows/qwen3.5-0.8b_agent20_fla_tilelang.json \
+        "$OUT/tree_vs_flat_h200_qwen3.5-0.8b_agent20_fla_tilelang.json" ;;
+    hybrid-rows-2b-warm)  # the tree-vs-flat parity tests again, the level cost and the 2B row untimed
+      PHASE=warm ONLY="levels qwen3.5-2b_grpo" PARITY_K=tree_matches BUDGET=330 bash benchmarks/gpu_hybrid_rows.sh
+      { echo "# PHASE=warm BUDGET=560 bash benchmarks/gpu_hybrid_rows.sh   (and the stage hybrid-rows-2b-warm)"
+        cat /tmp/hyb/warm/parity_*.log; } >"$OUT/h200_gpu_tests_hybrid_rows.log" ;;
+    hybrid-rows-2b)  # the level cost and the 2B row, timed
+      PHASE=rows ONLY="levels qwen3.5-2b_grpo" BUDGET=200 bash benchmarks/gpu_hybrid_rows.sh
+      cp /tmp/hyb/rows/qwen3.5-2b_grpo_fla_tilelang.json "$OUT/tree_vs_flat_h200_qwen3.5-2b_fla_tilelang.json"
+      cp /tmp/hyb/rows/levels_fla_tilelang.json "$OUT/levels_h200_fla_tilelang.json" ;;
     hybrid-kernels-fla-tilelang-rows)  # the benchmark rows alone on fla + TileLang: no checks, no parity test (on a
       # fresh machine: the script keeps its work files, status lines included, in /tmp/hyb)
       ROUTES=fla_tilelang CHECKS=0 PARITY_K=no_such_test BENCH_MAX=330 BUDGET=500 bash benchmarks/gpu_hybrid_kernels.sh
@@ -200,9 +212,21 @@ for stage in "$@"; do
     trees-beyond-grpo-more)  # the per-turn SFT row and the reward-model GRPO row alone (carry .whl/trees_beyond_grpo)
       TESTS=0 WORKLOADS="sft_agent_turns grpo_reward_model" RESULT=trees_beyond_grpo_h200_more \
         bash benchmarks/gpu_trees_beyond_grpo.sh ;;
-    deepspeed)  # gpu_deepspeed.sh (~5 min; carry .whl/deepspeed): tests/test_gpu_deepspeed.py, TreeGRPOTrainer vs
+    trees-beyond-grpo-cudnn-nan)  # which backward op returns the NaN in TRL's flat GRPO update (autograd anomaly mode)
+      PYTHONPATH=/tmp/site_trees_beyond_grpo:$PWD timeout 150 python3 benchmarks/bench_trees_beyond_grpo.py \
+        --workloads grpo_reward_model --steps 4 --detect-anomaly --out "$OUT/diag_anomaly.json" \
+        > "$OUT/trees_beyond_grpo_h200_cudnn_nan.log" 2>&1 ;;
+    trees-beyond-grpo-reward-model)  # the reward-model GRPO row with SDPA's cuDNN backend off on both sides
+      PYTHONPATH=/tmp/site_trees_beyond_grpo:$PWD timeout 225 python3 benchmarks/bench_trees_beyond_grpo.py \
+        --workloads grpo_reward_model --no-cudnn-sdpa --out "$OUT/trees_beyond_grpo_h200_reward_model.json" ;;
+    deepspeed)  # gpu_deepspeed.sh (~6 min; carry .whl/deepspeed): tests/test_gpu_deepspeed.py, TreeGRPOTrainer vs
       # trl.GRPOTrainer under ZeRO-2 and ZeRO-3 in bf16 (one GPU), then the main job under ZeRO-3
-      bash benchmarks/gpu_deepspeed.sh ;;
+      bash benchmarks/gpu_deepspeed.sh
+      { echo "# bash benchmarks/gpu_deepspeed.sh"; cat "$OUT/versions.txt" "$OUT/gpu_deepspeed_tests.log"; } \
+        > "$OUT/h200_gpu_tests_deepspeed.log"
+      mv "$OUT/deepspeed_zero2_bf16.json" "$OUT/deepspeed_zero2_bf16_h200.json"
+      mv "$OUT/deepspeed_zero3_bf16.json" "$OUT/deepspeed_zero3_bf16_h200.json"
+      mv "$OUT/main_job_zero3.log" "$OUT/deepspeed_main_job_zero3_h200.log" ;;
     # ---- gradients with fused layer kernels vs eager (grad_check.py), Qwen3-8B shape
     grad-check-8b-12-layers)  # compiled layers, Liger + compiled layers, on 12 of the 36 layers
       timeout 260 python3 benchmarks/grad_check.py --model qwen3-8b --layers 12 --variants compile liger_compile \
