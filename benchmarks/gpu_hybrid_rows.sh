@@ -12,7 +12,9 @@
 # One route (ROUTE, default fla_tilelang: fla 0.6's Triton kernels with the gated dqkwg backward on TileLang, which
 # fla picks by default on Hopper with Triton >= 3.4 once tilelang imports). A one-call warm-up does not fit: the first
 # process on a machine spends minutes compiling each kernel's autotuning configs, one after another (the reason the
-# rows of gpu_hybrid_kernels.sh ran out of time). Packages and caches: benchmarks/hybrid_env.sh (carry .whl/hybrid).
+# rows of gpu_hybrid_kernels.sh ran out of time). Side by side the warm phase's processes can exhaust the GPU's memory
+# or crash (seen once each: an out-of-memory error, a segfault in a benchmark's backward); whatever they compiled
+# before stays on disk. Packages and caches: benchmarks/hybrid_env.sh (carry .whl/hybrid).
 # ONLY="levels qwen3.5-2b_grpo" runs those benchmarks alone; PARITY_K="tree_matches" selects parity tests (pytest -k,
 # within the route's). Results under $OUT: hybrid_<phase>.tgz (every log and JSON of the phase), triton_autotune.tgz
 # (Triton's autotuning results, for a later machine's TRITON_CACHE_DIR), and the phase's status lines on stdout.
@@ -89,8 +91,8 @@ PY
   done
   for spec in "${BENCHES[@]}"; do
     read -r -a args <<<"$spec"
-    # the 2B model's Gated DeltaNet layers have the 0.8B's heads: warmed by the 0.8B run unless alone
-    [[ ${args[0]} == *2b* && ${#BENCHES[@]} -gt 2 ]] && continue
+    # the 2B model's Gated DeltaNet layers have the 0.8B's heads: the 0.8B GRPO run warms its kernels
+    [[ ${args[0]} == qwen3.5-2b_grpo && " ${BENCHES[*]} " == *" qwen3.5-0.8b_grpo "* ]] && continue
     # shellcheck disable=SC2046
     launch "${args[0]}" $(bench_cmd "${args[@]}")
   done

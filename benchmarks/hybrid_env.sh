@@ -47,6 +47,13 @@ PY
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$W/common" .whl/common/*.whl \
       || note "pip install common failed"
   fi
+  # Triton's autotuning results from an earlier H200 call (gpu_hybrid_rows.sh brings them back as
+  # triton_autotune.tgz; kept beside the wheels as triton_autotune_h200.tgz): with them a kernel compiles only the
+  # config picked before instead of every config it would autotune over. Used while Triton and fla match.
+  if [ -f "$WHL/triton_autotune_h200.tgz" ]; then
+    mkdir -p "$TRITON_CACHE_DIR" && tar xzf "$WHL/triton_autotune_h200.tgz" -C "$TRITON_CACHE_DIR" \
+      && note "autotuning results unpacked: $(tar tzf "$WHL/triton_autotune_h200.tgz" | grep -c autotune.json)"
+  fi
   touch "$W/installed"
   note "install done at $((SECONDS - ${START:-0})) s"
 fi

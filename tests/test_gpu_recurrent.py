@@ -144,6 +144,16 @@ def _reference(name: str, config, seqs):
     return _REFERENCE[name]
 
 
+def _worst_gradient_cosine(model, ref_grads) -> tuple[float, str]:
+    """The lowest cosine against `ref_grads` over the parameters of >= 1024 entries, and which parameter."""
+    cos = torch.nn.functional.cosine_similarity
+    return min(
+        (cos(p.grad.double().flatten(), ref_grads[n].double().flatten(), dim=0).item(), n)
+        for n, p in model.named_parameters()
+        if p.numel() >= 1024
+    )
+
+
 def _assert_gradients_close(model, ref_grads, min_cos):
     """Cosine of every parameter's gradient of >= 1024 entries and of all of them as one vector; returns the worst."""
     got, want, worst = [], [], 1.0
@@ -172,8 +182,8 @@ def test_gated_deltanet_uses_the_varlen_kernel_when_fla_is_installed():
 @pytest.mark.parametrize("route", gdn_kernels.ROUTES)
 def test_gated_deltanet_tree_matches_flat_on_each_kernel_route(route, name, dtype):
     """Tree on `route` in `dtype` vs per-sequence fp32 flat on the torch kernels: log-probs and parameter gradients;
-    the route's kernels ran in the tree's forward and backward. Prints the measured errors (and the flat forward's
-    own on the same route) for calibration."""
+    the route's kernels ran in the tree's forward and backward. Prints the measured errors, and the per-sequence flat
+    forward's and backward's own on the same route (what the kernels give without a tree), for calibration."""
     config, head_dim = GDN_CONFIGS[name]
     if (reason := gdn_kernels.unavailable(route, head_dim, dtype, lift_guard=True)) is not None:
         pytest.skip(reason)
@@ -181,10 +191,11 @@ def test_gated_deltanet_tree_matches_flat_on_each_kernel_route(route, name, dtyp
     seqs = _sequences(seed=1)
     state, ref_logps, ref_grads = _reference(name, config, seqs)
 
-    model = _build(config, "tree_flex", dtype, state)
+    model, flat = _build(config, "tree_flex", dtype, state), _build(config, "tree_flex", dtype, state)
     with gdn_kernels.select(route, lift_guard=True):
-        with torch.no_grad():
-            flat_err = _max_error(_flat_logprobs(model, seqs), ref_logps)
+        flat_logps = _flat_logprobs(flat, seqs)
+        _backward(flat_logps, _weights(seqs))
+        flat_err = _max_error([lp.detach() for lp in flat_logps], ref_logps)
         with gdn_kernels.KernelProbe() as probe:
             tree_logps = hf_tree_attn.sequence_logprobs(model, seqs, max_tokens_per_mb=2048)
             _backward(tree_logps, _weights(seqs))
@@ -195,6 +206,9 @@ def test_gated_deltanet_tree_matches_flat_on_each_kernel_route(route, name, dtyp
     assert (problem := gdn_kernels.route_problem(route, probe.calls)) is None, problem
     for t, r in zip(tree_logps, ref_logps):
         torch.testing.assert_close(t, r, atol=atol, rtol=0)
+    flat_cos, flat_param = _worst_gradient_cosine(flat, ref_grads)
+    print(f"{route} {name} {dtype}: flat on the same kernels, worst gradient cosine {flat_cos:.6f} ({flat_param})",
+          flush=True)  # fmt: skip
     worst = _assert_gradients_close(model, ref_grads, min_cos)
     print(f"{route} {name} {dtype}: worst gradient cosine {worst:.6f}", flush=True)
 
