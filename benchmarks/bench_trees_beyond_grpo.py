@@ -140,8 +140,12 @@ class NonFiniteGradients(TrainerCallback):
         self.found = None
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        bad = [n for n, p in kwargs["model"].named_parameters() if p.grad is not None and not p.grad.isfinite().all()]
-        if bad and self.found is None:
+        grads = {n: p.grad for n, p in kwargs["model"].named_parameters() if p.grad is not None}
+        if self.found is not None or not grads:
+            return
+        finite = torch.stack([g.isfinite().all() for g in grads.values()]).tolist()  # one device sync per step
+        bad = [n for n, ok in zip(grads, finite) if not ok]
+        if bad:
             self.found = {"step": state.global_step + 1, "parameters": len(bad), "first": bad[:8]}
             control.should_training_stop = True
 
@@ -289,7 +293,7 @@ def grpo_reward_model(args, tok, timer: list):
         common_args(args.steps), per_device_train_batch_size=32, num_generations=16, max_completion_length=64,
         temperature=1.0,
     )  # fmt: skip
-    gen_tok = tokenizer(args.policy_vocab)
+    gen_tok = copy.deepcopy(tok)  # the policy's: prompts padded on the left for generation
     gen_tok.padding_side = "left"
 
     def make(trainer_cls, config_cls):

@@ -13,7 +13,6 @@ set -uo pipefail
 START=$SECONDS
 BUDGET=${BUDGET:-540}
 OUT=${OUT:-/tmp/hybrid_out}
-WHL=${WHL:-.whl/hybrid}
 W=/tmp/hyb
 mkdir -p "$OUT" "$W"
 exec > >(tee "$W/main.log") 2>&1

@@ -212,11 +212,14 @@ for stage in "$@"; do
     trees-beyond-grpo-more)  # the per-turn SFT row and the reward-model GRPO row alone (carry .whl/trees_beyond_grpo)
       TESTS=0 WORKLOADS="sft_agent_turns grpo_reward_model" RESULT=trees_beyond_grpo_h200_more \
         bash benchmarks/gpu_trees_beyond_grpo.sh ;;
+    # The next two run after trees-beyond-grpo(-more) on the same machine: its wheels in /tmp/site_trees_beyond_grpo.
     trees-beyond-grpo-cudnn-nan)  # which backward op returns the NaN in TRL's flat GRPO update (autograd anomaly mode)
+      [ -d /tmp/site_trees_beyond_grpo/trl ] || { echo "run trees-beyond-grpo-more first"; continue; }
       PYTHONPATH=/tmp/site_trees_beyond_grpo:$PWD timeout 150 python3 benchmarks/bench_trees_beyond_grpo.py \
         --workloads grpo_reward_model --steps 4 --detect-anomaly --out "$OUT/diag_anomaly.json" \
         > "$OUT/trees_beyond_grpo_h200_cudnn_nan.log" 2>&1 ;;
     trees-beyond-grpo-reward-model)  # the reward-model GRPO row with SDPA's cuDNN backend off on both sides
+      [ -d /tmp/site_trees_beyond_grpo/trl ] || { echo "run trees-beyond-grpo-more first"; continue; }
       PYTHONPATH=/tmp/site_trees_beyond_grpo:$PWD timeout 225 python3 benchmarks/bench_trees_beyond_grpo.py \
         --workloads grpo_reward_model --no-cudnn-sdpa --out "$OUT/trees_beyond_grpo_h200_reward_model.json" ;;
     deepspeed)  # gpu_deepspeed.sh (~6 min; carry .whl/deepspeed): tests/test_gpu_deepspeed.py, TreeGRPOTrainer vs

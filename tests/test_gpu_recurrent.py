@@ -144,30 +144,25 @@ def _reference(name: str, config, seqs):
     return _REFERENCE[name]
 
 
-def _worst_gradient_cosine(model, ref_grads) -> tuple[float, str]:
-    """The lowest cosine against `ref_grads` over the parameters of >= 1024 entries, and which parameter."""
-    cos = torch.nn.functional.cosine_similarity
-    return min(
-        (cos(p.grad.double().flatten(), ref_grads[n].double().flatten(), dim=0).item(), n)
-        for n, p in model.named_parameters()
-        if p.numel() >= 1024
-    )
+def _cosine(got: torch.Tensor, want: torch.Tensor) -> float:
+    return torch.nn.functional.cosine_similarity(got.double().flatten(), want.double().flatten(), dim=0).item()
+
+
+def _gradient_cosines(model, ref_grads) -> dict[str, float]:
+    """Each parameter's gradient cosine against `ref_grads`, for the parameters of >= 1024 entries."""
+    return {n: _cosine(p.grad, ref_grads[n]) for n, p in model.named_parameters() if p.grad.numel() >= 1024}
 
 
 def _assert_gradients_close(model, ref_grads, min_cos):
     """Cosine of every parameter's gradient of >= 1024 entries and of all of them as one vector; returns the worst."""
-    got, want, worst = [], [], 1.0
-    for pname, p in model.named_parameters():
-        g, ref = p.grad.float().flatten(), ref_grads[pname].flatten()
-        got.append(g)
-        want.append(ref)
-        if g.numel() >= 1024:
-            cos = torch.nn.functional.cosine_similarity(g.double(), ref.double(), dim=0).item()
-            worst = min(worst, cos)
-            assert cos >= min_cos, f"{pname}: grad cosine {cos}"
-    cos = torch.nn.functional.cosine_similarity(torch.cat(got).double(), torch.cat(want).double(), dim=0).item()
+    cosines = _gradient_cosines(model, ref_grads)
+    for pname, cos in cosines.items():
+        assert cos >= min_cos, f"{pname}: grad cosine {cos}"
+    params = list(model.named_parameters())
+    cos = _cosine(torch.cat([p.grad.float().flatten() for _, p in params]),
+                  torch.cat([ref_grads[n].flatten() for n, _ in params]))  # fmt: skip
     assert cos >= min_cos, f"all parameters: grad cosine {cos}"
-    return min(worst, cos)
+    return min(cos, *cosines.values())
 
 
 def test_gated_deltanet_uses_the_varlen_kernel_when_fla_is_installed():
@@ -206,7 +201,7 @@ def test_gated_deltanet_tree_matches_flat_on_each_kernel_route(route, name, dtyp
     assert (problem := gdn_kernels.route_problem(route, probe.calls)) is None, problem
     for t, r in zip(tree_logps, ref_logps):
         torch.testing.assert_close(t, r, atol=atol, rtol=0)
-    flat_cos, flat_param = _worst_gradient_cosine(flat, ref_grads)
+    flat_cos, flat_param = min((cos, n) for n, cos in _gradient_cosines(flat, ref_grads).items())
     print(f"{route} {name} {dtype}: flat on the same kernels, worst gradient cosine {flat_cos:.6f} ({flat_param})",
           flush=True)  # fmt: skip
     worst = _assert_gradients_close(model, ref_grads, min_cos)
