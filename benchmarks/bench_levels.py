@@ -9,7 +9,10 @@ flash-linear-attention's varlen kernel on CUDA where installed), forward + backw
              the hand-down (wrong states, timing only).
 
 `by_level / one_call - 1` is what going level by level costs on top of the unavoidable scan work (per-call launch,
-gathers and scatters, and on the padded CPU path the padding of each level's batch to its longest segment).
+gathers and scatters, and on the padded CPU path the padding of each level's batch to its longest segment). Where the
+kernel takes the boundaries on the host too (fla 0.6's `cu_seqlens_cpu`, which the tree passes), the scan is also
+timed with them withheld (the kernel reads them back from the device, one sync per call); and each run records when
+the host returned, before waiting for the device (close to the total: kernel launches set the pace).
 The log decay is float32, as Qwen3.5's layers compute it. On CUDA, `--gdn-route` picks the kernels
 (`benchmarks/gdn_kernels.py`) and each run records the ones that really ran.
 
@@ -28,6 +31,7 @@ import platform
 import random
 import sys
 import time
+from unittest import mock
 
 import gdn_kernels
 import torch
@@ -61,7 +65,10 @@ def grpo_group(rng: random.Random, scale: float, g: int = 16) -> list[list[int]]
     return [prompt + [rng.randrange(1, 1000) for _ in range(round(512 * scale))] for _ in range(g)]
 
 
-def _time(fn, repeats: int, device) -> float:
+def _time(fn, repeats: int, device, host: bool = False):
+    """Seconds of the least disturbed of `repeats` runs (other jobs share the machine); with `host`, also the
+    seconds until `fn` returned in that run, before waiting for the device (close to the total: the host's kernel
+    launches set the pace)."""
     fn()  # warm-up
     times = []
     for _ in range(repeats):
@@ -69,10 +76,12 @@ def _time(fn, repeats: int, device) -> float:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         fn()
+        t1 = time.perf_counter()
         if device.type == "cuda":
             torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return min(times)  # the least disturbed run: other jobs share the machine
+        times.append((time.perf_counter() - t0, t1 - t0))
+    total, returned = min(times)
+    return (total, returned) if host else total
 
 
 def measure(sequences, heads: int, dim: int, device, dtype, repeats: int, route: str | None = None) -> dict:
@@ -101,7 +110,7 @@ def measure(sequences, heads: int, dim: int, device, dtype, repeats: int, route:
         out.float().sum().backward()
 
     with gdn_kernels.KernelProbe() as probe:
-        by_level_s = _time(by_level, repeats, device)
+        by_level_s, by_level_host_s = _time(by_level, repeats, device, host=True)
     result = {
         "sequences": len(sequences),
         "total_tokens": sum(map(len, sequences)),
@@ -109,7 +118,9 @@ def measure(sequences, heads: int, dim: int, device, dtype, repeats: int, route:
         "levels": forest.num_levels,
         "segments": forest.num_segments,
         "varlen": recurrent._use_varlen(kernel, device),
+        "host_bounds": recurrent._use_varlen(kernel, device) and "cu_seqlens_cpu" in recurrent._kernel_params(kernel),
         "by_level_s": by_level_s,
+        "by_level_host_s": by_level_host_s,
         "one_call_s": _time(one_call, repeats, device),
         "kernels": gdn_kernels.describe(probe.calls),
     }
@@ -117,6 +128,14 @@ def measure(sequences, heads: int, dim: int, device, dtype, repeats: int, route:
         result["route_problem"] = problem
     result["by_level_over_one_call"] = result["by_level_s"] / result["one_call_s"] - 1
     result["per_level_ms"] = 1e3 * (result["by_level_s"] - result["one_call_s"]) / forest.num_levels
+    if result["host_bounds"]:  # the same scan with the kernel reading its boundaries back from the device per call
+        with mock.patch.object(recurrent, "_kernel_params", lambda original: {"cu_seqlens"}):
+            result["by_level_device_bounds_s"], result["by_level_device_bounds_host_s"] = _time(
+                by_level, repeats, device, host=True
+            )
+        result["per_level_ms_device_bounds"] = (
+            1e3 * (result["by_level_device_bounds_s"] - result["one_call_s"]) / forest.num_levels
+        )
     if result["varlen"]:
         roots = torch.full_like(forest.segment_parent, -1)
         flat_forest = dataclasses.replace(
@@ -169,6 +188,10 @@ def main():
         line = f"{name:<22} levels {run['levels']:>3}  tree tokens {run['tree_tokens']:>6}"
         line += f"  by level {run['by_level_s']:.4f}s  one call {run['one_call_s']:.4f}s"
         line += f"  (+{100 * run['by_level_over_one_call']:.1f}%, {run['per_level_ms']:.2f} ms/level)"
+        if "by_level_device_bounds_s" in run:
+            line += f"  (bounds read back per call: {run['by_level_device_bounds_s']:.4f}s,"
+            line += f" {run['per_level_ms_device_bounds']:.2f} ms/level)"
+        line += f"  host returned at {run['by_level_host_s']:.4f}s"
         if "one_level_s" in run:
             line += f"  one level {run['one_level_s']:.4f}s (+{100 * run['by_level_over_one_level']:.1f}%)"
         print(line + f"  [{run['kernels']}]" + ("  KERNEL MISMATCH" if "route_problem" in run else ""), flush=True)

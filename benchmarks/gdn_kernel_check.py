@@ -12,6 +12,7 @@ is 0 when it passes, 1 when it fails, 2 when the route is unavailable. The other
 elsewhere (fp32, K = 64: the tile fla#640 found miscompiled on Hopper with 3.4 <= Triton < 3.7.1).
 
     python benchmarks/gdn_kernel_check.py --route fla_tilelang --out /tmp/check_fla_tilelang.json
+    python benchmarks/gdn_kernel_check.py --route fla_triton --head-dims 64 --out /tmp/check_fla_triton_k64.json
 """
 
 from __future__ import annotations
@@ -153,6 +154,13 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--route", required=True, choices=list(CASES))
     parser.add_argument("--label", default=None, help="name of this run in the JSON (default: the route)")
+    parser.add_argument(
+        "--head-dims",
+        type=int,
+        nargs="+",
+        default=None,
+        help="run only the route's cases of these K = V (default: all; the first run is the gate)",
+    )
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     gdn_kernels.install_probes()
@@ -167,6 +175,8 @@ def main():
     }
     guard, seen = gdn_kernels._fla_guard(), set()
     for dim, heads, dtype_name, lift in CASES[args.route]:
+        if args.head_dims is not None and dim not in args.head_dims:
+            continue
         lift = lift and guard  # no refusal to lift (fla 0.4, or not Hopper): the plain case
         if (dim, dtype_name, lift) in seen:
             continue

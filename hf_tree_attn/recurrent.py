@@ -136,6 +136,8 @@ class _Level:
 
     rows: `(N,)` long — their DFS rows, segment after segment.
     cu_seqlens: `(n + 1,)` long — segment boundaries in `rows` (varlen kernels).
+    cu_seqlens_cpu: `cu_seqlens` on the CPU: a kernel that takes it (flash-linear-attention 0.6's
+        `cu_seqlens_cpu`) plans its chunks without reading the device copy back, a device sync per call.
     pad_index: `(n, T)` long — row of each slot of the zero-padded batch (`T` = longest segment); `S` (a zero
         row appended to the input) past a segment's end.
     valid: `(n, T)` bool — real slots of `pad_index`.
@@ -145,6 +147,7 @@ class _Level:
 
     rows: torch.Tensor
     cu_seqlens: torch.Tensor
+    cu_seqlens_cpu: torch.Tensor
     pad_index: torch.Tensor
     valid: torch.Tensor
     parent_slot: torch.Tensor | None
@@ -187,10 +190,12 @@ def _scan_plan(forest, device: torch.device) -> _ScanPlan:
             width = np.arange(int(seg_lengths.max()))
             valid = width[None] < seg_lengths[:, None]
             pad_index = np.where(valid, seg_starts[:, None] + width[None], forest.seq_len)
+            bounds_cpu = torch.as_tensor(np.concatenate([[0], np.cumsum(seg_lengths)]), dtype=torch.long)
             levels.append(
                 _Level(
                     rows=tensor(_ragged_arange(seg_starts, seg_lengths)),
-                    cu_seqlens=tensor(np.concatenate([[0], np.cumsum(seg_lengths)])),
+                    cu_seqlens=bounds_cpu.to(device),
+                    cu_seqlens_cpu=bounds_cpu,
                     pad_index=tensor(pad_index),
                     valid=tensor(valid, torch.bool),
                     parent_slot=tensor(slot[parent[segs]]) if lvl else None,
@@ -290,6 +295,16 @@ def _use_varlen(original, device: torch.device) -> bool:
         return False
 
 
+def _kernel_params(original) -> set[str]:
+    """The parameter names the kernel behind `original` takes (transformers' wrapper passes on only those of the
+    implementation it resolved, `applicable_params`)."""
+    try:
+        params = inspect.getclosurevars(original).nonlocals.get("applicable_params")
+    except TypeError:  # not a Python function
+        params = None
+    return set(params) if params is not None else set(inspect.signature(original).parameters)
+
+
 def tree_causal_conv1d(original, forest, *args, **kwargs) -> torch.Tensor:
     """`causal_conv1d_fn(hidden_states (1, channels, S), weight (channels, K), bias, activation)` over a forest.
 
@@ -325,10 +340,13 @@ def tree_delta_rule(original, forest, *args, **kwargs) -> tuple[torch.Tensor, No
     tensors = [call[name] for name in list(call)[:5]]  # query, key, value, g, beta (torch or fla names)
     extra = {k: call[k] for k in ("chunk_size", "use_qk_l2norm_in_kernel") if k in call}
     varlen = _use_varlen(original, tensors[0].device)
+    cpu_bounds = varlen and "cu_seqlens_cpu" in _kernel_params(original)
 
     def run(level_inputs, initial, level):
         q, k, v, g, beta = level_inputs
         seqlens = {"cu_seqlens": level.cu_seqlens} if varlen else {}
+        if cpu_bounds:
+            seqlens["cu_seqlens_cpu"] = level.cu_seqlens_cpu
         return original(q, k, v, g=g, beta=beta, initial_state=initial, output_final_state=True, **extra, **seqlens)
 
     return _scan_levels(forest, tensors, varlen, run), None

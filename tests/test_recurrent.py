@@ -77,6 +77,7 @@ def test_scan_plan_runs_every_row_once_after_its_parent_segment(case):
         want_rows = [r for s in segments for r in range(starts[s], starts[s + 1])]
         assert level.rows.tolist() == want_rows
         assert level.cu_seqlens.tolist() == [0, *torch.tensor([starts[s + 1] - starts[s] for s in segments]).cumsum(0)]
+        assert level.cu_seqlens_cpu.device.type == "cpu" and level.cu_seqlens_cpu.tolist() == level.cu_seqlens.tolist()
         assert level.pad_index[level.valid].tolist() == want_rows
         assert (level.pad_index[~level.valid] == forest.seq_len).all()
         if lvl == 0:
@@ -204,8 +205,9 @@ def test_tree_delta_rule_is_exact_in_float64(per_channel_decay, varlen, monkeypa
     if varlen:  # a cu_seqlens kernel, as flash-linear-attention's, built from the oracle
 
         def kernel(q, k, v, g, beta, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False,
-                   cu_seqlens=None):  # fmt: skip
+                   cu_seqlens=None, cu_seqlens_cpu=None):  # fmt: skip
             bounds = cu_seqlens.tolist()
+            assert cu_seqlens_cpu.device.type == "cpu" and cu_seqlens_cpu.tolist() == bounds  # the host copy
             outs, finals = [], []
             for n, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
                 init = None if initial_state is None else initial_state[n : n + 1]
@@ -272,6 +274,32 @@ def test_tree_mamba2_scan_equals_each_sequence():
     want_grads = torch.autograd.grad(_first_visit_sum(results, w, seq_dim=1), tensors)
     for a, b_ in zip(grads, want_grads):
         torch.testing.assert_close(a, b_, atol=1e-5, rtol=1e-4)
+
+
+def test_host_bounds_go_only_to_a_kernel_that_takes_them(monkeypatch):
+    """transformers' wrapper passes on only the keyword arguments of the kernel it resolved: `_kernel_params` reads
+    those (fla 0.6's `cu_seqlens_cpu` lets it plan chunks without a device read-back; a kernel without it gets
+    none)."""
+    from transformers.integrations.hub_kernels import use_kernel_func_from_hub_with_fallback
+
+    def torch_reference(query, key, value, g, beta, initial_state=None, output_final_state=False):
+        raise AssertionError("not called")
+
+    def kernel_with(q, k, v, g, beta, initial_state=None, output_final_state=False, cu_seqlens=None,
+                    cu_seqlens_cpu=None, **kwargs):  # fmt: skip
+        raise AssertionError("not called")
+
+    def kernel_without(q, k, v, g, beta, initial_state=None, output_final_state=False, cu_seqlens=None, **kwargs):
+        raise AssertionError("not called")
+
+    for kernel, takes in [(kernel_with, True), (kernel_without, False)]:
+        package = type(sys)("fake_gdn_package")
+        package.fake_delta_rule = kernel
+        monkeypatch.setitem(sys.modules, "fake_gdn_package", package)
+        wrapped = use_kernel_func_from_hub_with_fallback("fake_delta_rule", "fake_gdn_package")(torch_reference)
+        assert ("cu_seqlens_cpu" in recurrent._kernel_params(wrapped)) is takes
+        assert "cu_seqlens" in recurrent._kernel_params(wrapped)
+    assert "cu_seqlens_cpu" not in recurrent._kernel_params(torch_reference)
 
 
 def test_tree_kernels_refuse_a_cache():
