@@ -61,9 +61,12 @@ OTHER_CONFIGS = {
 # (dtype, kernel precision) -> (atol on per-token log-probs vs the fp32 flat forward on the torch kernels, min
 # gradient cosine: all parameters as one vector, and each parameter of at least 1024 entries). fp32 on the torch
 # kernels is fp32 throughout but for FlexAttention's and cuBLAS's summation order; fp32 on fla's Triton / TileLang
-# kernels multiplies in TF32 (Triton's default for fp32 dots, and fla's explicit choice in its triangular solve):
-# an 11-bit significand, 8x bf16's precision, so the bf16 bounds divided by ~8. bf16: 8-bit significand, the same
-# for every route. Not yet calibrated on an H200 for the kernel routes: each test prints what it measured.
+# kernels multiplies in TF32 (Triton's default for fp32 dots): an 11-bit significand, 8x bf16's precision, so the
+# bf16 bounds divided by ~8. bf16: 8-bit significand, the same for every route. Where the kernels alone fall short of
+# a gradient bound (the per-sequence flat model on the same kernels, against the same reference: on the H200 fla
+# 0.6's fp32 kernels reach cosine 0.964 on Qwen3.5's `in_proj_a`, the decay gate's input, while bf16 reaches
+# 0.9997), the tree may lose at most twice what they lose (`_gradient_bounds`): the tree's own error is what is
+# tested, not the kernel's.
 TOLERANCES = {
     (torch.float32, "fp32"): (1e-3, 0.9999),
     (torch.float32, "tf32"): (1e-2, 0.999),
@@ -148,21 +151,37 @@ def _cosine(got: torch.Tensor, want: torch.Tensor) -> float:
     return torch.nn.functional.cosine_similarity(got.double().flatten(), want.double().flatten(), dim=0).item()
 
 
+ALL = "all parameters"
+
+
 def _gradient_cosines(model, ref_grads) -> dict[str, float]:
-    """Each parameter's gradient cosine against `ref_grads`, for the parameters of >= 1024 entries."""
-    return {n: _cosine(p.grad, ref_grads[n]) for n, p in model.named_parameters() if p.grad.numel() >= 1024}
-
-
-def _assert_gradients_close(model, ref_grads, min_cos):
-    """Cosine of every parameter's gradient of >= 1024 entries and of all of them as one vector; returns the worst."""
-    cosines = _gradient_cosines(model, ref_grads)
-    for pname, cos in cosines.items():
-        assert cos >= min_cos, f"{pname}: grad cosine {cos}"
+    """Each parameter's gradient cosine against `ref_grads`, for the parameters of >= 1024 entries, and (key
+    `ALL`) of every parameter's gradient as one vector."""
+    cosines = {n: _cosine(p.grad, ref_grads[n]) for n, p in model.named_parameters() if p.grad.numel() >= 1024}
     params = list(model.named_parameters())
-    cos = _cosine(torch.cat([p.grad.float().flatten() for _, p in params]),
-                  torch.cat([ref_grads[n].flatten() for n, _ in params]))  # fmt: skip
-    assert cos >= min_cos, f"all parameters: grad cosine {cos}"
-    return min(cos, *cosines.values())
+    cosines[ALL] = _cosine(torch.cat([p.grad.float().flatten() for _, p in params]),
+                           torch.cat([ref_grads[n].flatten() for n, _ in params]))  # fmt: skip
+    return cosines
+
+
+def _gradient_bounds(min_cos: float, kernel_cosines: dict[str, float] | None) -> dict[str, float] | float:
+    """The cosine each gradient must reach: `min_cos`, or where the same kernels without a tree (`kernel_cosines`,
+    the per-sequence flat model's) fall short of it, the cosine that loses twice what they lose."""
+    if kernel_cosines is None:
+        return min_cos
+    return {n: min(min_cos, 1 - 2 * (1 - cos)) for n, cos in kernel_cosines.items()}
+
+
+def _assert_gradients_close(model, ref_grads, min_cos, kernel_cosines=None):
+    """Every gradient cosine of `_gradient_cosines` against its bound (`_gradient_bounds`); returns the worst."""
+    cosines = _gradient_cosines(model, ref_grads)
+    bounds = _gradient_bounds(min_cos, kernel_cosines)
+    for pname, cos in cosines.items():
+        bound = bounds if isinstance(bounds, float) else bounds[pname]
+        if bound < min_cos:
+            print(f"  {pname}: tree {cos:.6f}, the kernels alone {kernel_cosines[pname]:.6f}, bound {bound:.6f}")
+        assert cos >= bound, f"{pname}: grad cosine {cos} (bound {bound})"
+    return min(cosines.values())
 
 
 def test_gated_deltanet_uses_the_varlen_kernel_when_fla_is_installed():
@@ -176,9 +195,9 @@ def test_gated_deltanet_uses_the_varlen_kernel_when_fla_is_installed():
 @pytest.mark.parametrize("name", list(GDN_CONFIGS))
 @pytest.mark.parametrize("route", gdn_kernels.ROUTES)
 def test_gated_deltanet_tree_matches_flat_on_each_kernel_route(route, name, dtype):
-    """Tree on `route` in `dtype` vs per-sequence fp32 flat on the torch kernels: log-probs and parameter gradients;
-    the route's kernels ran in the tree's forward and backward. Prints the measured errors, and the per-sequence flat
-    forward's and backward's own on the same route (what the kernels give without a tree), for calibration."""
+    """Tree on `route` in `dtype` vs per-sequence fp32 flat on the torch kernels: log-probs and parameter gradients
+    (the gradient bound relaxed only where the per-sequence flat model on the same kernels misses it); the route's
+    kernels ran in the tree's forward and backward. Prints the measured errors and the flat model's."""
     config, head_dim = GDN_CONFIGS[name]
     if (reason := gdn_kernels.unavailable(route, head_dim, dtype, lift_guard=True)) is not None:
         pytest.skip(reason)
@@ -201,10 +220,11 @@ def test_gated_deltanet_tree_matches_flat_on_each_kernel_route(route, name, dtyp
     assert (problem := gdn_kernels.route_problem(route, probe.calls)) is None, problem
     for t, r in zip(tree_logps, ref_logps):
         torch.testing.assert_close(t, r, atol=atol, rtol=0)
-    flat_cos, flat_param = min((cos, n) for n, cos in _gradient_cosines(flat, ref_grads).items())
+    flat_cosines = _gradient_cosines(flat, ref_grads)
+    flat_cos, flat_param = min((cos, n) for n, cos in flat_cosines.items())
     print(f"{route} {name} {dtype}: flat on the same kernels, worst gradient cosine {flat_cos:.6f} ({flat_param})",
           flush=True)  # fmt: skip
-    worst = _assert_gradients_close(model, ref_grads, min_cos)
+    worst = _assert_gradients_close(model, ref_grads, min_cos, kernel_cosines=flat_cosines)
     print(f"{route} {name} {dtype}: worst gradient cosine {worst:.6f}", flush=True)
 
 
