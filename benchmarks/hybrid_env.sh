@@ -2,15 +2,17 @@
 # routes on the H200. Installs once per machine (a warm machine keeps /tmp, so a second call made right after the
 # first finds everything installed and every compiled kernel and autotuning result on disk).
 #
-# In:  WHL (default .whl/hybrid), W (work folder, default /tmp/hyb), START (the caller's $SECONDS at its start).
+# In:  WHL (default .whl/hybrid), W (work folder, default /tmp/hyb), START (the caller's $SECONDS at its start),
+#      AUTOTUNE (Triton autotuning results to start from, default benchmarks/cache/triton_autotune_h200.tgz).
 # Out: PATHS / ROUTE (a route label's packages and fla route), COMMON, pypath LABEL (its PYTHONPATH), note TEXT
 #      (echoed and kept in $W/status).
 #
-# Wheels (git-ignored, ~38 MiB, carried as `.whl/hybrid`): tilelang_site.tar.xz (tilelang 0.1.15, apache-tvm-ffi
-# 0.1.12, torch-c-dlpack-ext 0.1.5, z3-solver 4.15.4.0, installed with pip --target and xz-compressed: the wheels
-# alone are 82 MB), fla06/ (flash-linear-attention + fla-core 0.6.0), fla042/ (0.4.2), flashqla/ (flash-qla
-# 0.1.3). causal-conv1d is not carried: PyPI has only its source, whose CUDA build takes longer than a call; the
-# short convolution runs on transformers' torch fallback (cheap next to the scan).
+# Wheels (git-ignored, ~45 MiB, carried as `.whl/hybrid`; benchmarks/hybrid_wheels.sh builds them):
+# tilelang_site.tar.xz (tilelang 0.1.15, apache-tvm-ffi 0.1.12, torch-c-dlpack-ext 0.1.5, z3-solver 4.15.4.0,
+# installed with pip --target and xz-compressed: the wheels alone are 82 MB), fla06/ (flash-linear-attention +
+# fla-core 0.6.0), fla042/ (0.4.2), flashqla/ (flash-qla 0.1.3). causal-conv1d is not carried: PyPI has only its
+# source, whose CUDA build takes longer than a call; the short convolution runs on transformers' torch fallback
+# (cheap next to the scan).
 WHL=${WHL:-.whl/hybrid}
 W=${W:-/tmp/hyb}
 mkdir -p "$W"
@@ -47,12 +49,15 @@ PY
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$W/common" .whl/common/*.whl \
       || note "pip install common failed"
   fi
-  # Triton's autotuning results from an earlier H200 call (gpu_hybrid_rows.sh brings them back as
-  # triton_autotune.tgz; kept beside the wheels as triton_autotune_h200.tgz): with them a kernel compiles only the
-  # config picked before instead of every config it would autotune over. Used while Triton and fla match.
-  if [ -f "$WHL/triton_autotune_h200.tgz" ]; then
-    mkdir -p "$TRITON_CACHE_DIR" && tar xzf "$WHL/triton_autotune_h200.tgz" -C "$TRITON_CACHE_DIR" \
-      && note "autotuning results unpacked: $(tar tzf "$WHL/triton_autotune_h200.tgz" | grep -c autotune.json)"
+  # Triton's autotuning results from earlier H200 calls (gpu_hybrid_rows.sh brings them back as triton_autotune.tgz;
+  # kept in the repository as benchmarks/cache/triton_autotune_h200.tgz, 112 kernels: the 0.8B / 2B benchmarks and
+  # the parity tests, fla 0.6 on Triton 3.6, bf16 and fp32): with them a kernel compiles only the config picked before
+  # instead of every config it would autotune over. Triton uses a result only while the kernel's source, Triton and
+  # the key match. TileLang's compiled kernels are not kept: a fresh machine still compiles for minutes.
+  AUTOTUNE=${AUTOTUNE:-benchmarks/cache/triton_autotune_h200.tgz}
+  if [ -f "$AUTOTUNE" ]; then
+    mkdir -p "$TRITON_CACHE_DIR" && tar xzf "$AUTOTUNE" -C "$TRITON_CACHE_DIR" \
+      && note "autotuning results unpacked: $(tar tzf "$AUTOTUNE" | grep -c autotune.json)"
   fi
   touch "$W/installed"
   note "install done at $((SECONDS - ${START:-0})) s"
