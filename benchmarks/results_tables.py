@@ -16,6 +16,7 @@ import json
 import re
 import statistics
 import sys
+from collections import Counter
 from pathlib import Path
 
 from results_registry import (
@@ -446,7 +447,7 @@ def hybrids() -> list[str]:
     headers = ["model", "workload", "Gated DeltaNet kernels", "levels", "token / FLOP ceiling", "tree vs flat padded",
                "tree vs flat packed",
                "% of FLOP ceiling", "MFU tree / flat padded", "peak tree / flat padded", "source"]  # fmt: skip
-    level_rows = []
+    level_rows, level_notes = [], Notes()
     for name in LEVELS:
         data = load(name)
         for wl, r in data["runs"].items():
@@ -456,19 +457,25 @@ def hybrids() -> list[str]:
                 gdn_kernels(r.get("kernels")),
                 WORKLOADS.get(wl, wl.replace("_", " ")), str(r["levels"]), f"{r['tree_tokens']:,}",
                 secs(r["by_level_s"]), secs(r["one_call_s"]), f"{extra:+.1%}",
-                f"{r['per_level_ms']:.2f} ms" if extra > 0 else "—", Notes().source(name),
+                f"{r['per_level_ms']:.2f} ms" if extra > 0 else "—",
+                f"{r['per_level_ms_device_bounds']:.2f} ms" if "per_level_ms_device_bounds" in r else "—",
+                level_notes.source(name),
             ])  # fmt: skip
     level_headers = ["device", "scan", "kernels", "tree", "levels", "tree tokens", "level by level",
-                     "one call, same tokens", "extra", "per level", "source"]  # fmt: skip
+                     "one call, same tokens", "extra", "per level", "per level, bounds read back per call",
+                     "source"]  # fmt: skip
     return (
         table(headers, rows + pending("hybrids", len(headers)))
         + notes.lines()
         + [
             "Going level by level, one Gated DeltaNet scan alone (forward + backward), against one call over as many "
-            "tokens:",
+            "tokens (where the kernel takes each level's boundaries on the host, fla 0.6's `cu_seqlens_cpu`, the tree "
+            "passes them; the last column times the same scan with them withheld, the kernel reading them back from "
+            "the device at each call):",
             "",
         ]  # fmt: skip
         + table(level_headers, level_rows)
+        + level_notes.lines()
     )
 
 
@@ -480,12 +487,43 @@ STEP_LINE = re.compile(r"^(?!check )(\S.*?): (rc=\d+ (?:in|at) \d+ s.*|skipped, 
 def kernel_checks() -> list[str]:
     """The Gated DeltaNet kernel routes against the torch reference (gdn_kernel_check.py), then what the calls of
     gpu_hybrid_kernels.sh ran on them (parity tests, benchmark rows) and how each step ended."""
-    data, rows = load(KERNEL_CHECKS), []
-    exits = dict(re.findall(r"^check (\S+): rc=(\d+)", "\n".join(data["steps"]), flags=re.M))
-    for label, check in data["checks"].items():
+    rows, notes = [], Notes()
+    for name in KERNEL_CHECKS:
+        rows += check_rows(load(name), notes.source(name))
+    headers = ["route", "packages", "kernels that ran", "case", "fla's Hopper refusal lifted",
+               "worst rms(diff) / rms(reference)", "NaN", "first / second call", "result", "the check",
+               "source"]  # fmt: skip
+    run_rows = []
+    for name in KERNEL_RUNS:
+        for line in text(name).splitlines():
+            if match := STEP_LINE.match(line):
+                run_rows.append([match.group(1), match.group(2), Notes().source(name)])
+    return (
+        ["Each route's kernel check: the gate case first, the others as time allowed:", ""]
+        + table(headers, rows)
+        + notes.lines()
+        + ["What ran on the routes after their checks, step by step (exit 124: the step's time limit; pytest's "
+           "exit 5: no test selected):", ""]
+        + table(["step", "how it ended", "source"], run_rows)
+    )  # fmt: skip
+
+
+def check_rows(data: dict, source: str) -> list[list[str]]:
+    """The rows of one kernel-check file: gpu_hybrid_kernels.sh's (every route's check, with its steps) or one
+    gdn_kernel_check.py run (every case it ran was written)."""
+    if "checks" in data:
+        checks = data["checks"]
+        exits = dict(re.findall(r"^check (\S+): rc=(\d+)", "\n".join(data["steps"]), flags=re.M))
+    else:
+        checks = {data["label"]: data}
+        exits = {data["label"]: "0"}
+    rows = []
+    for label, check in checks.items():
         versions = check["versions"]
         packages = ", ".join(f"{PACKAGES[k]} {versions[k]}" for k in PACKAGES if versions.get(k))
-        ran = {"0": "all its cases", "124": f"its time limit stopped it after {len(check['cases'])} case(s)"}
+        dims = re.search(r"--head-dims ([\d ]+)", check.get("command", ""))
+        every = f"its cases of K = {dims[1].strip()}" if dims else "all its cases"
+        ran = {"0": every, "124": f"its time limit stopped it after {len(check['cases'])} case(s)"}
         for case in check["cases"]:
             nan = [k for k, e in case.get("errors", {}).items() if e["nan"]]
             calls = (
@@ -500,23 +538,9 @@ def kernel_checks() -> list[str]:
                 f"{case['worst_rms_ratio']:.1e} (≤ {case['tolerance']:.0e})" if "worst_rms_ratio" in case else "—",
                 ", ".join(nan) or "none",
                 calls,
-                f"**{case['status']}**", ran.get(exits.get(label), f"exit {exits.get(label)}"),
+                f"**{case['status']}**", ran.get(exits.get(label), f"exit {exits.get(label)}"), source,
             ])  # fmt: skip
-    headers = ["route", "packages", "kernels that ran", "case", "fla's Hopper refusal lifted",
-               "worst rms(diff) / rms(reference)", "NaN", "first / second call", "result", "the check"]  # fmt: skip
-    run_rows = []
-    for name in KERNEL_RUNS:
-        for line in text(name).splitlines():
-            if match := STEP_LINE.match(line):
-                run_rows.append([match.group(1), match.group(2), Notes().source(name)])
-    return (
-        [f"Each route's kernel check ({Notes().source(KERNEL_CHECKS)}): the gate case first, the others as time "
-         "allowed:", ""]
-        + table(headers, rows)
-        + ["What ran on the routes after their checks, step by step (exit 124: the step's time limit; pytest's "
-           "exit 5: no test selected):", ""]
-        + table(["step", "how it ended", "source"], run_rows)
-    )  # fmt: skip
+    return rows
 
 
 def prefix_kernels() -> list[str]:
@@ -720,7 +744,17 @@ def test_outcome(name: str) -> str:
         if match := re.match(r"^FAILED tests/\S+::(\S+)", line):
             failed += [match.group(1)] * (match.group(1) not in failed)
     summary = [line for line in lines if re.search(r"\d+ (passed|failed)", line)]
-    if summary:
+    runs = re.split(r"collected \d+ items?", text(name))[1:]
+    if len(runs) > 1:  # one pytest process per test, their logs one after another
+        counts = Counter()
+        for run in runs:
+            ends = re.findall(r"^=+ (.*\d+ (?:passed|failed|skipped|error).*) in [\d.]+s", run, flags=re.M)
+            counts.update(dict((o, int(n)) for n, o in re.findall(r"(\d+) (\w+)", ends[-1])) if ends else {})
+            counts["without a result (killed)"] += not ends
+        order = ["passed", "failed", "error", "skipped", "without a result (killed)"]
+        ranked = sorted(counts, key=lambda o: order.index(o) if o in order else len(order))
+        result = ", ".join(f"{counts[o]} {o}" for o in ranked if counts[o]) + f" ({len(runs)} pytest processes)"
+    elif summary:
         result = re.sub(r"=+", "", summary[-1]).strip()
     else:
         result = ", ".join(f"{outcomes.count(o)} {o}" for o in marks.values() if o in outcomes)
@@ -912,8 +946,9 @@ SECTIONS = [  # (heading level, title, section, what it measures)
     (2, "Hybrid models", hybrids,
      "Qwen3.5 shape, 18 Gated DeltaNet and 6 attention layers: the recurrent layers run segment by segment, level by "
      "level, on the same Gated DeltaNet kernels in the tree and in flat (the benchmark loop; flat packed is a forest "
-     "without sharing): transformers' torch reference, or flash-linear-attention 0.6's Triton kernels with the gated "
-     "`chunk_bwd_dqkwg` on TileLang (`--gdn-route fla_tilelang`, fla's default on Hopper with Triton 3.6; "
+     "without sharing): transformers' torch reference, flash-linear-attention 0.6's Triton kernels with the gated "
+     "`chunk_bwd_dqkwg` on TileLang (`--gdn-route fla_tilelang`, fla's default on Hopper with Triton 3.6) or "
+     "FlashQLA (`--gdn-route flash_qla`, fla's default for bf16 K = V = 128 once installed; "
      "`benchmarks/gpu_hybrid_rows.sh`), each row saying which."),
     (3, "Gated DeltaNet kernels on the H200", kernel_checks,
      "The varlen kernels a tree level calls (`benchmarks/gdn_kernels.py` routes: FlashQLA; fla's Triton kernels "
@@ -921,8 +956,9 @@ SECTIONS = [  # (heading level, title, section, what it measures)
      "BK = 128; fla 0.4.2), each checked by `gdn_kernel_check.py`: one varlen forward + backward over segments of "
      "4,096, 257, 1, 64 and 700 tokens with initial states, against transformers' torch reference run per segment "
      "in float32. The gate case is Qwen3.5's heads (K = V = 128) in bf16; the other cases (fp32, K = 64) show the "
-     "route elsewhere. The fla + TileLang route then passed the model-level parity tests in bf16 and gave the "
-     "benchmark rows above (`h200_gpu_tests_hybrid_rows.log` in the GPU tests table); the others have no rows."),
+     "route elsewhere, K = 64 also with fla's Hopper refusal lifted. The model-level parity tests on each route are "
+     "in the GPU tests table (`h200_gpu_tests_hybrid_rows.log`, `h200_gpu_tests_hybrid_routes.log`); fla + TileLang "
+     "and FlashQLA gave the benchmark rows above."),
     (2, "Shared-prefix attention kernels", prefix_kernels,
      "Attention alone (`bench_prefix_attention.py`), bf16, Qwen3 heads of 128, one GRPO forest: FlexAttention's tree "
      "mask against the shared-prefix kernels, median of 10 after a warm-up; a step is two forwards and one backward, "

@@ -104,20 +104,48 @@ for stage in "$@"; do
     # gpu_hybrid_rows.sh: two calls made back to back on one (warm) machine, the first filling the compile and autotuning
     # caches in /tmp beside the route's parity tests, the second timing the rows (carry .whl/hybrid; ~9 min each)
     hybrid-rows-warm)  # fla + TileLang: the route's 10 parity tests and one untimed run of each 0.8B benchmark
-      PHASE=warm BUDGET=560 bash benchmarks/gpu_hybrid_rows.sh ;;
-    hybrid-rows)  # the 0.8B rows, timed
-      PHASE=rows BUDGET=330 bash benchmarks/gpu_hybrid_rows.sh
-      cp /tmp/hyb/rows/qwen3.5-0.8b_grpo_fla_tilelang.json "$OUT/tree_vs_flat_h200_qwen3.5-0.8b_fla_tilelang.json"
-      cp /tmp/hyb/rows/qwen3.5-0.8b_agent20_fla_tilelang.json \
-        "$OUT/tree_vs_flat_h200_qwen3.5-0.8b_agent20_fla_tilelang.json" ;;
-    hybrid-rows-2b-warm)  # the tree-vs-flat parity tests again, the level cost and the 2B row untimed
-      PHASE=warm ONLY="levels qwen3.5-2b_grpo" PARITY_K=tree_matches BUDGET=330 bash benchmarks/gpu_hybrid_rows.sh
+      PHASE=warm BUDGET=560 JOBS="qwen3.5-0.8b_grpo@fla_tilelang qwen3.5-0.8b_agent20@fla_tilelang levels@fla_tilelang" \
+        bash benchmarks/gpu_hybrid_rows.sh ;;
+    hybrid-rows)  # the 0.8B GRPO row, timed
+      PHASE=rows BUDGET=330 JOBS="qwen3.5-0.8b_grpo@fla_tilelang" bash benchmarks/gpu_hybrid_rows.sh
+      cp /tmp/hyb/rows/qwen3.5-0.8b_grpo_fla_tilelang.json "$OUT/tree_vs_flat_h200_qwen3.5-0.8b_fla_tilelang.json" ;;
+    hybrid-rows-2b-warm)  # the tree-vs-flat parity tests again and the 2B row untimed
+      PHASE=warm JOBS="qwen3.5-2b_grpo@fla_tilelang" PARITY_K=tree_matches BUDGET=330 bash benchmarks/gpu_hybrid_rows.sh
       { echo "# PHASE=warm BUDGET=560 bash benchmarks/gpu_hybrid_rows.sh   (and the stage hybrid-rows-2b-warm)"
         cat /tmp/hyb/warm/parity_*.log; } >"$OUT/h200_gpu_tests_hybrid_rows.log" ;;
-    hybrid-rows-2b)  # the level cost and the 2B row, timed
-      PHASE=rows ONLY="levels qwen3.5-2b_grpo" BUDGET=200 bash benchmarks/gpu_hybrid_rows.sh
-      cp /tmp/hyb/rows/qwen3.5-2b_grpo_fla_tilelang.json "$OUT/tree_vs_flat_h200_qwen3.5-2b_fla_tilelang.json"
-      cp /tmp/hyb/rows/levels_fla_tilelang.json "$OUT/levels_h200_fla_tilelang.json" ;;
+    hybrid-rows-2b)  # the 2B row, timed
+      PHASE=rows JOBS="qwen3.5-2b_grpo@fla_tilelang" BUDGET=200 bash benchmarks/gpu_hybrid_rows.sh
+      cp /tmp/hyb/rows/qwen3.5-2b_grpo_fla_tilelang.json "$OUT/tree_vs_flat_h200_qwen3.5-2b_fla_tilelang.json" ;;
+    # The same two-call pattern over three routes (fla + TileLang, FlashQLA, fla's Triton kernels alone), with the
+    # level-by-level scans handing fla each level's boundaries on the host (no device read-back per call).
+    hybrid-routes-warm)  # the routes' parity tests (fp32 on fla + TileLang, bf16 on the others), the K = 64 kernel
+      # checks with fla's Hopper refusal kept and lifted, and the three benchmarks below untimed. The checks run
+      #   python benchmarks/gdn_kernel_check.py --route fla_triton --head-dims 64
+      #   python benchmarks/gdn_kernel_check.py --route fla_tilelang --head-dims 64
+      PHASE=warm BUDGET=570 JOBS="qwen3.5-0.8b_grpo@flash_qla qwen3.5-2b_agent20@fla_tilelang levels@fla_tilelang" \
+        PARITY_ROUTES="fla_tilelang flash_qla fla_triton" \
+        PARITY_K="not (fla_tilelang and bf16) and not (fla_triton and (fp32 or varlen))" \
+        CHECKS="fla_triton:64 fla_tilelang:64" bash benchmarks/gpu_hybrid_rows.sh
+      cp /tmp/hyb/warm/check_fla_triton_k64.json "$OUT/hybrid_kernel_checks_h200_fla_triton_k64.json"
+      cp /tmp/hyb/warm/check_fla_tilelang_k64.json "$OUT/hybrid_kernel_checks_h200_fla_tilelang_k64.json"
+      cat /tmp/hyb/warm/parity_*.log >"$OUT/h200_gpu_tests_hybrid_routes.log" ;;
+    hybrid-routes-rows)  # the level cost, the 0.8B GRPO row on FlashQLA and the 2B agent row, timed. FlashQLA's row
+      # runs python benchmarks/bench_tree_vs_flat.py --models qwen3.5-0.8b --workloads grpo_G16_P4096_C512 --scale 0.25 --repeats 1 --gdn-route flash_qla
+      PHASE=rows BUDGET=540 JOBS="levels@fla_tilelang qwen3.5-0.8b_grpo@flash_qla qwen3.5-2b_agent20@fla_tilelang" \
+        bash benchmarks/gpu_hybrid_rows.sh
+      cp /tmp/hyb/rows/levels_fla_tilelang.json "$OUT/levels_h200_fla_tilelang.json"
+      cp /tmp/hyb/rows/qwen3.5-0.8b_grpo_flash_qla.json "$OUT/tree_vs_flat_h200_qwen3.5-0.8b_flash_qla.json"
+      cp /tmp/hyb/rows/qwen3.5-2b_agent20_fla_tilelang.json \
+        "$OUT/tree_vs_flat_h200_qwen3.5-2b_agent20_fla_tilelang.json" ;;
+    hybrid-routes-rows-agent)  # the 0.8B agent row, timed (the stage above ran out of time before it)
+      PHASE=rows BUDGET=390 JOBS="qwen3.5-0.8b_agent20@fla_tilelang" bash benchmarks/gpu_hybrid_rows.sh
+      cp /tmp/hyb/rows/qwen3.5-0.8b_agent20_fla_tilelang.json \
+        "$OUT/tree_vs_flat_h200_qwen3.5-0.8b_agent20_fla_tilelang.json" ;;
+    hybrid-routes-parity-next)  # Qwen3-Next's K = 128 parity tests that ran out of memory or time beside the others
+      PHASE=warm BUDGET=430 JOBS=" " PARITY_ROUTES="fla_tilelang flash_qla fla_triton" \
+        PARITY_K="tree_matches and qwen3_next_k128 and ((fla_tilelang and fp32) or (flash_qla and bf16) or (fla_triton and bf16))" \
+        bash benchmarks/gpu_hybrid_rows.sh
+      cat /tmp/hyb/warm/parity_*.log >>"$OUT/h200_gpu_tests_hybrid_routes.log" ;;
     hybrid-kernels-fla-tilelang-rows)  # the benchmark rows alone on fla + TileLang: no checks, no parity test (on a
       # fresh machine: the script keeps its work files, status lines included, in /tmp/hyb)
       ROUTES=fla_tilelang CHECKS=0 PARITY_K=no_such_test BENCH_MAX=330 BUDGET=500 bash benchmarks/gpu_hybrid_kernels.sh
