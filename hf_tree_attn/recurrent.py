@@ -141,6 +141,7 @@ class _Level:
     pad_index: `(n, T)` long — row of each slot of the zero-padded batch (`T` = longest segment); `S` (a zero
         row appended to the input) past a segment's end.
     valid: `(n, T)` bool — real slots of `pad_index`.
+    valid_slots: `(N,)` long — the real slots' flat indices in `pad_index` (the rows of `rows`, in order).
     parent_slot: `(n,)` long — index of each segment's parent among the previous level's segments (None on level 0,
         whose segments are roots and start from a zero state).
     """
@@ -150,15 +151,22 @@ class _Level:
     cu_seqlens_cpu: torch.Tensor
     pad_index: torch.Tensor
     valid: torch.Tensor
+    valid_slots: torch.Tensor
     parent_slot: torch.Tensor | None
 
 
 @dataclass
 class _ScanPlan:
-    """A forest's levels in order, and where their outputs go back in the row."""
+    """A forest's levels in order, and where their outputs go back in the row.
+
+    rows: `(num_tree_tokens,)` long — every level's `rows`, concatenated.
+    pad_rows: `(sum n * T,)` long — every level's `pad_index`, flattened and concatenated (the padded path gathers
+        every level's batch at once, so that the backward scatters each input's gradient once, not once per level).
+    """
 
     levels: list[_Level]
-    rows: torch.Tensor  # (num_tree_tokens,) long — every level's `rows`, concatenated (where outputs go back)
+    rows: torch.Tensor
+    pad_rows: torch.Tensor
 
 
 def _ragged_arange(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -198,10 +206,13 @@ def _scan_plan(forest, device: torch.device) -> _ScanPlan:
                     cu_seqlens_cpu=bounds_cpu,
                     pad_index=tensor(pad_index),
                     valid=tensor(valid, torch.bool),
+                    valid_slots=tensor(np.flatnonzero(valid)),
                     parent_slot=tensor(slot[parent[segs]]) if lvl else None,
                 )
             )
-        forest._scan_cache[key] = _ScanPlan(levels, torch.cat([lv.rows for lv in levels]))
+        forest._scan_cache[key] = _ScanPlan(
+            levels, torch.cat([lv.rows for lv in levels]), torch.cat([lv.pad_index.flatten() for lv in levels])
+        )
     return forest._scan_cache[key]
 
 
@@ -247,16 +258,18 @@ def _scan_levels(forest, inputs: list[torch.Tensor], varlen: bool, run) -> torch
             `(n, ...)` after. `output` is `(1, N, ...)` (varlen) or `(n, T, ...)`.
     """
     plan = _scan_plan(forest, inputs[0].device)
-    padded = None if varlen else [_with_zero_row(x) for x in inputs]
+    if not varlen:  # every level's padded batch, `(n * T, ...)` each, from one gather (one gradient scatter back)
+        sizes = [level.pad_index.numel() for level in plan.levels]
+        padded = [_with_zero_row(x).index_select(0, plan.pad_rows).split(sizes) for x in inputs]
     outputs, final = [], None
-    for level in plan.levels:
+    for i, level in enumerate(plan.levels):
         initial = None if level.parent_slot is None else final.index_select(0, level.parent_slot)
-        if varlen:
+        if varlen:  # a fresh gather per level: kernels may need aligned inputs, not views into one buffer
             out, final = run([x.index_select(1, level.rows) for x in inputs], initial, level)
             outputs.append(out[0])
         else:
-            out, final = run([x[level.pad_index] for x in padded], initial, level)
-            outputs.append(out[level.valid])
+            out, final = run([x[i].unflatten(0, level.pad_index.shape) for x in padded], initial, level)
+            outputs.append(out.flatten(0, 1).index_select(0, level.valid_slots))  # no mask: no device sync
     values = torch.cat(outputs)
     full = values.new_zeros((inputs[0].shape[1], *values.shape[1:])).index_copy(0, plan.rows, values)
     return full[None]

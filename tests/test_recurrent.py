@@ -70,6 +70,7 @@ def test_scan_plan_runs_every_row_once_after_its_parent_segment(case):
     starts, parents, levels = oracle_segments(forest, sequences)
     plan = recurrent._scan_plan(forest, torch.device("cpu"))
     assert sorted(plan.rows.tolist()) == list(range(forest.num_tree_tokens))
+    assert plan.pad_rows.tolist() == [r for level in plan.levels for r in level.pad_index.flatten().tolist()]
     assert len(plan.levels) == max(levels) + 1
     previous = None
     for lvl, level in enumerate(plan.levels):
@@ -79,6 +80,7 @@ def test_scan_plan_runs_every_row_once_after_its_parent_segment(case):
         assert level.cu_seqlens.tolist() == [0, *torch.tensor([starts[s + 1] - starts[s] for s in segments]).cumsum(0)]
         assert level.cu_seqlens_cpu.device.type == "cpu" and level.cu_seqlens_cpu.tolist() == level.cu_seqlens.tolist()
         assert level.pad_index[level.valid].tolist() == want_rows
+        assert level.pad_index.flatten()[level.valid_slots].tolist() == want_rows
         assert (level.pad_index[~level.valid] == forest.seq_len).all()
         if lvl == 0:
             assert level.parent_slot is None and all(parents[s] == -1 for s in segments)
