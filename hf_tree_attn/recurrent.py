@@ -264,7 +264,7 @@ def _scan_levels(forest, inputs: list[torch.Tensor], varlen: bool, run) -> torch
     outputs, final = [], None
     for i, level in enumerate(plan.levels):
         initial = None if level.parent_slot is None else final.index_select(0, level.parent_slot)
-        if varlen:  # a fresh gather per level: kernels may need aligned inputs, not views into one buffer
+        if varlen:  # a gather per level: each level's inputs in a buffer of their own (kernels may need aligned data)
             out, final = run([x.index_select(1, level.rows) for x in inputs], initial, level)
             outputs.append(out[0])
         else:
