@@ -109,6 +109,7 @@ def measure(sequences, heads: int, dim: int, device, dtype, repeats: int, route:
         out, _ = kernel(q, k, v, g=decay, beta=beta, use_qk_l2norm_in_kernel=True)
         out.float().sum().backward()
 
+    varlen = recurrent._use_varlen(kernel, device)
     with gdn_kernels.KernelProbe() as probe:
         by_level_s, by_level_host_s = _time(by_level, repeats, device, host=True)
     result = {
@@ -117,8 +118,8 @@ def measure(sequences, heads: int, dim: int, device, dtype, repeats: int, route:
         "tree_tokens": forest.num_tree_tokens,
         "levels": forest.num_levels,
         "segments": forest.num_segments,
-        "varlen": recurrent._use_varlen(kernel, device),
-        "host_bounds": recurrent._use_varlen(kernel, device) and "cu_seqlens_cpu" in recurrent._kernel_params(kernel),
+        "varlen": varlen,
+        "host_bounds": varlen and "cu_seqlens_cpu" in recurrent._kernel_params(kernel),
         "by_level_s": by_level_s,
         "by_level_host_s": by_level_host_s,
         "one_call_s": _time(one_call, repeats, device),

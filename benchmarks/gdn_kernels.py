@@ -276,10 +276,7 @@ def unavailable(route: str, head_dim: int | None = None, dtype: torch.dtype | No
 def _implementation(dispatch):
     """The function transformers resolved behind the tree's dispatch: fla's, or the torch reference."""
     original = dispatch.tree_original  # the tree's dispatch (and the layer counter around it) keep it
-    try:
-        found = inspect.getclosurevars(original).nonlocals.get("implementation")
-    except TypeError:
-        found = None
+    found = recurrent._hub_wrapper_state(original).get("implementation")
     return found if found is not None else inspect.unwrap(original)
 
 

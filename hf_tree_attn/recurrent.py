@@ -140,7 +140,6 @@ class _Level:
         `cu_seqlens_cpu`) plans its chunks without reading the device copy back, a device sync per call.
     pad_index: `(n, T)` long — row of each slot of the zero-padded batch (`T` = longest segment); `S` (a zero
         row appended to the input) past a segment's end.
-    valid: `(n, T)` bool — real slots of `pad_index`.
     valid_slots: `(N,)` long — the real slots' flat indices in `pad_index` (the rows of `rows`, in order).
     parent_slot: `(n,)` long — index of each segment's parent among the previous level's segments (None on level 0,
         whose segments are roots and start from a zero state).
@@ -150,7 +149,6 @@ class _Level:
     cu_seqlens: torch.Tensor
     cu_seqlens_cpu: torch.Tensor
     pad_index: torch.Tensor
-    valid: torch.Tensor
     valid_slots: torch.Tensor
     parent_slot: torch.Tensor | None
 
@@ -205,7 +203,6 @@ def _scan_plan(forest, device: torch.device) -> _ScanPlan:
                     cu_seqlens=bounds_cpu.to(device),
                     cu_seqlens_cpu=bounds_cpu,
                     pad_index=tensor(pad_index),
-                    valid=tensor(valid, torch.bool),
                     valid_slots=tensor(np.flatnonzero(valid)),
                     parent_slot=tensor(slot[parent[segs]]) if lvl else None,
                 )
@@ -297,24 +294,27 @@ def _no_cache(name: str, *states) -> None:
         )
 
 
+@functools.cache
+def _hub_wrapper_state(original) -> dict:
+    """The variables transformers' kernel wrapper (`use_kernel_func_from_hub_with_fallback`) closes over —
+    `implementation`, `is_new_implementation`, `applicable_params` — or {} for any other function. Read once per
+    function: the tree asks at every layer's forward."""
+    try:
+        return dict(inspect.getclosurevars(original).nonlocals)
+    except TypeError:  # not a Python function
+        return {}
+
+
 def _use_varlen(original, device: torch.device) -> bool:
     """Whether to call `original` with `cu_seqlens`: on CUDA, when transformers resolved it to a package kernel
     (flash-linear-attention) rather than its torch reference, which cannot keep packed sequences apart."""
-    if device.type != "cuda":
-        return False
-    try:
-        return bool(inspect.getclosurevars(original).nonlocals.get("is_new_implementation", False))
-    except TypeError:  # not transformers' wrapper
-        return False
+    return device.type == "cuda" and bool(_hub_wrapper_state(original).get("is_new_implementation", False))
 
 
 def _kernel_params(original) -> set[str]:
     """The parameter names the kernel behind `original` takes (transformers' wrapper passes on only those of the
     implementation it resolved, `applicable_params`)."""
-    try:
-        params = inspect.getclosurevars(original).nonlocals.get("applicable_params")
-    except TypeError:  # not a Python function
-        params = None
+    params = _hub_wrapper_state(original).get("applicable_params")
     return set(params) if params is not None else set(inspect.signature(original).parameters)
 
 

@@ -65,7 +65,7 @@ OTHER_CONFIGS = {
 # bf16 bounds divided by ~8. bf16: 8-bit significand, the same for every route. Where the kernels alone fall short of
 # a gradient bound (the per-sequence flat model on the same kernels, against the same reference: on the H200 fla
 # 0.6's fp32 kernels reach cosine 0.964 on Qwen3.5's `in_proj_a`, the decay gate's input, while bf16 reaches
-# 0.9997), the tree may lose at most twice what they lose (`_gradient_bounds`): the tree's own error is what is
+# 0.9997), the tree may lose at most twice what they lose (`_assert_gradients_close`): the tree's own error is what is
 # tested, not the kernel's.
 TOLERANCES = {
     (torch.float32, "fp32"): (1e-3, 0.9999),
@@ -164,20 +164,13 @@ def _gradient_cosines(model, ref_grads) -> dict[str, float]:
     return cosines
 
 
-def _gradient_bounds(min_cos: float, kernel_cosines: dict[str, float] | None) -> dict[str, float] | float:
-    """The cosine each gradient must reach: `min_cos`, or where the same kernels without a tree (`kernel_cosines`,
-    the per-sequence flat model's) fall short of it, the cosine that loses twice what they lose."""
-    if kernel_cosines is None:
-        return min_cos
-    return {n: min(min_cos, 1 - 2 * (1 - cos)) for n, cos in kernel_cosines.items()}
-
-
 def _assert_gradients_close(model, ref_grads, min_cos, kernel_cosines=None):
-    """Every gradient cosine of `_gradient_cosines` against its bound (`_gradient_bounds`); returns the worst."""
+    """Every gradient cosine of `_gradient_cosines` against `min_cos`, or where the same kernels without a tree
+    (`kernel_cosines`, the per-sequence flat model's) fall short of it, against the cosine that loses twice what they
+    lose; returns the worst."""
     cosines = _gradient_cosines(model, ref_grads)
-    bounds = _gradient_bounds(min_cos, kernel_cosines)
     for pname, cos in cosines.items():
-        bound = bounds if isinstance(bounds, float) else bounds[pname]
+        bound = min_cos if kernel_cosines is None else min(min_cos, 1 - 2 * (1 - kernel_cosines[pname]))
         if bound < min_cos:
             print(f"  {pname}: tree {cos:.6f}, the kernels alone {kernel_cosines[pname]:.6f}, bound {bound:.6f}")
         assert cos >= bound, f"{pname}: grad cosine {cos} (bound {bound})"
