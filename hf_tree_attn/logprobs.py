@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from .compile import call_compiled
 from .model_inputs import check_forest_inputs, lm_head_weight_and_bias
 from .support import check_forest, check_tree_model, config_field, logit_scale, rope_split_lengths, unwrap_model
 from .tree import PackedForest, TokenSequence, pack_forest
@@ -115,7 +116,8 @@ def _final_hidden_states(
     if hasattr(unwrap_model(model).config.get_text_config(), "output_router_logits"):
         extra["output_router_logits"] = False
     try:
-        model(**inputs, **extra, logits_to_keep=torch.empty(0, dtype=torch.long, device=device))
+        no_logits = torch.empty(0, dtype=torch.long, device=device)
+        call_compiled(model, lambda: model(**inputs, **extra, logits_to_keep=no_logits))
     finally:
         for handle in handles:
             handle.remove()

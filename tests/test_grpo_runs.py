@@ -140,10 +140,15 @@ def test_generation_mode_gives_trls_run(tiny, tmp_path, mode):
 
 
 def test_compiled_model_gives_trls_run(tiny, tmp_path):
-    """`torch_compile=True`: the Trainer compiles the model; the tree forwards run through the compiled module.
-    Compiling does not change the math, so TRL's plain run is the reference (compiling it too doubles the cost)."""
-    tree = _run(TreeGRPOTrainer, tiny, tmp_path, **MODES["compiled"])
-    assert type(tree.trainer.model_wrapped).__name__ == "OptimizedModule"
+    """`torch_compile=True` asks for a whole-model compile; the tree trainer compiles the decoder layers in place
+    instead (said once), which every tree forward runs, and the Trainer compiles no copy. Compiling does not change
+    the math, so TRL's plain run is the reference (compiling it too doubles the cost)."""
+    from hf_tree_attn.compile import compiled_layers, decoder_layers
+
+    with pytest.warns(UserWarning, match="whole-model compile"):
+        tree = _run(TreeGRPOTrainer, tiny, tmp_path, **MODES["compiled"])
+    assert compiled_layers(tree.trainer.model) == decoder_layers(tree.trainer.model_wrapped) != []
+    assert tree.trainer.tree_compile.kwargs == {"backend": "aot_eager", "dynamic": True}
     flat = _run(GRPOTrainer, tiny, tmp_path)
     _assert_same_run(tree, flat, generations=2)
 

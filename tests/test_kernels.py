@@ -3,7 +3,7 @@
 - CPU: regional compilation of the decoder layers (accelerate's `compile_regions`, what an accelerate config with
   `dynamo_use_regional_compilation: true` applies) with the `aot_eager` backend: the tree forward and backward equal
   the eager ones, the `tree_forest` kwarg breaks no graph, and forests of new sizes (with and without recompute)
-  compile no new graphs once warm; the trainer's warning for Liger with compiled layers.
+  compile no new graphs once warm (Liger with compiled layers is refused: tests/test_compile.py).
 - GPU (`-m gpu`): the same with inductor, and Liger's layer kernels (RMSNorm, SwiGLU, RoPE from the depth position
   ids) as `use_liger_kernel=True` applies them — bf16 results within bf16 tolerance of the flat forward.
 """
@@ -74,28 +74,6 @@ def test_regional_compile_matches_eager_without_graph_breaks_or_recompiles():
         graphs.append(counters["stats"]["unique_graphs"])
     assert not counters["graph_break"], dict(counters["graph_break"])
     assert graphs[0] > 0 and graphs[-1] == graphs[3], graphs  # new forest sizes after warm-up: no recompilation
-
-
-@pytest.mark.parametrize(
-    "liger, torch_compile, backend, warned",
-    [(True, True, "NO", True), (True, False, "INDUCTOR", True), (True, False, "NO", False),
-     (False, True, "INDUCTOR", False), (True, False, None, False)],
-)  # fmt: skip
-def test_liger_with_compiled_layers_is_warned(liger, torch_compile, backend, warned):
-    """Liger + compiled layers gave wrong gradients at the Qwen3-8B shape on the H200 (flat and tree alike): the
-    trainer says so at init; either alone says nothing."""
-    from types import SimpleNamespace
-
-    from accelerate.utils import DynamoBackend
-
-    from hf_tree_attn.trainer.grpo_trainer import liger_with_compile_warning
-
-    args = SimpleNamespace(use_liger_kernel=liger, torch_compile=torch_compile)
-    plugin = None if backend is None else SimpleNamespace(backend=DynamoBackend(backend))
-    message = liger_with_compile_warning(args, plugin)
-    assert (message is not None) == warned
-    if warned:
-        assert "use_liger_kernel=True" in message and "gradients" in message and "one of the two off" in message
 
 
 # ------------------------------------------------------------------------------------------------------ GPU

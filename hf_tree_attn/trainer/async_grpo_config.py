@@ -1,10 +1,12 @@
-"""`TreeAsyncGRPOConfig`: TRL's `AsyncGRPOConfig` plus the recompute fields (only the new fields live here)."""
+"""`TreeAsyncGRPOConfig`: TRL's `AsyncGRPOConfig` plus the recompute and compile fields (only the new fields here)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from trl.experimental.async_grpo import AsyncGRPOConfig
+
+from .tree_options import check_tree_compile, tree_compile_field
 
 __all__ = ["TreeAsyncGRPOConfig"]
 
@@ -43,8 +45,11 @@ class TreeAsyncGRPOConfig(AsyncGRPOConfig):
         },
     )
 
+    tree_compile: str = tree_compile_field()
+
     def __post_init__(self):
         super().__post_init__()
+        check_tree_compile(self)
         if self.tree_recompute not in ("auto", "all"):
             raise ValueError(f"tree_recompute={self.tree_recompute!r} must be 'auto' or 'all'.")
         budget = self.tree_activation_budget_gib

@@ -38,6 +38,7 @@ from ..attention import ATTN_IMPLEMENTATION
 from ..support import config_support_error, peft_config_error, rope_split_lengths, tree_support_error
 from ..tree import PackedForest
 from .async_grpo_config import TreeAsyncGRPOConfig
+from .compile_setting import apply_compile, decide_compile
 from .forest_step import recompute_plan, score_forests
 from .rollout_forest import TreeDataCollatorForRollout, rank_forest
 
@@ -244,6 +245,9 @@ class TreeAsyncGRPOTrainer(AsyncGRPOTrainer):
         self._unpriced: str | None = None  # read by forest_step.recompute_plan
         with _TreeConstruction():
             super().__init__(model, reward_funcs, args, **kwargs)
+        # Compiled decoder layers: the user's dynamo settings, or the CUDA default (`compile_setting.py`).
+        self.tree_compile = decide_compile(args, self.accelerator, self.model)
+        apply_compile(self.accelerator, self.tree_compile, (self.model,))
 
     def get_train_dataloader(self):
         """TRL's dataloader (its planner, dispatching), with the rows packed by `TreeDataCollatorForRollout`."""

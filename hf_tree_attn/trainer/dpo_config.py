@@ -6,7 +6,13 @@ from dataclasses import dataclass
 
 from trl import DPOConfig
 
-from .tree_options import check_tree_options, max_tokens_per_mb_field, tree_max_token_ratio_field, tree_packing_field
+from .tree_options import (
+    check_tree_options,
+    max_tokens_per_mb_field,
+    tree_compile_field,
+    tree_max_token_ratio_field,
+    tree_packing_field,
+)
 
 __all__ = ["TreeDPOConfig"]
 
@@ -18,6 +24,7 @@ class TreeDPOConfig(DPOConfig):
     tree_packing: str = tree_packing_field("DPOTrainer")
     max_tokens_per_mb: int | None = max_tokens_per_mb_field()
     tree_max_token_ratio: float = tree_max_token_ratio_field()
+    tree_compile: str = tree_compile_field()
 
     def __post_init__(self):
         super().__post_init__()

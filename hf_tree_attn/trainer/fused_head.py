@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..compile import call_compiled
 from ..logprobs import _decoder, _lm_head_params, forest_forward_kwargs, tree_router_aux_loss
 from ..support import rope_length_limit, rope_split_lengths, unwrap_model
 from ..tree import PackedForest, pack_forest
@@ -355,7 +356,8 @@ class TreeLMHead:
             forest = forest.to(embeddings)
             forests.append(forest)
             inputs = forest_forward_kwargs(forest, embeddings)
-            backbone = decoder(**inputs, **({"output_router_logits": True} if router else {}))
+            router_kwargs = {"output_router_logits": True} if router else {}
+            backbone = call_compiled(decoder, lambda: decoder(**inputs, **router_kwargs))  # noqa: B023
             if router:
                 router_logits.append(backbone.router_logits)
             hidden = backbone.last_hidden_state[0, sources.to(forest.input_ids.device)].to(weight.device)

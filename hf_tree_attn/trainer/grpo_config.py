@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
+from .tree_options import check_tree_compile, tree_compile_field
+
 __all__ = ["TreeGRPOConfig"]
 
 _TREE_PACKING_CHOICES = {"auto": "auto", "true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
@@ -81,8 +83,11 @@ class TreeGRPOConfig(GRPOConfig):
         },
     )
 
+    tree_compile: str = tree_compile_field()
+
     def __post_init__(self):
         super().__post_init__()
+        check_tree_compile(self)
         choice = str(self.tree_packing).strip().lower()
         if choice not in _TREE_PACKING_CHOICES:
             raise ValueError(

@@ -35,6 +35,7 @@ from trl.trainer.utils import split_pixel_values_by_grid, split_tensor_dict, uns
 
 from ..attention import ATTN_IMPLEMENTATION
 from ..collator import TreeDataCollator
+from ..compile import eager_layers
 from ..logprobs import forest_logprobs
 from ..metrics import estimate_flops
 from ..support import (
@@ -61,6 +62,7 @@ from .balance import (
     split_micro_batches,
     step_imbalance,
 )
+from .compile_setting import apply_compile, decide_compile
 from .forest_step import _log_once, recompute_plan, score_forests
 from .grpo_config import TreeGRPOConfig, _balance_refusal
 from .reward import tree_reward_models
@@ -133,9 +135,10 @@ class TreeGRPOTrainer(GRPOTrainer):
             )
         if self.rollout_func is not None:  # an empty prompt or completion is named before TRL's code trips on it
             self.rollout_func = checked_rollout_func(self.rollout_func, self._tokenizer.decode)
-        message = liger_with_compile_warning(args, getattr(self.accelerator.state, "dynamo_plugin", None))
-        if message is not None:
-            warnings.warn(message, stacklevel=2)
+        # Compiled decoder layers: the user's dynamo settings, or the CUDA default (`compile_setting.py`).
+        self.tree_compile = decide_compile(args, self.accelerator, self.model) if self.tree_packing else None
+        if self.tree_compile is not None:
+            apply_compile(self.accelerator, self.tree_compile, (self.model, self.ref_model))
         self._tree_cache: dict[str, list | None] = {}
         self._unpriced: str | None = None  # why tree_recompute='auto' recomputes every layer ('' = it need not)
         self._tree_collator = TreeDataCollator(
@@ -323,14 +326,15 @@ class TreeGRPOTrainer(GRPOTrainer):
         Outside a tree `tree_flex` computes exactly what `sdpa` does (`eager` for attention-softcapping models),
         so generating with that implementation changes nothing. HF `generate` (static cache included) and vLLM need
         no switch: the former runs `tree_flex` as `sdpa`, the latter never sees the training model's attention.
-        An empty prompt or completion is refused here, naming the sample (`check_rollouts`).
+        Compiled decoder layers (`tree_compile`) run eagerly here, as accelerate's compiled copy leaves generation
+        with the eager original. An empty prompt or completion is refused here, naming the sample (`check_rollouts`).
         """
         args = (prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
-        if not (self.tree_packing and self.use_transformers_continuous_batching):
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(eager_layers(self.model))  # the compiled layers are the tree forward's
+            if self.tree_packing and self.use_transformers_continuous_batching:
+                stack.enter_context(stock_attention(self.accelerator.unwrap_model(self.model)))
             completion_ids, logprobs = super()._generate_single_turn(*args)
-        else:
-            with stock_attention(self.accelerator.unwrap_model(self.model)):
-                completion_ids, logprobs = super()._generate_single_turn(*args)
         check_rollouts(prompt_ids, completion_ids, "generation", self._tokenizer.decode)
         return completion_ids, logprobs
 
@@ -601,29 +605,6 @@ class TreeGRPOTrainer(GRPOTrainer):
             layers = self.accelerator.unwrap_model(self.model).config.get_text_config().num_hidden_layers
             self._metrics["train"]["tree_checkpointed_layers"][-1] = count / layers  # what ran, not this rank's plan
         return count, keep
-
-
-def liger_with_compile_warning(args, dynamo_plugin) -> str | None:
-    """The warning for `use_liger_kernel=True` together with compiled layers (`torch_compile`, or an accelerate
-    dynamo backend such as regional compilation), or None.
-
-    Measured on an H200 (torch 2.11, liger-kernel 0.8.5, transformers 5.24; `benchmarks/grad_check.py`), Qwen3-8B
-    shape: Liger alone gave the eager model's gradients, Liger with inductor-compiled layers gave wrong ones (cosine
-    ~0 to eager, norms up to 21x) for TRL's flat forward and the tree alike; on a 12-layer cut of the shape, and at
-    the Qwen3-1.7B shape, the results were right. Not a tree matter, so not a refusal: the user is told, with the
-    way out.
-    """
-    backend = getattr(dynamo_plugin, "backend", None)
-    compiled = getattr(args, "torch_compile", False) or (backend is not None and backend != "NO")
-    if not (getattr(args, "use_liger_kernel", False) and compiled):
-        return None
-    return (
-        f"use_liger_kernel=True with compiled layers (torch_compile={getattr(args, 'torch_compile', False)}, dynamo "
-        f"backend {backend}): on an H200 with torch 2.11 and liger-kernel 0.8.5 this combination gave wrong "
-        "gradients at the Qwen3-8B shape, on TRL's flat path and the tree alike (Liger alone was exact). Check your "
-        "model's gradients against an eager run (benchmarks/grad_check.py in the hf_tree_attn repository), or turn "
-        "one of the two off."
-    )
 
 
 def micro_batch_order(permutation: torch.Tensor, num_batches: int) -> list[int]:

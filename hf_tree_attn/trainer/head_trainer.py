@@ -15,6 +15,7 @@ import warnings
 
 from ..attention import ATTN_IMPLEMENTATION
 from ..support import rope_split_lengths, unwrap_model
+from .compile_setting import apply_compile, decide_compile
 from .fused_head import TreeLMHead, fused_head_settings
 from .grpo_trainer import _loaded_model_error, _select_tree_attention, restore_stock_attention
 
@@ -32,7 +33,7 @@ class TreeHeadTrainerMixin:
     def _tree_before_init(self, model, args):
         """`model` switched to `tree_flex` where it can run trees (a path: through `args.model_init_kwargs`)."""
         self._tree_reason, self._tree_ready = None, False
-        self.tree_packing, self.tree_lm_head = False, None
+        self.tree_packing, self.tree_lm_head, self.tree_compile = False, None, None
         if args.tree_packing is not False:
             model, self._tree_reason = _select_tree_attention(model, args)
         return model
@@ -100,6 +101,9 @@ class TreeHeadTrainerMixin:
             self.tree_lm_head = TreeLMHead(args.max_tokens_per_mb, args.tree_max_token_ratio, self._record_tree)
             for target in self._fused_head_models():
                 self.tree_lm_head.install(target)
+            # Compiled decoder layers: the user's dynamo settings, or the CUDA default (`compile_setting.py`).
+            self.tree_compile = decide_compile(args, self.accelerator, self.model)
+            apply_compile(self.accelerator, self.tree_compile, models)
 
     def _record_tree(self, name: str, value: float) -> None:
         self._metrics["train" if self.model.training else "eval"][name].append(value)

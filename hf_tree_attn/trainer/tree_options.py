@@ -1,15 +1,22 @@
 """The tree-packing fields `TreeSFTConfig` and `TreeDPOConfig` add to TRL's configs, and their checks.
 
-Both trainers run TRL's fused LM head on packed forests (`fused_head.py`), so they take the same three knobs, with
-the meaning `TreeGRPOConfig` gives them: `tree_packing` ("auto" / true / false), `max_tokens_per_mb` and
-`tree_max_token_ratio`.
+Both trainers run TRL's fused LM head on packed forests (`fused_head.py`), so they take the same knobs, with the
+meaning `TreeGRPOConfig` gives them: `tree_packing` ("auto" / true / false), `max_tokens_per_mb`,
+`tree_max_token_ratio` and `tree_compile` (every tree trainer's; `compile_setting.py`).
 """
 
 from __future__ import annotations
 
 from dataclasses import field
 
-__all__ = ["check_tree_options", "max_tokens_per_mb_field", "tree_max_token_ratio_field", "tree_packing_field"]
+__all__ = [
+    "check_tree_compile",
+    "check_tree_options",
+    "max_tokens_per_mb_field",
+    "tree_compile_field",
+    "tree_max_token_ratio_field",
+    "tree_packing_field",
+]
 
 _TREE_PACKING_CHOICES = {"auto": "auto", "true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 
@@ -49,6 +56,32 @@ def tree_max_token_ratio_field():
     )
 
 
+def tree_compile_field():
+    # A str field (not `bool | str`, which HfArgumentParser reads as a bool), normalised by `check_tree_compile`.
+    return field(
+        default="auto",
+        metadata={
+            "help": "Compile the decoder layers the trees run (regional torch.compile in place: inductor, dynamic "
+            "shapes, one graph for every forest length). 'auto': on CUDA, for models whose layers are attention and "
+            "a dense MLP, unless accelerate's dynamo settings or torch_compile ask for a compile (then that one "
+            "applies, to the decoder layers). 'true': on any device and model. 'false': only what accelerate or "
+            "torch_compile ask for. A compile that fails falls back to eager with one warning naming why. Under "
+            "FSDP / DeepSpeed accelerate's own settings decide.",
+        },
+    )
+
+
+def check_tree_compile(config) -> None:
+    """Normalise `config.tree_compile` to "auto" / True / False; `ValueError` naming a bad value."""
+    choice = str(config.tree_compile).strip().lower()
+    if choice not in _TREE_PACKING_CHOICES:
+        raise ValueError(
+            f"tree_compile={config.tree_compile!r}; use 'auto' (compiled decoder layers on CUDA, the default), "
+            "'true' (on any device) or 'false' (only a compile accelerate or torch_compile asks for)."
+        )
+    config.tree_compile = _TREE_PACKING_CHOICES[choice]
+
+
 def check_tree_options(config) -> None:
     """Normalise `config.tree_packing` to "auto" / True / False and raise `ValueError` naming any bad value."""
     choice = str(config.tree_packing).strip().lower()
@@ -58,6 +91,7 @@ def check_tree_options(config) -> None:
             "'true' (trees or an error) or 'false' (exactly TRL's trainer)."
         )
     config.tree_packing = _TREE_PACKING_CHOICES[choice]
+    check_tree_compile(config)
     ratio = config.tree_max_token_ratio
     if isinstance(ratio, bool) or not isinstance(ratio, int | float) or not 0.0 < ratio <= 1.0:
         raise ValueError(f"tree_max_token_ratio={ratio!r} must be in (0, 1]; use 1.0 to always pack trees.")

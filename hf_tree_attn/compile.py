@@ -1,0 +1,130 @@
+"""Compiled decoder layers for tree forwards: regional `torch.compile` in place, a way back to eager, and a fallback.
+
+Regional compilation compiles each repeated decoder layer once for all of them (and with dynamic shapes once for
+every forest length): the elementwise work between the matmuls — norms, RoPE, SwiGLU, casts — fuses into a few
+kernels. accelerate's `compile_regions` does it on a *copy* of the model's module tree, and the copy does not reach
+tree forwards: TRL's trainers patch the model's `forward` (`trl.trainer.utils.add_fused_lm_head`) with a closure
+that calls the original module's bound `forward` unless `fused_lm_head=True`, so a forward of the copy's root
+without that flag runs the original, eager layers. Compiling each layer in place (`nn.Module.compile`, what
+accelerate itself does under FSDP2 and DeepSpeed) reaches the layers whichever wrapper or patch a call comes
+through, PEFT, FSDP2 and TRL's included, and keeps module identity (hooks, parameter names, state dicts unchanged).
+
+    compile_decoder_layers(model, backend="inductor", dynamic=True)   # every decoder layer, in place
+    with eager_layers(model): model.generate(...)                     # the same layers, uncompiled, inside
+    call_compiled(model, lambda: model(**inputs))                     # compiled, or eager once it failed
+
+A compiled layer that fails (a backend error, an op the compiler cannot trace) surfaces at the first forward that
+compiles it; the backward is compiled at the same time (`force_non_lazy_backward_lowering`), so its failures surface
+there too, before any gradient exists. `call_compiled` then runs the same forward eagerly: if that succeeds the
+failure was the compiler's, the model's layers go back to eager for good and one warning names the error; if it
+fails too, the eager error is raised (it is the model's, not the compiler's).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+import weakref
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+
+__all__ = ["call_compiled", "compile_decoder_layers", "compiled_layers", "decoder_layers", "eager_layers"]
+
+T = TypeVar("T")
+
+# Layer -> the torch.compile arguments it was compiled with (only layers this module compiled are tracked).
+_COMPILED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# Root module -> its decoder layers: looked up at every forward, found once (wrapping a model makes a new root).
+_LAYERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The outermost decoder layers of `model` (transformers' `GradientCheckpointingLayer`s), through any wrapper
+    (PEFT, DDP, FSDP2, DeepSpeed's engine), in module order."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    if model not in _LAYERS:
+        layers, stack = [], [model]
+        while stack:
+            module = stack.pop()
+            if isinstance(module, GradientCheckpointingLayer):
+                layers.append(module)
+            else:
+                stack.extend(reversed(list(module.children())))
+        _LAYERS[model] = layers
+    return _LAYERS[model]
+
+
+def compile_decoder_layers(model: torch.nn.Module, **compile_kwargs) -> int:
+    """Compile every decoder layer of `model` in place with `torch.compile(**compile_kwargs)`; returns how many.
+
+    `nn.Module.compile` compiles the layer's call (its hooks and `forward`, gradient checkpointing included), so the
+    layers keep their identity; with `inline_inbuilt_nn_modules` (torch's default) one graph serves every layer of a
+    kind. Raises `ValueError` if `model` has no decoder layers."""
+    layers = decoder_layers(model)
+    if not layers:
+        raise ValueError(
+            f"{type(model).__name__} has no transformers decoder layers (GradientCheckpointingLayer) to compile."
+        )
+    for layer in layers:
+        layer.compile(**compile_kwargs)
+        _COMPILED[layer] = dict(compile_kwargs)
+    return len(layers)
+
+
+def compiled_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The decoder layers of `model` that `compile_decoder_layers` compiled and that still are."""
+    return [layer for layer in decoder_layers(model) if layer in _COMPILED and layer._compiled_call_impl is not None]
+
+
+@contextlib.contextmanager
+def eager_layers(model: torch.nn.Module):
+    """Within the block, the compiled decoder layers of `model` run eagerly (their compiled call is restored after).
+
+    For forwards the compiled graphs are not made for: `generate` with its cache and one-token steps would compile
+    graphs of their own (accelerate's regional compilation leaves generation eager too: it generates with the
+    uncompiled original)."""
+    layers = compiled_layers(model)
+    saved = [layer._compiled_call_impl for layer in layers]
+    for layer in layers:
+        layer._compiled_call_impl = None
+    try:
+        yield
+    finally:
+        for layer, call in zip(layers, saved):
+            layer._compiled_call_impl = call
+
+
+def call_compiled(model: torch.nn.Module, forward: Callable[[], T]) -> T:
+    """`forward()` (a forward of `model`), through its compiled layers; eagerly from the first compiler failure on.
+
+    See the module docstring: a failure that the same forward run eagerly does not repeat turns the model's compiled
+    layers off for good, with one warning naming the error; an error the eager forward repeats is raised."""
+    if not compiled_layers(model):
+        return forward()
+    try:
+        with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
+            return forward()
+    except Exception as error:
+        with eager_layers(model):
+            result = forward()  # raises if the model itself fails: then it was not the compiler
+        for layer in compiled_layers(model):
+            layer._compiled_call_impl = None
+            _COMPILED.pop(layer, None)
+        warnings.warn(
+            f"The compiled decoder layers of {type(model).__name__} failed ({_root_cause(error)}); they run eagerly "
+            "from now on. The results are the same, only slower. To start eager, set tree_compile=False (and no "
+            "accelerate dynamo backend); to see the compiler's error in full, run with TORCH_LOGS=dynamo.",
+            stacklevel=2,
+        )
+        return result
+
+
+def _root_cause(error: BaseException) -> str:
+    """`Type: first line` of the innermost exception behind `error` (dynamo wraps a backend's own error)."""
+    while (inner := getattr(error, "inner_exception", None) or error.__cause__) is not None:
+        error = inner
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__

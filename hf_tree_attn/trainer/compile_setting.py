@@ -1,0 +1,144 @@
+"""Which compile a tree trainer runs: the user's, the CUDA default, or none — decided once at init, never dropped.
+
+A user asks for compiled layers through accelerate (`ACCELERATE_DYNAMO_BACKEND`, `..._USE_REGIONAL_COMPILATION`,
+`..._USE_DYNAMIC`, `..._MODE`, or the same keys of an accelerate config) or through `TrainingArguments.torch_compile`
+(`torch_compile_backend`, `torch_compile_mode`), which transformers hands accelerate as the same `TorchDynamoPlugin`.
+accelerate applies it when the trainer prepares the model, on a copy that tree forwards do not reach
+(`hf_tree_attn.compile`). So a tree trainer takes the setting over: it compiles the decoder layers of the models its
+trees run (the policy, a reference model) in place, at the end of its `__init__`, and tells accelerate not to compile
+the policy again. Where accelerate itself compiles in place — FSDP and DeepSpeed — it is left to do so.
+
+`tree_compile` (every tree config): with no compile asked for, `"auto"` (the default) compiles the decoder layers on
+CUDA with inductor and dynamic shapes — one graph per layer kind for every forest length — for models whose layers
+are attention and a dense MLP (the measured case); `True` does so on any device and model; `False` not at all. A
+compile the user asked for applies whatever `tree_compile` says. Left to accelerate (no default) under FSDP and
+DeepSpeed, and refused with Liger's kernels (see `_LIGER_REFUSAL`). A whole-model compile request compiles the
+layers regionally instead, said once: a whole-model graph breaks where the tree masks are built.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import dataclass, replace
+
+from ..compile import compile_decoder_layers
+from ..recompute import _EXPERT_FIELDS
+from ..support import config_field, unwrap_model
+
+__all__ = ["CompileDecision", "apply_compile", "decide_compile"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_COMPILE = {"backend": "inductor", "dynamic": True}
+# Measured on an H200 (torch 2.11, liger-kernel 0.8.5; benchmarks/results/grad_check_h200_qwen3-8b.json): at the
+# Qwen3-8B shape Liger's kernels alone and inductor-compiled layers alone give the eager model's gradients, the two
+# together gradients with cosine -0.0002 to eager (norms up to 21x), on TRL's flat forward and the tree alike.
+_LIGER_REFUSAL = (
+    "use_liger_kernel=True with compiled decoder layers gave wrong gradients on an H200 (Qwen3-8B shape, torch 2.11, "
+    "liger-kernel 0.8.5: cosine -0.0002 to the eager model's, on TRL's flat forward and the tree alike), while "
+    "each alone was exact."
+)
+
+
+@dataclass(frozen=True)
+class CompileDecision:
+    """What a tree trainer compiles.
+
+    Attributes:
+        kwargs: the `torch.compile` arguments for the decoder layers, or None (eager, or left to accelerate).
+        source: "accelerate" (the user's dynamo settings / `torch_compile`), "default" (`tree_compile`), or "none".
+        note: why, in a sentence (for logs and the model card).
+    """
+
+    kwargs: dict | None
+    source: str
+    note: str
+
+
+def _asked(accelerator):
+    """The `TorchDynamoPlugin` of a compile the user asked for, or None."""
+    from accelerate.utils import DynamoBackend
+
+    plugin = getattr(accelerator.state, "dynamo_plugin", None)
+    return plugin if plugin is not None and plugin.backend != DynamoBackend.NO else None
+
+
+def _default_refusal(model) -> str | None:
+    """Why `tree_compile="auto"` does not compile `model` by default (its layers are not the measured kind)."""
+    from ..recurrent import _owns_state
+
+    config = unwrap_model(model).config.get_text_config()
+    if any(_owns_state(m) for m in unwrap_model(model).modules()):
+        return "its state-carrying layers run their tree scans level by level, with a host loop per level"
+    experts = [name for name in _EXPERT_FIELDS if config_field(config, name)]
+    if experts:
+        return f"its mixture-of-experts layers (`{experts[0]}`) route tokens by data-dependent shapes"
+    return None
+
+
+def decide_compile(args, accelerator, model) -> CompileDecision:
+    """The compile a tree trainer runs for `model` under `args` (`tree_compile`, `use_liger_kernel`) and
+    `accelerator` (its dynamo plugin, distributed type, device). Raises `ValueError` for a compile the user asked
+    for that cannot be exact (with Liger's kernels)."""
+    from accelerate.utils import DistributedType
+
+    plugin = _asked(accelerator)
+    sharded = accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED)
+    liger = bool(getattr(args, "use_liger_kernel", False))
+    if plugin is not None and liger:
+        raise ValueError(
+            f"{_LIGER_REFUSAL} A compile is asked for (dynamo backend {plugin.backend.value.lower()}, "
+            f"torch_compile={getattr(args, 'torch_compile', False)}): turn off one of the two — "
+            "use_liger_kernel=False, or no accelerate dynamo backend and torch_compile=False."
+        )
+    if plugin is not None and sharded:
+        return CompileDecision(None, "accelerate", "accelerate compiles the layers in place under FSDP / DeepSpeed")
+    if plugin is not None:
+        kwargs = plugin.to_kwargs()
+        kwargs["backend"] = str(kwargs.get("backend", plugin.backend.value)).lower()
+        if kwargs.get("dynamic") is None:
+            kwargs["dynamic"] = True  # every forest has a new length: compile the length-generic graph at once
+        if not plugin.use_regional_compilation:
+            warnings.warn(
+                "A whole-model compile was asked for (torch_compile, or an accelerate dynamo backend without "
+                "regional compilation); tree trainers compile the decoder layers instead (regional compilation, "
+                f"{kwargs}): a whole-model graph would break where the tree masks are built and specialise on each "
+                "forest.",
+                stacklevel=3,
+            )
+        return CompileDecision(kwargs, "accelerate", "the user's dynamo settings, on the decoder layers")
+    mode = args.tree_compile
+    if mode is False:
+        return CompileDecision(None, "none", "tree_compile=False")
+    if sharded:
+        return CompileDecision(None, "none", "FSDP / DeepSpeed: set accelerate's dynamo settings to compile")
+    if liger:
+        logger.info("tree_compile=%r: the decoder layers stay eager, as %s", mode, _LIGER_REFUSAL)
+        return CompileDecision(None, "none", "use_liger_kernel=True (compiled layers with Liger were not exact)")
+    if mode == "auto":
+        if accelerator.device.type != "cuda":
+            return CompileDecision(None, "none", f"tree_compile='auto' compiles on CUDA only ({accelerator.device})")
+        reason = _default_refusal(model)
+        if reason is not None:
+            logger.info("tree_compile='auto' leaves the decoder layers eager: %s (True compiles them).", reason)
+            return CompileDecision(None, "none", f"not by default: {reason}")
+    return CompileDecision(dict(DEFAULT_COMPILE), "default", f"tree_compile={mode!r}")
+
+
+def apply_compile(accelerator, decision: CompileDecision, models) -> None:
+    """Compile the decoder layers of `models` (None entries skipped) in place as `decision` says, and keep
+    accelerate from compiling a copy of the policy again when the trainer prepares it."""
+    if decision.kwargs is None:
+        return
+    for model in models:
+        if model is not None:
+            # A reference model TRL prepared already was compiled by accelerate as a copy: compile the original,
+            # which the copy's patched forward runs (see `hf_tree_attn.compile`).
+            compile_decoder_layers(vars(model).get("_orig_mod", model), **decision.kwargs)
+    plugin = _asked(accelerator)
+    if plugin is not None:
+        from accelerate.utils import DynamoBackend
+
+        accelerator.state.dynamo_plugin = replace(plugin, backend=DynamoBackend.NO)
+    logger.info("Compiled decoder layers (%s): %s.", decision.note, decision.kwargs)

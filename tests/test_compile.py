@@ -1,0 +1,351 @@
+"""Compiled decoder layers in the tree trainers: the user's compile setting reaches tree forwards, exactly.
+
+- `hf_tree_attn.compile`: layers compiled in place run the compiled graphs (counted by a backend that counts its
+  calls), forward and backward; `eager_layers` runs them eagerly; a compiler failure — in the forward or in the
+  backward — falls back to eager with one warning and the eager results; an error the eager forward repeats is
+  raised, the layers staying compiled.
+- `compile_setting.decide_compile`: which compile runs for every source of a setting (accelerate's dynamo plugin,
+  `torch_compile`, `tree_compile`), device, engine and Liger; a setting is applied or refused, never dropped.
+- The four trainers, a compile asked for through accelerate's environment (aot_eager, no C++ toolchain): every
+  tree forward runs the compiled layers (accelerate compiles no copy), and the run is TRL's (losses, gradients,
+  weights), which compiling must not change; no recompilation once warm while forest lengths vary.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from types import SimpleNamespace
+
+import pytest
+import torch
+from accelerate.utils import DistributedType, DynamoBackend, TorchDynamoPlugin
+from helpers import TOLERANCES, hybrid_twin_models, tiny_config, tiny_model
+from torch._dynamo.backends.common import aot_autograd
+from torch._dynamo.utils import counters
+from torch._functorch.aot_autograd import make_boxed_func
+from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+import hf_tree_attn
+from hf_tree_attn.compile import call_compiled, compile_decoder_layers, compiled_layers, decoder_layers, eager_layers
+from hf_tree_attn.trainer import compile_setting
+from hf_tree_attn.trainer.compile_setting import decide_compile
+
+SEQUENCES = [[1, 2, 3, 4, 5, 6], [1, 2, 3, 7, 8], [1, 2, 9], [10, 11, 12, 13]]
+COMPILE_ENV = {"ACCELERATE_DYNAMO_BACKEND": "AOT_EAGER", "ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION": "1"}
+
+
+class CountingBackend:
+    """A torch.compile backend (through AOTAutograd, so the backward is a compiled graph too) that counts how often
+    its forward and backward graphs run; `fail` = "forward" / "backward" makes that graph's compilation raise."""
+
+    def __init__(self, fail: str | None = None):
+        self.calls = {"forward": 0, "backward": 0}
+        self.fail = fail
+        self.backend = aot_autograd(fw_compiler=self._compiler("forward"), bw_compiler=self._compiler("backward"))
+
+    def _compiler(self, kind):
+        def compile_graph(gm, example_inputs):
+            if self.fail == kind:
+                raise RuntimeError(f"no {kind} for you")
+
+            def run(*args):
+                self.calls[kind] += 1
+                return gm(*args)
+
+            return make_boxed_func(run)
+
+        return compile_graph
+
+
+def _scores(model):
+    """Per-row log-probs of SEQUENCES' forest and every parameter's gradient of their sum."""
+    model.zero_grad(set_to_none=True)
+    (forest,) = hf_tree_attn.pack_forest(SEQUENCES)
+    table, _ = hf_tree_attn.forest_logprobs(model, forest)
+    table.sum().backward()
+    return table.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_compiled_layers_run_the_compiled_graphs_and_match_eager():
+    torch._dynamo.reset()
+    eager, compiled = tiny_model("qwen3"), tiny_model("qwen3")
+    counting = CountingBackend()
+    assert compile_decoder_layers(compiled, backend=counting.backend, dynamic=True) == 2
+    assert compiled_layers(compiled) == decoder_layers(compiled) == list(compiled.model.layers)
+    want, want_grads = _scores(eager)
+    got, got_grads = _scores(compiled)
+    assert counting.calls["forward"] >= 2 and counting.calls["backward"] >= 2  # each layer, both directions
+    torch.testing.assert_close(got, want, atol=TOLERANCES["logps_atol"], rtol=0)
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, atol=1e-6, rtol=1e-5, msg=name)
+    before = dict(counting.calls)
+    with eager_layers(compiled):
+        _scores(compiled)
+    assert counting.calls == before  # inside, the same layers ran eagerly
+    assert compiled_layers(compiled) == list(compiled.model.layers)  # and are compiled again after
+
+
+@pytest.mark.parametrize("fail", ["forward", "backward"])
+def test_compiler_failure_falls_back_to_eager_once(fail):
+    torch._dynamo.reset()
+    eager, compiled = tiny_model("qwen3"), tiny_model("qwen3")
+    compile_decoder_layers(compiled, backend=CountingBackend(fail=fail).backend, dynamic=True)
+    want, want_grads = _scores(eager)
+    with pytest.warns(UserWarning, match=rf"compiled decoder layers of Qwen3ForCausalLM failed .*no {fail} for you"):
+        got, got_grads = _scores(compiled)
+    assert compiled_layers(compiled) == []  # eager from now on
+    torch.testing.assert_close(got, want, atol=TOLERANCES["logps_atol"], rtol=0)
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, atol=1e-6, rtol=1e-5, msg=name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _scores(compiled)  # said once
+
+
+def test_an_error_the_eager_forward_repeats_is_raised():
+    torch._dynamo.reset()
+    model = tiny_model("qwen3")
+    compile_decoder_layers(model, backend=CountingBackend().backend)
+
+    def broken():
+        raise ValueError("the model's own error")
+
+    with pytest.raises(ValueError, match="the model's own error"):
+        call_compiled(model, broken)
+    assert compiled_layers(model) == list(model.model.layers)  # not the compiler's fault: still compiled
+
+
+def test_a_model_without_decoder_layers_is_refused():
+    with pytest.raises(ValueError, match="no transformers decoder layers"):
+        compile_decoder_layers(torch.nn.Linear(2, 2))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Which compile a trainer runs.
+
+
+def _accelerator(backend="no", regional=False, dynamic=None, device="cpu", distributed=DistributedType.NO, **extra):
+    plugin = TorchDynamoPlugin(backend=backend, use_regional_compilation=regional, dynamic=dynamic, **extra)
+    return SimpleNamespace(state=SimpleNamespace(dynamo_plugin=plugin), device=torch.device(device),
+                           distributed_type=distributed)  # fmt: skip
+
+
+def _args(tree_compile="auto", liger=False, torch_compile=False):
+    return SimpleNamespace(tree_compile=tree_compile, use_liger_kernel=liger, torch_compile=torch_compile)
+
+
+def _model(kind: str):
+    if kind == "hybrid":
+        return hybrid_twin_models("qwen3_5")[0]
+    if kind == "moe":
+        config = Qwen3MoeConfig(vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                                num_experts=4, num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4,
+                                num_key_value_heads=2, head_dim=16)  # fmt: skip
+        return AutoModelForCausalLM.from_config(config)
+    return tiny_model("qwen3")
+
+
+DENSE = "dense"
+DECISIONS = {
+    # name: (args, accelerator, model) -> (kwargs, source)
+    "cpu default: eager": (_args(), _accelerator(), DENSE, None, "none"),
+    "cuda default: inductor, dynamic": (_args(), _accelerator(device="cuda"), DENSE, compile_setting.DEFAULT_COMPILE,
+                                        "default"),
+    "tree_compile=True on cpu": (_args(True), _accelerator(), DENSE, compile_setting.DEFAULT_COMPILE, "default"),
+    "tree_compile=False": (_args(False), _accelerator(device="cuda"), DENSE, None, "none"),
+    "asked: regional, dynamic filled in": (_args(False), _accelerator("aot_eager", True), DENSE,
+                                           {"backend": "aot_eager", "dynamic": True}, "accelerate"),
+    "asked: mode and dynamic kept": (_args(), _accelerator("inductor", True, dynamic=False, mode="max-autotune"),
+                                     DENSE, {"backend": "inductor", "dynamic": False, "mode": "max-autotune"},
+                                     "accelerate"),
+    "asked under FSDP: accelerate compiles in place": (
+        _args(), _accelerator("inductor", True, device="cuda", distributed=DistributedType.FSDP), DENSE, None,
+        "accelerate"),
+    "FSDP default: eager": (_args(), _accelerator(device="cuda", distributed=DistributedType.FSDP), DENSE, None,
+                            "none"),
+    "liger default: eager": (_args(liger=True), _accelerator(device="cuda"), DENSE, None, "none"),
+    "hybrid default: eager": (_args(), _accelerator(device="cuda"), "hybrid", None, "none"),
+    "moe default: eager": (_args(), _accelerator(device="cuda"), "moe", None, "none"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(DECISIONS))
+def test_decide_compile(case):
+    args, accelerator, model, kwargs, source = DECISIONS[case]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a regional request is applied as asked, without a word
+        decision = decide_compile(args, accelerator, _model(model))
+    assert (decision.kwargs, decision.source) == (kwargs, source), decision.note
+
+
+def test_a_whole_model_request_compiles_the_layers_and_says_so():
+    with pytest.warns(UserWarning, match="whole-model compile .* compile the decoder layers instead"):
+        decision = decide_compile(_args(torch_compile=True), _accelerator("inductor", regional=False), _model(DENSE))
+    assert decision.kwargs == {"backend": "inductor", "dynamic": True}
+
+
+def test_liger_with_an_asked_compile_is_refused():
+    with pytest.raises(ValueError, match=r"use_liger_kernel=True with compiled decoder layers gave wrong gradients"):
+        decide_compile(_args(liger=True), _accelerator("inductor", True), _model(DENSE))
+
+
+@pytest.mark.parametrize("value, want", [("auto", "auto"), ("True", True), ("no", False), (False, False)])
+def test_tree_compile_values(value, want, tmp_path):
+    from hf_tree_attn.trainer import TreeSFTConfig
+
+    assert TreeSFTConfig(str(tmp_path), tree_compile=value, report_to="none", use_cpu=True).tree_compile == want
+
+
+def test_tree_compile_bad_value_is_named(tmp_path):
+    from hf_tree_attn.trainer import TreeGRPOConfig
+
+    with pytest.raises(ValueError, match="tree_compile='sometimes'"):
+        TreeGRPOConfig(str(tmp_path), tree_compile="sometimes", report_to="none", use_cpu=True)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The trainers, a compile asked for through accelerate.
+
+
+@pytest.fixture
+def ask_compile(monkeypatch):
+    """Call to ask for a compile as an accelerate config does (regional, aot_eager): the next trainer reads it."""
+
+    def ask():
+        for key, value in COMPILE_ENV.items():
+            monkeypatch.setenv(key, value)
+        torch._dynamo.reset()
+        counters.clear()
+
+    return ask
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from trainers import toy_task
+
+    tokenizer = toy_task.build_tokenizer()
+    path = tmp_path_factory.mktemp("tiny_qwen3")
+    toy_task.build_model(tokenizer, seed=0).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path), tokenizer
+
+
+def _assert_compiled(trainer):
+    """The policy's layers were compiled in place by the tree trainer, accelerate compiled no copy of them, and
+    dynamo captured graphs during the run."""
+    assert trainer.tree_compile.source == "accelerate" and trainer.tree_compile.kwargs["backend"] == "aot_eager"
+    assert compiled_layers(trainer.model) == decoder_layers(trainer.model) != []
+    assert decoder_layers(trainer.model_wrapped) == decoder_layers(trainer.model)  # the same modules, no copy
+    assert trainer.accelerator.state.dynamo_plugin.backend == DynamoBackend.NO
+    assert counters["stats"]["unique_graphs"] >= 1
+
+
+def test_async_grpo_compiled_run_is_trls_without_recompiling(ask_compile, tmp_path, monkeypatch):
+    """TreeAsyncGRPOTrainer under an accelerate compile setting against TRL's own run at its defaults (eager: the
+    compiled math is the same), 4 optimizer steps x 2 micro-batches of forests of different lengths, gradient
+    checkpointing and recompute as TRL's defaults set them: the graphs compiled at the first forward serve all."""
+    from async_grpo_helpers import VOCAB, replayed_samples, save_model, train
+    from test_async_grpo import assert_gradients_close
+
+    from hf_tree_attn.trainer import async_grpo_trainer
+    from hf_tree_attn.trainer.replay import agent_samples, grpo_samples
+
+    path = save_model(tiny_config("qwen3"), tmp_path / "model")
+    # Rows of 1 to 3 blocks of 128 tokens: forests of several lengths.
+    samples = grpo_samples(4, 4, (20, 200), (5, 60), VOCAB, seed=3) + agent_samples(
+        2, (2, 3), 40, (5, 20), (5, 30), VOCAB, seed=4
+    )
+    samples = replayed_samples(path, samples=samples)
+    run = dict(max_steps=4, token_budget=384)
+    trl, trl_losses, trl_grads = train(False, path, samples, tmp_path, **run)
+    ask_compile()
+    score_forests, seen = async_grpo_trainer.score_forests, []
+
+    def counting(model, forests, *args, **kwargs):
+        out = score_forests(model, forests, *args, **kwargs)
+        seen.append((forests[0].seq_len, counters["stats"]["unique_graphs"]))
+        return out
+
+    monkeypatch.setattr(async_grpo_trainer, "score_forests", counting)
+    tree, tree_losses, tree_grads = train(True, path, samples, tmp_path, **run)
+    _assert_compiled(tree)
+    assert len(tree_losses) == len(trl_losses) == 8
+    for step, (got, want) in enumerate(zip(tree_losses, trl_losses)):
+        assert math.isclose(got, want, abs_tol=TOLERANCES["logps_atol"]), (step, got, want)
+    for got, want in zip(tree_grads.steps, trl_grads.steps):
+        assert_gradients_close(got, want)
+    lengths, graphs = zip(*seen)
+    assert len(set(lengths)) > 1 and set(graphs) == {graphs[0]}, seen  # new lengths compiled nothing new
+
+
+def test_grpo_compiled_run_is_trls_and_generates_eagerly(ask_compile, tiny, tmp_path, monkeypatch):
+    """TreeGRPOTrainer with HF generate: the tree forwards run the compiled layers, generation the eager ones (as
+    accelerate's compiled copy leaves it), and the run is TRL's at its defaults."""
+    from test_grpo_runs import TreeGRPOTrainer, _assert_same_run, _run
+    from trl import GRPOTrainer
+
+    flat = _run(GRPOTrainer, tiny, tmp_path, gradient_checkpointing=True)
+    ask_compile()
+    generate, compiled_while_generating = GRPOTrainer._generate_single_turn, []
+
+    def recording(self, *args, **kwargs):
+        compiled_while_generating.append(len(compiled_layers(self.model)))
+        return generate(self, *args, **kwargs)
+
+    monkeypatch.setattr(GRPOTrainer, "_generate_single_turn", recording)
+    tree = _run(TreeGRPOTrainer, tiny, tmp_path, gradient_checkpointing=True)
+    _assert_compiled(tree.trainer)
+    assert compiled_while_generating == [0, 0]
+    _assert_same_run(tree, flat, generations=2)
+
+
+@pytest.mark.parametrize("trainer", ["sft", "dpo"])
+def test_fused_head_trainers_compiled_run_is_trls(trainer, ask_compile, tiny, tmp_path):
+    """TreeSFTTrainer and TreeDPOTrainer (a reference model too) under an accelerate compile setting against TRL's
+    runs at its defaults."""
+    if trainer == "sft":
+        from datasets import Dataset
+        from test_tree_sft import LOGGED, SYSTEM, _run
+        from trl import SFTTrainer
+
+        from hf_tree_attn.trainer import TreeSFTTrainer
+
+        dataset = Dataset.from_list(
+            [{"prompt": SYSTEM + f"q{i}: {i}?\n", "completion": f"a: {i}."} for i in range(16)]
+        )
+        _, flat_logs, flat_params = _run(SFTTrainer, tiny, tmp_path, dataset)
+        ask_compile()
+        tree, tree_logs, tree_params = _run(TreeSFTTrainer, tiny, tmp_path, dataset)
+        keys = LOGGED
+    else:
+        from test_tree_dpo import METRICS, _trainer
+        from test_tree_dpo import _run as _dpo_run
+        from trl import DPOTrainer
+
+        from hf_tree_attn.trainer import TreeDPOTrainer
+
+        flat_logs, flat_params = _dpo_run(_trainer(DPOTrainer, tiny, tmp_path))
+        ask_compile()
+        tree = _trainer(TreeDPOTrainer, tiny, tmp_path)
+        tree_logs, tree_params = _dpo_run(tree)
+        # TRL prepared the reference in its __init__, so accelerate compiled a copy, which the tree head runs.
+        assert all(layer._compiled_call_impl is not None for layer in decoder_layers(tree.ref_model))
+        keys = METRICS
+    _assert_compiled(tree)
+    assert len(tree_logs) == len(flat_logs) == 2
+    for step, (got, want) in enumerate(zip(tree_logs, flat_logs)):
+        assert got["tree_fallback"] == 0.0
+        for key in keys:
+            assert math.isclose(got[key], want[key], rel_tol=1e-5, abs_tol=TOLERANCES["logps_atol"]), (step, key)
+    for name, want in flat_params.items():
+        torch.testing.assert_close(tree_params[name], want, atol=TOLERANCES["logps_atol"], rtol=0, msg=name)
+
+
+def test_cpu_default_is_eager(tiny, tmp_path):
+    """No compile asked, on the CPU: the tree trainers' layers stay eager (CPU runs are unchanged)."""
+    from test_grpo_runs import TreeGRPOTrainer, _run
+
+    run = _run(TreeGRPOTrainer, tiny, tmp_path, max_steps=1)
+    assert run.trainer.tree_compile.source == "none" and compiled_layers(run.trainer.model) == []
