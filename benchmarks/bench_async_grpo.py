@@ -8,49 +8,53 @@ from the Hub, which the H200 cannot download: its side runs PyTorch's FlashAtten
 (`torch.ops.aten._flash_attention_forward`, `tests/trl_varlen.py`), checked against a plain-torch reference first.
 The tree side runs `tree_flex` (FlexAttention, or the shared-prefix kernels where they are faster).
 
-Models: random bf16 weights from configs shaped like Qwen3-1.7B / 8B and Qwen3.5-0.8B / 2B (no download; the
-Qwen3.5 hybrids on the tree side alone: TRL refuses them, and its refusal is recorded). Everything else is TRL's
-default (`AsyncGRPOConfig`: gradient checkpointing, bf16 autocast, one micro-batch per step, its learning rate and
-optimizer), with `dtype="bfloat16"` weights and an explicit `token_budget`. Workloads:
+Each side runs in a process of its own (`harness.run_side`). Sides:
+
+- `trl`: TRL's trainer at its defaults (`AsyncGRPOConfig`: gradient checkpointing, bf16 autocast, one micro-batch
+  per step, its learning rate and optimizer), `dtype="bfloat16"` weights, an explicit `token_budget`;
+- `trl_compiled`: the same with the fastest setting a TRL user can pick, accelerate's regional compilation of its
+  decoder layers (`ACCELERATE_DYNAMO_BACKEND=INDUCTOR`, `..._USE_REGIONAL_COMPILATION=1`, `..._USE_DYNAMIC=1`);
+- `tree`: `TreeAsyncGRPOTrainer` at its defaults (on CUDA its decoder layers compiled, `tree_compile="auto"`);
+- `tree_eager`: the same with `tree_compile=False`;
+- `tree_budget`: the tree with `tree_activation_budget_gib=--activation-budget-gib` (fewer layers recompute).
+
+Models: random bf16 weights from configs shaped like Qwen3-1.7B / 8B and Qwen3.5-0.8B / 2B (no download; TRL
+refuses the Qwen3.5 hybrids, and its refusal is recorded). Workloads:
 
 - `grpo_mixed`: groups of G=16 completions, prompts U[1000, 6000] tokens, completions U[64, 1024];
 - `grpo_P4096_C512`: G=16, 4,096-token prompts, 512-token completions;
 - `tau2_like`: conversations sharing a 4,800-token system prompt, U[10, 20] turns of a U[40, 200]-token message
   and two U[80, 400]-token responses, each response a sample holding the whole history before it.
 
-Per side: the wall time of each optimizer step after `--warmup` steps (CUDA-synchronized; planner, collator,
-forward, backward, optimizer and weight sync included), trained tokens per second, MFU, peak memory (above what
-was allocated when the side started: `resident_before_gib`, an earlier side's trainer). `mfu` counts
-the same model FLOPs for both sides: 3x the forward FLOPs of the step's samples as one prefix forest
-(`estimate_flops`' `tree_flops`; forward + backward, recompute not counted) per step second over 989 TFLOP/s;
-`trl_mfu_wall_clock` is TRL's own metric (its FLOP formula over each side's forwarded tokens). `--sides
-tree_budget` adds the tree with `tree_activation_budget_gib=--activation-budget-gib`: fewer layers recompute, at
-more memory (reported).
+Per side: the wall time of every optimizer step (CUDA-synchronized; planner, collator, forward, backward, optimizer
+and weight sync included; the first from `train()`'s start, so it holds the compile), trained tokens per second,
+MFU, peak memory after the warm-up. `mfu` counts the same model FLOPs for both sides: 3x the forward FLOPs of the
+step's samples as one prefix forest (`estimate_flops`' `tree_flops`; forward + backward, recompute not counted) per
+step second over 989 TFLOP/s. Per row, `paired[candidate vs reference]`: for each measured step, the reference
+side's seconds over the candidate's on the same step (the same samples), min / median / max (`harness.paired`), and
+`agreement[...]`: the first micro-batch's per-token log-probabilities of the two sides on the same tokens (their
+targets compared first) within the dtype's bound (`harness.LOGPROB_BOUND`); a pair that fails it is marked failed.
 
     python benchmarks/bench_async_grpo.py --models qwen3-1.7b --workloads grpo_mixed tau2_like \\
-        --out benchmarks/results/async_grpo_h200_qwen3-1.7b.json
-    python benchmarks/bench_async_grpo.py --models qwen3.5-0.8b --workloads grpo_mixed --token-budget 16384
-    python benchmarks/bench_async_grpo.py --models tiny tiny-hybrid --scale 0.02 --token-budget 512   # CPU smoke
+        --sides trl trl_compiled tree tree_eager --out benchmarks/results/async_grpo_h200_qwen3-1.7b.json
+    python benchmarks/bench_async_grpo.py --models qwen3.5-0.8b --token-budget 16384 --sides tree
+    python benchmarks/bench_async_grpo.py --models tiny --scale 0.02 --token-budget 512 --warmup 1 --steps 8  # CPU
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import gc
 import json
 import math
-import platform
 import statistics
 import sys
 import tempfile
 import time
-import traceback
 import warnings
 from pathlib import Path
 
 import torch
-import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, Qwen3_5TextConfig, Qwen3Config, TrainerCallback
 
 REPO = Path(__file__).resolve().parent.parent
@@ -58,7 +62,6 @@ sys.path[:0] = [str(REPO), str(REPO / "benchmarks"), str(REPO / "tests")]
 from bench_tree_vs_flat import CONFIG_CLASSES, MODELS, PEAK_FLOPS  # noqa: E402
 from trl_varlen import flash_varlen_attention, use_kernel, varlen_attention  # noqa: E402
 
-import hf_tree_attn  # noqa: E402
 from hf_tree_attn.metrics import estimate_flops  # noqa: E402
 from hf_tree_attn.trainer.replay import NoWeightTransfer, ReplayRolloutWorker, agent_samples, grpo_samples  # noqa: E402
 
@@ -117,26 +120,6 @@ def build_from_config(model_id: str, **kwargs):
         return AutoModelForCausalLM.from_config(
             copy.deepcopy(config), attn_implementation=kwargs["attn_implementation"], dtype=dtype
         )
-
-
-class StepClock(TrainerCallback):
-    """Optimizer-step ends (CUDA-synchronized) and the peak memory after the warm-up steps."""
-
-    def __init__(self, warmup: int):
-        self.warmup, self.ends = warmup, []
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        if state.global_step == self.warmup and torch.cuda.is_available():
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        self.ends.append(time.perf_counter())
-
-    def step_times(self) -> list[float]:
-        return [b - a for a, b in zip(self.ends[self.warmup - 1 : -1], self.ends[self.warmup :])]
 
 
 class ProfileStep(TrainerCallback):
@@ -204,77 +187,142 @@ def step_flops(config, samples: list[dict]) -> float:
     return 3 * estimate_flops(config.get_text_config(), sequences, prompt_lengths=prompts)["tree_flops"]
 
 
-def run_side(side: str, path: str, samples: list, tokenizer, args, out_dir: Path) -> dict:
+# What accelerate reads to compile the decoder layers regionally, with dynamic shapes (an accelerate config's
+# `dynamo_config` sets the same through `accelerate launch`).
+REGIONAL_COMPILE = {"ACCELERATE_DYNAMO_BACKEND": "INDUCTOR", "ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION": "1",
+                    "ACCELERATE_DYNAMO_USE_DYNAMIC": "1"}  # fmt: skip
+# What each side changes: its trainer (TRL's or the tree's), config fields, environment for accelerate.
+SIDES = {
+    "trl": (False, {}, {}),
+    "trl_compiled": (False, {}, REGIONAL_COMPILE),
+    "tree": (True, {}, {}),
+    "tree_eager": (True, {"tree_compile": False}, {}),
+    "tree_budget": (True, {"tree_activation_budget_gib": None}, {}),
+}  # fmt: skip
+# (candidate, reference) pairs reported per row where both sides ran.
+PAIRS = [("tree", "trl"), ("tree", "trl_compiled"), ("tree_eager", "trl"), ("tree", "tree_eager"),
+         ("tree_budget", "trl")]  # fmt: skip
+
+
+class FirstScores:
+    """The first micro-batch's scored tokens: their targets and log-probabilities, in TRL's loss order (the same
+    order on both sides, which the targets check). TRL's side: what its fused head returns at `token_index`; the
+    tree's: the forest's table at the same rows (`_ForestForward`)."""
+
+    def __init__(self):
+        self.targets, self.log_probs = None, None
+
+    def install(self, trainer, tree: bool):
+        compute_loss = trainer.compute_loss
+
+        def recording(model, inputs, *args, **kwargs):
+            if self.targets is not None:
+                return compute_loss(model, inputs, *args, **kwargs)
+            selected = inputs["token_index"] >= 0
+            if tree:
+                from hf_tree_attn.trainer import async_grpo_trainer
+
+                forward_class = async_grpo_trainer._ForestForward
+                call = forward_class.__call__
+
+                def scored(forward, **kw):
+                    out = call(forward, **kw)
+                    self.targets = forward.forest.input_ids[0, forward.rows].tolist()
+                    self.log_probs = out.log_probs[forward.rows].float().tolist()
+                    return out
+
+                forward_class.__call__ = scored
+                try:
+                    return compute_loss(model, inputs, *args, **kwargs)
+                finally:
+                    forward_class.__call__ = call
+            mask = inputs["attention_mask"].bool()
+            index = inputs["token_index"][selected]
+
+            def forward(**kw):
+                out = model(**kw)
+                self.targets = inputs["shift_labels"][mask].flatten()[index].tolist()
+                self.log_probs = out.log_probs.flatten()[index].float().tolist()
+                return out
+
+            return compute_loss(forward, inputs, *args, **kwargs)
+
+        trainer.compute_loss = recording
+
+
+def side_main(args) -> dict:
+    """One side (`args.side`) of one row (`args.models[0]`, `args.workloads[0]`), in this process."""
     from datasets import Dataset
+    from harness import StepClock
     from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
+    from trl.experimental.async_grpo import async_grpo_trainer as trl_async
 
     from hf_tree_attn.trainer import TreeAsyncGRPOConfig, TreeAsyncGRPOTrainer
 
-    tree = side != "trl"
+    trl_async.create_model_from_path = build_from_config
+    tree, fields, _ = SIDES[args.side]
+    fields = {k: (args.activation_budget_gib if v is None else v) for k, v in fields.items()}
     config_class, trainer_class = (TreeAsyncGRPOConfig, TreeAsyncGRPOTrainer) if tree else (
         AsyncGRPOConfig, AsyncGRPOTrainer)  # fmt: skip
     cuda = torch.cuda.is_available()
-    extra = {"tree_activation_budget_gib": args.activation_budget_gib} if side == "tree_budget" else {}
+    config = model_config(args.models[0])
+    samples, spec = workload(args.workloads[0], args.scale, config.vocab_size)
     profiled = args.profile
-    options = dict(**extra,
-        output_dir=str(out_dir / trainer_class.__name__), dtype=args.dtype,
-        max_steps=args.warmup + args.steps + (1 if profiled else 0),
-        token_budget=args.token_budget, logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True,
-        use_cpu=not cuda, bf16=cuda, seed=0,
-    )  # fmt: skip
     clock = StepClock(args.warmup)
-    # What an earlier side left on the GPU: TRL's async trainer is still alive after train(), `del` and gc (a weak
-    # reference to its model says so, on CPU), its weights and optimizer state allocated; this side's peak is
-    # counted above them.
-    resident = torch.cuda.memory_allocated() if cuda else 0
     callbacks = [clock, *([ProfileStep(args.warmup + args.steps)] if profiled else [])]
     kernel = flash_varlen_attention if cuda else varlen_attention
-    with warnings.catch_warnings(), use_kernel(kernel), RowLog() as rows:
-        warnings.simplefilter("ignore")
-        trainer = trainer_class(
-            path, args=config_class(**options), train_dataset=Dataset.from_dict({"prompt": ["unused"] * 8}),
-            processing_class=tokenizer, callbacks=callbacks, rollout_worker=ReplayRolloutWorker(samples, cycle=True),
-            weight_transfer=NoWeightTransfer(),
+    with tempfile.TemporaryDirectory() as tmp:
+        config.save_pretrained(tmp)  # the path TRL's constructor loads (its config only: build_from_config)
+        options = dict(
+            **fields, output_dir=str(Path(tmp) / trainer_class.__name__), dtype=args.dtype,
+            max_steps=args.warmup + args.steps + (1 if profiled else 0), token_budget=args.token_budget,
+            logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True, use_cpu=not cuda, bf16=cuda,
+            seed=0,
         )  # fmt: skip
-        trainer.train()
-    config = trainer.accelerator.unwrap_model(trainer.model).config
+        scores = FirstScores()
+        with warnings.catch_warnings(), use_kernel(kernel), RowLog() as rows:
+            warnings.simplefilter("ignore")
+            trainer = trainer_class(
+                tmp, args=config_class(**options), train_dataset=Dataset.from_dict({"prompt": ["unused"] * 8}),
+                processing_class=build_tokenizer(config.vocab_size), callbacks=callbacks,
+                rollout_worker=ReplayRolloutWorker(samples, cycle=True), weight_transfer=NoWeightTransfer(),
+            )  # fmt: skip
+            scores.install(trainer, tree)
+            trainer.train()
+    model_config_ = trainer.accelerator.unwrap_model(trainer.model).config
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
-    times = clock.step_times()[: args.steps]  # the profiled step, if any, is not timed
+    timing = clock.summary()
+    times = timing["measured_step_s"][: args.steps]  # the profiled step, if any, is not timed
     measured = logs[args.warmup : args.warmup + args.steps]
     accumulation = trainer.args.gradient_accumulation_steps
     flops = [
-        step_flops(config, [s for call in rows.calls[k * accumulation : (k + 1) * accumulation] for s in call])
+        step_flops(model_config_, [s for call in rows.calls[k * accumulation : (k + 1) * accumulation] for s in call])
         for k in range(args.warmup, args.warmup + len(times))
     ]
     trained = [entry["batch/trained_tokens_per_step"] for entry in measured]
-    result = {
-        "step_s": times,
+    compile_decision = getattr(trainer, "tree_compile", None)
+    return {
+        **timing,
+        "measured_step_s": times,
         "median_step_s": statistics.median(times),
+        "spec": spec,
         "trained_tokens_per_step": trained,
         "trained_tokens_per_s": statistics.mean(trained) / statistics.median(times),
         "forwarded_tokens_per_step": [entry["batch/forwarded_tokens_per_step"] for entry in measured],
         "samples_per_step": [round(entry["batch/samples_per_step"]) for entry in measured],
         "packing_ratio": statistics.mean(entry["batch/packing_ratio"] for entry in measured),
+        "mfu_per_step": [f / t / PEAK_FLOPS for f, t in zip(flops, times)],
         "mfu": statistics.mean(f / t / PEAK_FLOPS for f, t in zip(flops, times)),
         "trl_mfu_wall_clock": _mean(measured, "perf/mfu_wall_clock"),
         "trl_fwd_bwd_s": _mean(measured, "perf/fwd_bwd_s"),
-        "peak_gib": (torch.cuda.max_memory_allocated() - resident) / 2**30 if cuda else None,
-        "resident_before_gib": resident / 2**30 if cuda else None,
         "loss": [entry["loss"] for entry in measured],
         "tree_checkpointed_layers": _mean(measured, "tree_checkpointed_layers"),
         "tree_kept_attention": _mean(measured, "tree_kept_attention"),
+        "tree_compile": None if compile_decision is None else {"kwargs": compile_decision.kwargs,
+                                                               "source": compile_decision.source},
+        "first_scores": {"targets": scores.targets, "log_probs": scores.log_probs},
         "profile": callbacks[-1].summary if profiled else None,
-    }
-    if profiled and result["profile"]:
-        prof = result["profile"]
-        kinds = ", ".join(f"{k} {v['s']:.3f}" for k, v in prof["by_kind"].items())
-        print(f"  {side} profiled step: {prof['wall_profiled_s']:.3f} s, GPU busy {100 * prof['busy']:.0f}%: {kinds}")
-    trainer.accelerator.free_memory()
-    del trainer
-    gc.collect()
-    if cuda:
-        torch.cuda.empty_cache()
-    return result
+    }  # fmt: skip
 
 
 def _mean(entries: list[dict], key: str) -> float | None:
@@ -301,23 +349,11 @@ def main():
     parser.add_argument("--models", nargs="+", default=["qwen3-1.7b"], choices=[*MODELS, "tiny", "tiny-hybrid"])
     parser.add_argument("--workloads", nargs="+", default=["grpo_mixed"],
                         choices=["grpo_mixed", "grpo_P4096_C512", "tau2_like"])  # fmt: skip
-    parser.add_argument(
-        "--sides",
-        nargs="+",
-        default=["trl", "tree"],
-        choices=["trl", "tree", "tree_budget"],
-        help="tree_budget: the tree with tree_activation_budget_gib=--activation-budget-gib",
-    )
+    parser.add_argument("--sides", nargs="+", default=["trl", "tree"], choices=list(SIDES))
     parser.add_argument("--activation-budget-gib", type=float, default=40.0)
     parser.add_argument("--token-budget", type=int, default=32768, help="TRL's token_budget: unique tokens per row")
-    parser.add_argument("--steps", type=int, default=4, help="measured optimizer steps")
-    parser.add_argument(
-        "--warmup",
-        type=int,
-        default=2,
-        help="optimizer steps before the measured ones: FlexAttention compiles for the first row length and again, "
-        "length-generic, at the second",
-    )
+    parser.add_argument("--steps", type=int, default=8, help="measured optimizer steps (at least 8 for a ratio)")
+    parser.add_argument("--warmup", type=int, default=2, help="optimizer steps before the measured ones")
     parser.add_argument(
         "--profile",
         action="store_true",
@@ -327,26 +363,19 @@ def main():
     parser.add_argument("--scale", type=float, default=1.0, help="scale every length (CPU smoke runs)")
     parser.add_argument("--dtype", default="bfloat16", help="model weights (AsyncGRPOConfig.dtype)")
     parser.add_argument("--out", default="benchmarks/results/async_grpo.json")
+    parser.add_argument("--side", choices=list(SIDES), help=argparse.SUPPRESS)  # a child process: this side only
+    parser.add_argument("--side-out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.warmup < 1 or args.steps < 1:
-        parser.error(f"--warmup {args.warmup} --steps {args.steps}: each step time is the gap to the step before, "
-                     "so both need at least 1")  # fmt: skip
+        parser.error(f"--warmup {args.warmup} --steps {args.steps}: both need at least 1")
+    from harness import LOGPROB_BOUND, agreement, paired, provenance, run_side, write_side
 
-    import trl
-    import trl.experimental.async_grpo.async_grpo_trainer as trl_async
-
-    trl_async.create_model_from_path = build_from_config
+    if args.side is not None:
+        write_side(args.side_out, side_main(args))
+        return
     cuda = torch.cuda.is_available()
     results = {
-        "command": "python " + " ".join(sys.argv),
-        "gpu": torch.cuda.get_device_name() if cuda else "cpu",
-        "versions": {
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "trl": trl.__version__,
-            "hf_tree_attn": hf_tree_attn.__version__,
-            "python": platform.python_version(),
-        },  # fmt: skip
+        **provenance(),
         "trl_kernel": TRL_KERNEL if cuda else "trl_varlen.varlen_attention (plain torch)",
         "trl_kernel_max_abs_error_vs_reference": kernel_check(),
         "token_budget": args.token_budget,
@@ -356,38 +385,40 @@ def main():
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    child = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
+             if k in ("activation_budget_gib", "token_budget", "steps", "warmup", "scale", "dtype")]  # fmt: skip
+    child += ["--profile"] * args.profile
+    bound = LOGPROB_BOUND.get(args.dtype, LOGPROB_BOUND["float32"])
     for model_name in args.models:
-        config = model_config(model_name)
-        tokenizer = build_tokenizer(config.vocab_size)
-        with tempfile.TemporaryDirectory() as tmp:
-            config.save_pretrained(tmp)  # the path TRL's constructor loads (its config only: build_from_config)
-            for workload_name in args.workloads:
-                samples, spec = workload(workload_name, args.scale, config.vocab_size)
-                row = {"model": model_name, "workload": workload_name, "spec": spec, "sides": {}}
-                for side in args.sides:
-                    try:
-                        row["sides"][side] = run_side(side, tmp, samples, tokenizer, args, Path(tmp))
-                    except Exception as error:  # a refusal (TRL on a hybrid) or a failure: recorded, next side
-                        row["sides"][side] = {"error": f"{type(error).__name__}: {error}"[:2000]}
-                        if not isinstance(error, ValueError):
-                            traceback.print_exc()
-                        gc.collect()
-                        if cuda:
-                            torch.cuda.empty_cache()
-                sides = row["sides"]
-                if "median_step_s" in sides.get("trl", {}) and "median_step_s" in sides.get("tree_budget", {}):
-                    row["speedup_tree_budget_vs_trl"] = (
-                        sides["trl"]["median_step_s"] / sides["tree_budget"]["median_step_s"]
-                    )
-                if all("median_step_s" in sides.get(s, {}) for s in ("trl", "tree")):
-                    row["speedup_tree_vs_trl"] = sides["trl"]["median_step_s"] / sides["tree"]["median_step_s"]
-                    keys = ("samples_per_step", "trained_tokens_per_step")
-                    row["same_batches"] = all(sides["trl"][key] == sides["tree"][key] for key in keys)
-                    if sides["trl"]["peak_gib"]:
-                        row["peak_tree_over_trl"] = sides["tree"]["peak_gib"] / sides["trl"]["peak_gib"]
-                results["rows"].append(row)
-                out.write_text(json.dumps(results, indent=1))
-                print(_summary(row), flush=True)
+        for workload_name in args.workloads:
+            row = {"model": model_name, "workload": workload_name, "sides": {}, "paired": {}, "agreement": {}}
+            for side in args.sides:
+                env = SIDES[side][2]
+                argv = [*child, "--models", model_name, "--workloads", workload_name]
+                row["sides"][side] = run_side(Path(__file__), side, argv, env)
+            sides = row["sides"]
+            row["spec"] = next((r["spec"] for r in sides.values() if "spec" in r), None)
+            for candidate, reference in PAIRS:
+                a, b = sides.get(candidate, {}), sides.get(reference, {})
+                if "median_step_s" not in a or "median_step_s" not in b:
+                    continue
+                key = f"{candidate} vs {reference}"
+                keys = ("samples_per_step", "trained_tokens_per_step")
+                same = all(a[k] == b[k] for k in keys)
+                check = agreement(b["first_scores"]["log_probs"], a["first_scores"]["log_probs"], bound)
+                check["same_targets"] = a["first_scores"]["targets"] == b["first_scores"]["targets"]
+                check["passed"] = check["passed"] and check["same_targets"] and same
+                row["agreement"][key] = check
+                try:
+                    row["paired"][key] = {**paired(b["measured_step_s"], a["measured_step_s"]), "same_batches": same,
+                                          "failed": not check["passed"]}  # fmt: skip
+                except ValueError as error:
+                    row["paired"][key] = {"error": str(error)}
+                if a.get("peak_gib") and b.get("peak_gib"):
+                    row["paired"][key]["peak_ratio"] = a["peak_gib"] / b["peak_gib"]
+            results["rows"].append(row)
+            out.write_text(json.dumps(results, indent=1))
+            print(_summary(row), flush=True)
 
 
 def _summary(row: dict) -> str:
@@ -397,11 +428,15 @@ def _summary(row: dict) -> str:
             parts.append(f"{side}: {r['error'][:90]}")
         else:
             peak = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "-"
-            parts.append(f"{side}: {r['median_step_s']:.3f} s  {r['trained_tokens_per_s']:,.0f} tok/s  "
+            parts.append(f"{side}: {r['median_step_s']:.3f} s (first {r['first_step_s']:.1f} s)  "
                          f"mfu {100 * r['mfu']:.1f}%  {peak} GiB")  # fmt: skip
-    if "speedup_tree_vs_trl" in row:
-        parts.append(f"tree {row['speedup_tree_vs_trl']:.2f}x faster, same batches {row['same_batches']}")
-    return " | ".join(parts)
+    for key, pair in row["paired"].items():
+        if "median" in pair:
+            status = "FAILED agreement" if pair["failed"] else "agrees"
+            parts.append(f"{key}: {pair['median']:.2f}x [{pair['min']:.2f}, {pair['max']:.2f}] {status}")
+        else:
+            parts.append(f"{key}: {pair['error']}")
+    return "\n  ".join(parts)
 
 
 if __name__ == "__main__":

@@ -1,32 +1,34 @@
-"""TreeGRPOTrainer vs trl.GRPOTrainer through `trainer.train()` at TRL's defaults, one GPU, same completions.
+"""TreeGRPOTrainer vs trl.GRPOTrainer through `trainer.train()`, one GPU, the same completions, each in its process.
 
 The synchronous pair: generation is TRL's `rollout_func` (`bench_balance_fsdp.stub_rollout`: the prompt's tokens and
 random completions seeded by the prompt, so both trainers train on the same rows; generation itself costs nothing
 here), everything else is each trainer's default path — `trl.GRPOTrainer` with `GRPOConfig`'s defaults (padded rows,
-SDPA, gradient checkpointing, bf16) and `TreeGRPOTrainer` with `TreeGRPOConfig`'s (the same plus trees). Random
-bf16 weights from a config shaped like Qwen3-1.7B / 8B (no download), a character tokenizer. One group of G=16
-completions per optimizer step (`per_device_train_batch_size=16`, `num_generations=16`). Workloads:
+SDPA, gradient checkpointing, bf16) and `TreeGRPOTrainer` with `TreeGRPOConfig`'s (the same plus trees; on CUDA its
+decoder layers compiled). Random bf16 weights from a config shaped like Qwen3-1.7B / 8B (no download), a character
+tokenizer. One group of G=16 completions per optimizer step (`per_device_train_batch_size=16`,
+`num_generations=16`). Sides (`bench_async_grpo.SIDES` names): `trl`, `trl_compiled` (accelerate's regional
+compilation, dynamic shapes), `tree`, `tree_eager` (`tree_compile=False`). Workloads:
 
 - `grpo_P4096_C512`: 4,096-token prompts, 512-token completions;
 - `grpo_mixed`: prompts U[1000, 6000] tokens, completions U[64, 1024].
 
-Per trainer: the wall time of each optimizer step after `--warmup` steps (CUDA-synchronized), completion tokens
-trained per second, peak memory, and `mfu`: 3x the forward FLOPs each method's layout needs (`estimate_flops`:
-the unpadded sequences for TRL, their prefix forest for the tree; forward + backward, recompute not counted) per
-step second over 989 TFLOP/s.
+Per side: the wall time of every optimizer step (CUDA-synchronized; the first from `train()`'s start), completion
+tokens trained per second, peak memory after the warm-up, and `mfu`: 3x the forward FLOPs of the step's sequences
+as one prefix forest (`estimate_flops`' `tree_flops`; forward + backward, recompute not counted) per step second
+over 989 TFLOP/s — one formula for both sides. Per row, `paired` and `agreement` as in `bench_async_grpo.py`: per
+measured step the reference's seconds over the candidate's, and the first policy forward's per-token
+log-probabilities of the completion tokens on both sides within the dtype's bound (targets compared first), with
+`tree_fallback == 0` on the tree side.
 
     python benchmarks/bench_sync_grpo.py --models qwen3-1.7b --workloads grpo_P4096_C512 grpo_mixed \\
-        --out benchmarks/results/sync_grpo_h200_qwen3-1.7b.json
-    python benchmarks/bench_sync_grpo.py --models tiny --scale 0.02 --steps 1    # CPU smoke run
+        --sides trl tree --out benchmarks/results/sync_grpo_h200_qwen3-1.7b.json
+    python benchmarks/bench_sync_grpo.py --models tiny --scale 0.02 --warmup 1 --steps 8    # CPU smoke run
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
-import gc
 import json
-import platform
 import random
 import statistics
 import sys
@@ -34,20 +36,22 @@ import warnings
 from pathlib import Path
 
 import torch
-import transformers
 from transformers import AutoModelForCausalLM
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
-from bench_async_grpo import StepClock, model_config  # noqa: E402
+from bench_async_grpo import SIDES, _summary, model_config  # noqa: E402
 from bench_balance_fsdp import length_reward, stub_rollout  # noqa: E402
 from bench_tree_vs_flat import MODELS, PEAK_FLOPS  # noqa: E402
+from harness import LOGPROB_BOUND, StepClock, agreement, paired, provenance, run_side, write_side  # noqa: E402
 
-import hf_tree_attn  # noqa: E402
 from hf_tree_attn.metrics import estimate_flops  # noqa: E402
 from trainers import toy_task  # noqa: E402
 
 WORKLOADS = {"grpo_P4096_C512": ((4096, 4096), (512, 512)), "grpo_mixed": ((1000, 6000), (64, 1024))}
+SYNC_SIDES = ("trl", "trl_compiled", "tree", "tree_eager")
+PAIRS = [("tree", "trl"), ("tree", "trl_compiled"), ("tree_eager", "trl"), ("tree", "tree_eager")]
+PROMPTS = 16  # one per optimizer step: warm-up + measured steps must not exceed it
 
 
 def recording(rollout, calls: list):
@@ -61,112 +65,147 @@ def recording(rollout, calls: list):
     return rollout_func
 
 
-def run(tree: bool, base, dataset, tokenizer, workload: str, args) -> dict:
+class FirstScores:
+    """The first policy forward's completion-token log-probabilities (`_get_per_token_logps_and_entropies`, the hook
+    both trainers run) and their target tokens, row by row, the rows in the order of their tokens."""
+
+    def __init__(self):
+        self.targets, self.log_probs = None, None
+
+    def install(self, trainer):
+        hook = trainer._get_per_token_logps_and_entropies
+
+        def recording(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
+            out = hook(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
+            if self.targets is None and torch.is_grad_enabled():
+                # TRL shuffles a generation batch's rows, the tree keeps each group in order: rows sorted by content.
+                mask = attention_mask[:, -logits_to_keep:].bool()
+                rows = sorted(
+                    (ids[m].tolist(), logps[m].float().tolist())
+                    for ids, logps, m in zip(input_ids[:, -logits_to_keep:], out[0].detach(), mask)
+                )
+                self.targets = [t for ids, _ in rows for t in ids]
+                self.log_probs = [v for _, values in rows for v in values]
+            return out
+
+        trainer._get_per_token_logps_and_entropies = recording
+
+
+def side_main(args) -> dict:
+    from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
     from hf_tree_attn.trainer import TreeGRPOConfig, TreeGRPOTrainer
 
+    tree, fields, _ = SIDES[args.side]
     config_class, trainer_class = (TreeGRPOConfig, TreeGRPOTrainer) if tree else (GRPOConfig, GRPOTrainer)
     cuda = torch.cuda.is_available()
+    tokenizer = toy_task.build_tokenizer()
+    config = model_config(args.models[0])
+    config.pad_token_id, config.eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    torch.manual_seed(0)
+    with torch.device("cuda" if cuda else "cpu"):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.bfloat16)
+    workload = args.workloads[0]
+    rng = random.Random(0)
+    low, high = (round(n * args.scale) for n in WORKLOADS[workload][0])
+    alphabet = toy_task.CHARS[:-1]
+    prompts = ["".join(rng.choice(alphabet) for _ in range(rng.randint(low, high))) for _ in range(PROMPTS)]
     training_args = config_class(
-        output_dir=f"/tmp/bench_sync_grpo/{trainer_class.__name__}", per_device_train_batch_size=16,
+        **fields, output_dir=f"/tmp/bench_sync_grpo/{trainer_class.__name__}", per_device_train_batch_size=16,
         num_generations=16, max_completion_length=round(1024 * args.scale), max_steps=args.warmup + args.steps,
         logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True, seed=0, bf16=cuda,
         use_cpu=not cuda,
     )  # fmt: skip
-    clock, calls = StepClock(args.warmup), []
+    clock, calls, scores = StepClock(args.warmup), [], FirstScores()
     rollout = recording(stub_rollout(args.scale, WORKLOADS[workload][1]), calls)
-    model = copy.deepcopy(base)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        dataset = Dataset.from_dict({"prompt": prompts})
         trainer = trainer_class(model, length_reward, training_args, train_dataset=dataset,
                                 processing_class=tokenizer, callbacks=[clock], rollout_func=rollout)  # fmt: skip
+        scores.install(trainer)
         trainer.train()
-    config = base.config
-    times = clock.step_times()
+    timing = clock.summary()
+    times = timing["measured_step_s"]
     flops, completions = [], []
     for prompt_ids, completion_ids in calls[args.warmup : args.warmup + len(times)]:
         sequences = [list(p) + list(c) for p, c in zip(prompt_ids, completion_ids)]
         estimate = estimate_flops(config, sequences, prompt_lengths=[len(p) for p in prompt_ids])
-        flops.append(3 * estimate["tree_flops" if tree else "flat_flops"])
+        flops.append(3 * estimate["tree_flops"])
         completions.append(sum(len(c) for c in completion_ids))
     logs = [entry for entry in trainer.state.log_history if "loss" in entry][args.warmup :]
-    result = {
-        "step_s": times,
+    decision = getattr(trainer, "tree_compile", None)
+    return {
+        **timing,
         "median_step_s": statistics.median(times),
         "completion_tokens_per_step": completions,
         "trained_tokens_per_s": statistics.mean(completions) / statistics.median(times),
+        "mfu_per_step": [f / t / PEAK_FLOPS for f, t in zip(flops, times)],
         "mfu": statistics.mean(f / t / PEAK_FLOPS for f, t in zip(flops, times)),
-        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
         "loss": [entry["loss"] for entry in logs],
         "tree_fallback": [entry.get("tree_fallback") for entry in logs] if tree else None,
+        "tree_compile": None if decision is None else {"kwargs": decision.kwargs, "source": decision.source},
+        "first_scores": {"targets": scores.targets, "log_probs": scores.log_probs},
     }
-    trainer.accelerator.free_memory()
-    del trainer, model
-    gc.collect()
-    if cuda:
-        torch.cuda.empty_cache()
-    return result
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["qwen3-1.7b"], choices=[*MODELS, "tiny"])
     parser.add_argument("--workloads", nargs="+", default=["grpo_P4096_C512"], choices=list(WORKLOADS))
-    parser.add_argument("--steps", type=int, default=2, help="measured optimizer steps")
-    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--sides", nargs="+", default=["trl", "tree"], choices=SYNC_SIDES)
+    parser.add_argument("--steps", type=int, default=8, help="measured optimizer steps (at least 8 for a ratio)")
+    parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--scale", type=float, default=1.0, help="scale every length (CPU smoke runs)")
     parser.add_argument("--out", default="benchmarks/results/sync_grpo.json")
+    parser.add_argument("--side", choices=SYNC_SIDES, help=argparse.SUPPRESS)  # a child process: this side only
+    parser.add_argument("--side-out", help=argparse.SUPPRESS)
     args = parser.parse_args()
-
-    import trl
-    from datasets import Dataset
-
-    cuda = torch.cuda.is_available()
-    tokenizer = toy_task.build_tokenizer()
-    alphabet = toy_task.CHARS[:-1]
+    if args.warmup + args.steps > PROMPTS:
+        parser.error(f"--warmup {args.warmup} + --steps {args.steps} > {PROMPTS} prompts (one per step)")
+    if args.side is not None:
+        write_side(args.side_out, side_main(args))
+        return
     results = {
-        "command": "python " + " ".join(sys.argv),
-        "gpu": torch.cuda.get_device_name() if cuda else "cpu",
-        "versions": {
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "trl": trl.__version__,
-            "hf_tree_attn": hf_tree_attn.__version__,
-            "python": platform.python_version(),
-        },  # fmt: skip
+        **provenance(),
         "per_step": "one prompt, G=16 completions (per_device_train_batch_size=16, num_generations=16)",
         "peak_flops": PEAK_FLOPS,
         "rows": [],
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    child = [f"--steps={args.steps}", f"--warmup={args.warmup}", f"--scale={args.scale}"]
     for model_name in args.models:
-        config = model_config(model_name)
-        config.pad_token_id, config.eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
-        torch.manual_seed(0)
-        with torch.device("cuda" if cuda else "cpu"):
-            base = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.bfloat16)
         for workload in args.workloads:
-            rng = random.Random(0)
-            low, high = (round(n * args.scale) for n in WORKLOADS[workload][0])
-            prompts = ["".join(rng.choice(alphabet) for _ in range(rng.randint(low, high))) for _ in range(16)]
-            dataset = Dataset.from_dict({"prompt": prompts})
-            row = {"model": model_name, "workload": workload, "sides": {}}
-            for side in ("trl", "tree"):
-                row["sides"][side] = run(side == "tree", base, dataset, tokenizer, workload, args)
-            trl_side, tree_side = row["sides"]["trl"], row["sides"]["tree"]
-            row["speedup_tree_vs_trl"] = trl_side["median_step_s"] / tree_side["median_step_s"]
-            row["same_completions"] = trl_side["completion_tokens_per_step"] == tree_side["completion_tokens_per_step"]
-            if trl_side["peak_gib"]:
-                row["peak_tree_over_trl"] = tree_side["peak_gib"] / trl_side["peak_gib"]
+            row = {"model": model_name, "workload": workload, "sides": {}, "paired": {}, "agreement": {}}
+            for side in args.sides:
+                argv = [*child, "--models", model_name, "--workloads", workload]
+                row["sides"][side] = run_side(Path(__file__), side, argv, SIDES[side][2])
+            sides = row["sides"]
+            for candidate, reference in PAIRS:
+                a, b = sides.get(candidate, {}), sides.get(reference, {})
+                if "median_step_s" not in a or "median_step_s" not in b:
+                    continue
+                key = f"{candidate} vs {reference}"
+                same = a["completion_tokens_per_step"] == b["completion_tokens_per_step"]
+                check = agreement(b["first_scores"]["log_probs"], a["first_scores"]["log_probs"],
+                                  LOGPROB_BOUND["bfloat16"])  # fmt: skip
+                check["same_targets"] = a["first_scores"]["targets"] == b["first_scores"]["targets"]
+                fallbacks = [f for side in (a, b) for f in (side["tree_fallback"] or []) if f]
+                check["tree_fallback"] = len(fallbacks)
+                check["passed"] = check["passed"] and check["same_targets"] and same and not fallbacks
+                row["agreement"][key] = check
+                try:
+                    row["paired"][key] = {**paired(b["measured_step_s"], a["measured_step_s"]),
+                                          "same_completions": same, "failed": not check["passed"]}  # fmt: skip
+                except ValueError as error:
+                    row["paired"][key] = {"error": str(error)}
+                if a.get("peak_gib") and b.get("peak_gib"):
+                    row["paired"][key]["peak_ratio"] = a["peak_gib"] / b["peak_gib"]
             results["rows"].append(row)
             out.write_text(json.dumps(results, indent=1))
-            print(f"{model_name:<12} {workload:<16} trl {trl_side['median_step_s']:.3f} s  tree "
-                  f"{tree_side['median_step_s']:.3f} s  -> {row['speedup_tree_vs_trl']:.2f}x  mfu "
-                  f"{100 * trl_side['mfu']:.1f}% / {100 * tree_side['mfu']:.1f}%", flush=True)  # fmt: skip
-        del base
-        gc.collect()
+            print(_summary(row), flush=True)
 
 
 if __name__ == "__main__":

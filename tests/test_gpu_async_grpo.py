@@ -22,6 +22,7 @@ from async_grpo_helpers import (
 from transformers import Qwen3_5TextConfig, Qwen3Config
 from trl_varlen import flash_varlen_attention, varlen_attention
 
+from hf_tree_attn.compile import compiled_layers
 from hf_tree_attn.trainer.replay import agent_samples, grpo_samples
 
 pytestmark = pytest.mark.gpu
@@ -67,11 +68,12 @@ def test_flash_varlen_matches_reference():
 
 
 def test_same_as_trl_async_on_cuda(tmp_path):
-    """TRL's defaults on the GPU (fp32 weights, bf16 autocast, gradient checkpointing): the tree (FlexAttention or
-    the shared-prefix kernels) is as close to the float32 run (TRL's trainer, plain-torch attention, no autocast) as
-    TRL's packing on flash varlen is: losses and every step's gradients within twice TRL's error plus one bf16
-    rounding. (The two bf16 runs compared with each other alone measured a gradient cosine of 0.985 on an H200, with
-    no reference to say which was off; this bound asks the question the test is for.)"""
+    """TRL's defaults on the GPU (fp32 weights, bf16 autocast, gradient checkpointing): the tree at its defaults
+    (compiled decoder layers; FlexAttention or the shared-prefix kernels) is as close to the float32 run (TRL's
+    trainer, plain-torch attention, no autocast) as TRL's packing on flash varlen is: losses and every step's
+    gradients within twice TRL's error plus one bf16 rounding. (The two bf16 runs compared with each other alone
+    measured a gradient cosine of 0.985 on an H200, with no reference to say which was off; this bound asks the
+    question the test is for.)"""
     path = save_model(QWEN3, tmp_path / "model")
     samples = replayed_samples(path, samples=_samples())
     options = dict(use_cpu=False, token_budget=2048, gradient_accumulation_steps=2)
@@ -80,6 +82,7 @@ def test_same_as_trl_async_on_cuda(tmp_path):
         False, path, samples, tmp_path, kernel=flash_varlen_attention, bf16=True, **options
     )
     tree, tree_losses, tree_grads = train(True, path, samples, tmp_path, bf16=True, **options)
+    assert tree.tree_compile.source == "default" and compiled_layers(tree.model)  # the CUDA default: compiled
     assert len(tree_losses) == len(trl_losses) == len(ref_losses) == 4
     u = torch.finfo(torch.bfloat16).eps / 2
     ref, trl_l, tree_l = (torch.tensor(x) for x in (ref_losses, trl_losses, tree_losses))
@@ -102,3 +105,34 @@ def test_hybrid_log_probs_on_cuda(tmp_path, monkeypatch):
     assert scored and all(math.isfinite(loss) for loss in losses)
     for forest, rows, table, _ in scored:
         check_against_eager(path, samples, forest, rows, table, atol=1e-3)
+
+
+def test_default_compile_on_cuda_compiles_once_for_all_lengths(tmp_path, monkeypatch):
+    """The CUDA default (inductor-compiled decoder layers, dynamic shapes) in bf16: forests of several lengths over
+    four optimizer steps compile no graph after the first forward's, and the run stays within bf16 rounding of the
+    same trainer with tree_compile=False."""
+    from torch._dynamo.utils import counters
+
+    from hf_tree_attn.trainer import async_grpo_trainer
+
+    path = save_model(QWEN3, tmp_path / "model")
+    samples = replayed_samples(path, samples=_samples())
+    options = dict(use_cpu=False, bf16=True, token_budget=1024, max_steps=4)
+    _, eager_losses, _ = train(True, path, samples, tmp_path / "eager", tree_compile=False, **options)
+    torch._dynamo.reset()
+    counters.clear()
+    score_forests, seen = async_grpo_trainer.score_forests, []
+
+    def counting(model, forests, *args, **kwargs):
+        out = score_forests(model, forests, *args, **kwargs)
+        seen.append((forests[0].seq_len, counters["stats"]["unique_graphs"]))
+        return out
+
+    monkeypatch.setattr(async_grpo_trainer, "score_forests", counting)
+    tree, losses, _ = train(True, path, samples, tmp_path, **options)
+    assert tree.tree_compile.kwargs == {"backend": "inductor", "dynamic": True}
+    lengths, graphs = zip(*seen)
+    assert len(set(lengths)) > 1 and graphs[0] >= 1 and set(graphs) == {graphs[0]}, seen
+    u = torch.finfo(torch.bfloat16).eps
+    for got, want in zip(losses, eager_losses):
+        assert abs(got - want) <= 8 * u * max(abs(want), 1.0), (losses, eager_losses)

@@ -1,7 +1,8 @@
 """On CUDA: TreeSFTTrainer, TreeDPOTrainer and tree-scored reward models equal TRL's, in fp32.
 
-On the GPU the tree runs compiled FlexAttention or the shared-prefix kernels and TRL's LM head its Triton kernel;
-TRL runs SDPA. Same math, other kernels: fp32 tolerances of 1e-4 (as tests/test_grpo_trainer.py's CUDA test).
+On the GPU the tree runs its default fast path — compiled decoder layers (`tree_compile="auto"`) with FlexAttention
+or the shared-prefix kernels — and TRL's LM head its Triton kernel; TRL runs SDPA, eager. Same math, other
+kernels: fp32 tolerances of 1e-4 (as tests/test_grpo_trainer.py's CUDA test).
 Self-contained fixtures (no tests/helpers.py, which imports configs newer than the GPU machine's transformers).
 """
 
@@ -13,6 +14,7 @@ import pytest
 import torch
 from datasets import Dataset
 
+from hf_tree_attn.compile import compiled_layers
 from trainers import toy_task
 
 pytestmark = pytest.mark.gpu
@@ -44,6 +46,7 @@ def _same_run(tree, flat, keys):
     tree.train()
     flat.train()
     assert tree.model.device.type == "cuda" and tree.tree_packing
+    assert tree.tree_compile.source == "default" and compiled_layers(tree.model)  # the CUDA default: compiled
     tree_logs = [e for e in tree.state.log_history if "loss" in e]
     flat_logs = [e for e in flat.state.log_history if "loss" in e]
     assert len(tree_logs) == len(flat_logs) == 2

@@ -321,11 +321,15 @@ def test_hybrid_loss_and_grads_match_flat_trainer(tiny_hybrid, tmp_path, loss_ty
 @pytest.mark.gpu
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo", "cispo"])
 def test_loss_and_grads_match_flat_trainer_on_cuda(tiny, tmp_path, loss_type):
-    """The CUDA path: BlockMask + compiled FlexAttention (+ TRL's Triton LM head) against TRL's flat forward."""
+    """The CUDA default path: inductor-compiled decoder layers with a BlockMask and FlexAttention (+ TRL's Triton LM
+    head), the reference model's too, against TRL's flat forward (eager)."""
     from torch.nn.attention.flex_attention import BlockMask
+
+    from hf_tree_attn.compile import compiled_layers
 
     tree, flat = _pair(tiny, tmp_path, loss_type=loss_type, beta=0.04, num_iterations=2, use_cpu=False)
     assert tree.model.device.type == "cuda"
+    assert tree.tree_compile.source == "default" and compiled_layers(tree.model) and compiled_layers(tree.ref_model)
     inputs = _inputs(tree, flat, tiny[1], beta=0.04, num_iterations=2, device="cuda")
     _assert_same(_loss_and_grads(tree, inputs), _loss_and_grads(flat, inputs), TOLERANCE_CUDA[torch.float32])
     (entry,) = tree._tree_cache.values()

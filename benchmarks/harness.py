@@ -1,0 +1,184 @@
+"""What every side-by-side benchmark shares: provenance, per-step clocks, sides in their own processes, paired
+ratios and agreement checks that can fail.
+
+- `provenance()`: the exact command, the git commit (and whether the work tree was dirty), the versions of the
+  stack, the GPU and the time, for the top of every result file.
+- `StepClock`: a `TrainerCallback` with the wall time of every optimizer step (CUDA-synchronized) and the first
+  step's seconds from `train()`'s start (the compile cost), the peak memory after the warm-up.
+- `run_side(script, side, argv, env)`: one side of a comparison in a process of its own (its own CUDA context,
+  allocator, compile caches in memory and module state), which writes its result as JSON (`write_side`).
+- `paired(reference, candidate, warmup)`: per measured step, reference seconds / candidate seconds on the same step
+  index (both sides trained the same data in the same order), at least `MIN_MEASURED_STEPS`, with min / median /
+  max — never a ratio of two medians.
+- `agreement(reference, candidate, bound)`: the largest and mean absolute difference of two sides' per-token values
+  on the same tokens against a bound the dtype sets (`LOGPROB_BOUND`); a row that fails is recorded as failed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+from transformers import TrainerCallback
+
+REPO = Path(__file__).resolve().parent.parent
+MIN_MEASURED_STEPS = 8
+# The largest |difference| two sides' per-token log-probabilities may have on the same tokens. bf16: each side is
+# within 6e-2 of the float32 per-sequence forward in the GPU tests (tests/test_gpu.py's bf16 row), so two sides are
+# within twice that. float32: each side within 1e-4 on CUDA (tests/test_grpo_trainer.py), twice that between them.
+LOGPROB_BOUND = {"bfloat16": 2 * 6e-2, "float32": 2 * 1e-4}
+PACKAGES = ("torch", "transformers", "trl", "accelerate", "peft", "triton", "hf_tree_attn")
+
+
+def _git(*args: str) -> str | None:
+    try:
+        out = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=30, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip()
+
+
+def provenance(argv: list[str] | None = None) -> dict:
+    """The command, git commit and dirty flag, package versions, GPU and UTC time of a benchmark run.
+
+    Where the repository travels without its `.git` (a copy of the work tree), `HF_TREE_ATTN_COMMIT` names the
+    commit it was copied from (and `HF_TREE_ATTN_DIRTY=1` that it held uncommitted changes)."""
+    import importlib.metadata as metadata
+
+    versions = {"python": platform.python_version()}
+    for name in PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    commit = _git("rev-parse", "HEAD") or os.environ.get("HF_TREE_ATTN_COMMIT")
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    dirty = bool(status) if status is not None else os.environ.get("HF_TREE_ATTN_DIRTY") == "1"
+    cuda = torch.cuda.is_available()
+    return {
+        "command": "python " + " ".join(argv if argv is not None else sys.argv),
+        "git_commit": commit,
+        "git_dirty": dirty,
+        "versions": versions,
+        "gpu": torch.cuda.get_device_name() if cuda else "cpu",
+        "time_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+class StepClock(TrainerCallback):
+    """Optimizer-step ends (CUDA-synchronized), the first step's seconds and the peak memory after the warm-up.
+
+    `step_s[k]` is step k's wall time (the gap between the ends of steps k - 1 and k; step 0 from `train()`'s start:
+    set-up, the first compile, the first step); `peak_gib` the peak allocated from the first measured step on."""
+
+    def __init__(self, warmup: int):
+        self.warmup, self.ends, self._begin = warmup, [], None
+
+    def _sync(self):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._sync()
+        self._begin = time.perf_counter()
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step == self.warmup and torch.cuda.is_available():
+            self._sync()
+            torch.cuda.reset_peak_memory_stats()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self._sync()
+        self.ends.append(time.perf_counter())
+
+    @property
+    def step_s(self) -> list[float]:
+        marks = [self._begin, *self.ends]
+        return [b - a for a, b in zip(marks[:-1], marks[1:])]
+
+    def measured(self) -> list[float]:
+        return self.step_s[self.warmup :]
+
+    def summary(self) -> dict:
+        measured = self.measured()
+        return {
+            "step_s": self.step_s,
+            "first_step_s": self.step_s[0] if self.step_s else None,
+            "measured_step_s": measured,
+            "median_step_s": statistics.median(measured) if measured else None,
+            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
+        }
+
+
+def paired(reference: list[float], candidate: list[float], min_steps: int = MIN_MEASURED_STEPS) -> dict:
+    """Per-step ratios `reference[k] / candidate[k]` (> 1: the candidate is faster) of the measured steps.
+
+    Raises `ValueError` when the two sides measured different numbers of steps or fewer than `min_steps`."""
+    if len(reference) != len(candidate):
+        raise ValueError(
+            f"the sides measured {len(reference)} and {len(candidate)} steps: a pair needs the same steps"
+        )
+    if len(reference) < min_steps:
+        raise ValueError(f"{len(reference)} measured steps; a paired ratio needs at least {min_steps} (--steps)")
+    ratios = [r / c for r, c in zip(reference, candidate)]
+    return {
+        "per_step": ratios,
+        "min": min(ratios),
+        "median": statistics.median(ratios),
+        "max": max(ratios),
+        "steps": len(ratios),
+    }
+
+
+def agreement(reference: list[float], candidate: list[float], bound: float) -> dict:
+    """Max and mean |reference - candidate| over the same tokens, and whether the max is within `bound`."""
+    if len(reference) != len(candidate) or not reference:
+        return {"passed": False, "reason": f"{len(reference)} vs {len(candidate)} values: not the same tokens"}
+    diffs = [abs(a - b) for a, b in zip(reference, candidate)]
+    worst = max(diffs)
+    return {
+        "passed": worst <= bound,
+        "max_abs": worst,
+        "mean_abs": statistics.fmean(diffs),
+        "bound": bound,
+        "tokens": len(diffs),
+    }
+
+
+def run_side(script: Path, side: str, argv: list[str], env: dict[str, str] | None = None, timeout: float = 3600):
+    """Run `script --side SIDE --side-out FILE argv...` in a new Python process and return what it wrote, or
+    `{"error": ...}` with the end of its output if it wrote nothing. `env` adds to (or, with a None value, removes
+    from) the environment."""
+    environment = dict(os.environ)
+    for key, value in (env or {}).items():
+        if value is None:
+            environment.pop(key, None)
+        else:
+            environment[key] = value
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / f"{side}.json"
+        command = [sys.executable, str(script), "--side", side, "--side-out", str(out), *argv]
+        start = time.perf_counter()
+        try:
+            proc = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired as error:
+            return {"error": f"timed out after {timeout:.0f} s", "output_tail": str(error.stdout or "")[-3000:]}
+        sys.stderr.write(proc.stderr[-4000:] if proc.returncode else "")
+        if out.exists():
+            result = json.loads(out.read_text())
+            result["process_s"] = time.perf_counter() - start
+            return result
+        return {"error": f"exit {proc.returncode}", "output_tail": (proc.stdout + proc.stderr)[-3000:]}
+
+
+def write_side(path: str, result: dict) -> None:
+    Path(path).write_text(json.dumps(result))
