@@ -301,6 +301,10 @@ def side_main(args) -> dict:
     ]
     trained = [entry["batch/trained_tokens_per_step"] for entry in measured]
     compile_decision = getattr(trainer, "tree_compile", None)
+    from torch._dynamo.utils import counters
+
+    from hf_tree_attn.compile import compiled_layers, decoder_layers
+
     return {
         **timing,
         "measured_step_s": times,
@@ -321,6 +325,10 @@ def side_main(args) -> dict:
         "tree_compile": None if compile_decision is None else {"kwargs": compile_decision.kwargs,
                                                                "source": compile_decision.source},
         "first_scores": {"targets": scores.targets, "log_probs": scores.log_probs},
+        # What ran compiled: the decoder layers still compiled after the run (a compiler failure makes them eager),
+        # and the graphs dynamo made in this process.
+        "compiled_layers_after_run": f"{len(compiled_layers(trainer.model))} / {len(decoder_layers(trainer.model))}",
+        "dynamo": {"unique_graphs": counters["stats"]["unique_graphs"], "frames": dict(counters["frames"])},
         "profile": callbacks[-1].summary if profiled else None,
     }  # fmt: skip
 
@@ -365,10 +373,11 @@ def main():
     parser.add_argument("--out", default="benchmarks/results/async_grpo.json")
     parser.add_argument("--side", choices=list(SIDES), help=argparse.SUPPRESS)  # a child process: this side only
     parser.add_argument("--side-out", help=argparse.SUPPRESS)
+    parser.add_argument("--resume", action="store_true", help="keep the sides --out already holds; run the others")
     args = parser.parse_args()
     if args.warmup < 1 or args.steps < 1:
         parser.error(f"--warmup {args.warmup} --steps {args.steps}: both need at least 1")
-    from harness import LOGPROB_BOUND, agreement, paired, provenance, run_side, write_side
+    from harness import LOGPROB_BOUND, agreement, earlier_sides, paired, provenance, resume, run_side, write_side
 
     if args.side is not None:
         write_side(args.side_out, side_main(args))
@@ -385,6 +394,8 @@ def main():
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    if args.resume:
+        resume(out, results, [(m, w) for m in args.models for w in args.workloads])
     child = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
              if k in ("activation_budget_gib", "token_budget", "steps", "warmup", "scale", "dtype")]  # fmt: skip
     child += ["--profile"] * args.profile
@@ -392,6 +403,8 @@ def main():
     for model_name in args.models:
         for workload_name in args.workloads:
             row = {"model": model_name, "workload": workload_name, "sides": {}, "paired": {}, "agreement": {}}
+            if args.resume:
+                row["sides"].update(earlier_sides(out, model_name, workload_name))
             for side in args.sides:
                 env = SIDES[side][2]
                 argv = [*child, "--models", model_name, "--workloads", workload_name]

@@ -43,7 +43,17 @@ sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
 from bench_async_grpo import SIDES, _summary, model_config  # noqa: E402
 from bench_balance_fsdp import length_reward, stub_rollout  # noqa: E402
 from bench_tree_vs_flat import MODELS, PEAK_FLOPS  # noqa: E402
-from harness import LOGPROB_BOUND, StepClock, agreement, paired, provenance, run_side, write_side  # noqa: E402
+from harness import (  # noqa: E402
+    LOGPROB_BOUND,
+    StepClock,
+    agreement,
+    earlier_sides,
+    paired,
+    provenance,
+    resume,
+    run_side,
+    write_side,
+)
 
 from hf_tree_attn.metrics import estimate_flops  # noqa: E402
 from trainers import toy_task  # noqa: E402
@@ -136,6 +146,10 @@ def side_main(args) -> dict:
         completions.append(sum(len(c) for c in completion_ids))
     logs = [entry for entry in trainer.state.log_history if "loss" in entry][args.warmup :]
     decision = getattr(trainer, "tree_compile", None)
+    from torch._dynamo.utils import counters
+
+    from hf_tree_attn.compile import compiled_layers, decoder_layers
+
     return {
         **timing,
         "median_step_s": statistics.median(times),
@@ -147,6 +161,8 @@ def side_main(args) -> dict:
         "tree_fallback": [entry.get("tree_fallback") for entry in logs] if tree else None,
         "tree_compile": None if decision is None else {"kwargs": decision.kwargs, "source": decision.source},
         "first_scores": {"targets": scores.targets, "log_probs": scores.log_probs},
+        "compiled_layers_after_run": f"{len(compiled_layers(trainer.model))} / {len(decoder_layers(trainer.model))}",
+        "dynamo": {"unique_graphs": counters["stats"]["unique_graphs"], "frames": dict(counters["frames"])},
     }
 
 
@@ -161,6 +177,7 @@ def main():
     parser.add_argument("--out", default="benchmarks/results/sync_grpo.json")
     parser.add_argument("--side", choices=SYNC_SIDES, help=argparse.SUPPRESS)  # a child process: this side only
     parser.add_argument("--side-out", help=argparse.SUPPRESS)
+    parser.add_argument("--resume", action="store_true", help="keep the sides --out already holds; run the others")
     args = parser.parse_args()
     if args.warmup + args.steps > PROMPTS:
         parser.error(f"--warmup {args.warmup} + --steps {args.steps} > {PROMPTS} prompts (one per step)")
@@ -175,10 +192,14 @@ def main():
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    if args.resume:
+        resume(out, results, [(m, w) for m in args.models for w in args.workloads])
     child = [f"--steps={args.steps}", f"--warmup={args.warmup}", f"--scale={args.scale}"]
     for model_name in args.models:
         for workload in args.workloads:
             row = {"model": model_name, "workload": workload, "sides": {}, "paired": {}, "agreement": {}}
+            if args.resume:
+                row["sides"].update(earlier_sides(out, model_name, workload))
             for side in args.sides:
                 argv = [*child, "--models", model_name, "--workloads", workload]
                 row["sides"][side] = run_side(Path(__file__), side, argv, SIDES[side][2])

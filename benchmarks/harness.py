@@ -7,7 +7,8 @@ ratios and agreement checks that can fail.
   step's seconds from `train()`'s start (the compile cost), the peak memory after the warm-up.
 - `run_side(script, side, argv, env)`: one side of a comparison in a process of its own (its own CUDA context,
   allocator, compile caches in memory and module state), which writes its result as JSON (`write_side`).
-- `paired(reference, candidate, warmup)`: per measured step, reference seconds / candidate seconds on the same step
+- `earlier_sides(out, model, workload)`: sides an earlier run of the same benchmark wrote (`--resume`).
+- `paired(reference, candidate)`: per measured step, reference seconds / candidate seconds on the same step
   index (both sides trained the same data in the same order), at least `MIN_MEASURED_STEPS`, with min / median /
   max — never a ratio of two medians.
 - `agreement(reference, candidate, bound)`: the largest and mean absolute difference of two sides' per-token values
@@ -182,3 +183,23 @@ def run_side(script: Path, side: str, argv: list[str], env: dict[str, str] | Non
 
 def write_side(path: str, result: dict) -> None:
     Path(path).write_text(json.dumps(result))
+
+
+def resume(out: Path, results: dict, planned: list[tuple[str, str]]) -> None:
+    """Into `results`, the rows of an earlier run's `out` that this run does not redo (`planned`: its (model,
+    workload) rows), and that run's provenance under `earlier_runs`."""
+    if not out.exists():
+        return
+    earlier = json.loads(out.read_text())
+    results["rows"] = [r for r in earlier.get("rows", []) if (r["model"], r["workload"]) not in planned]
+    keys = ("command", "git_commit", "git_dirty", "time_utc")
+    results["earlier_runs"] = [*earlier.get("earlier_runs", []), {k: earlier.get(k) for k in keys}]
+
+
+def earlier_sides(out: Path, model: str, workload: str) -> dict:
+    """The sides of row (`model`, `workload`) an earlier run wrote to `out` without error (`--resume`: a benchmark
+    split over several calls of a GPU machine pairs them with the sides it runs now)."""
+    if not out.exists():
+        return {}
+    rows = [r for r in json.loads(out.read_text()).get("rows", []) if (r["model"], r["workload"]) == (model, workload)]
+    return {name: side for row in rows for name, side in row["sides"].items() if "error" not in side}

@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# The tree trainers' default fast path (compiled decoder layers) on one H200: its GPU tests, and the trainers against
+# TRL's own through trainer.train(), each side in its own process, paired per step (benchmarks/harness.py).
+#
+#   PHASES="async-1.7b-grpo tests" bash benchmarks/gpu_compile.sh      (repository root, .whl/async carried)
+#
+# Phases write into $KEEP (/tmp, which a warm machine keeps between calls made back to back), so a benchmark split
+# over several calls resumes its file (--resume pairs the sides measured earlier with the new ones); everything in
+# $KEEP is copied to $OUT at the end of each call. The inductor cache (/tmp/torchinductor_root) is kept the same
+# way: a later call's first steps compile from it. Each phase has its own time limit.
+#
+# The H200 image has no trl or datasets: four pure-Python wheels travel in .whl/async (see gpu_async.sh). The copy
+# of the repository there has no .git: HF_TREE_ATTN_COMMIT (and HF_TREE_ATTN_DIRTY=1) name the commit it came from.
+set -uo pipefail
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 TOKENIZERS_PARALLELISM=false
+export NCCL_NVLS_ENABLE=0 TRL_EXPERIMENTAL_SILENCE=1
+OUT=${OUT:-/tmp/gpu_compile_out}
+KEEP=${KEEP:-/tmp/gpu_compile}
+mkdir -p "$OUT" "$KEEP"
+if ! python3 -c "import trl, datasets" 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    .whl/async/trl-1.16.0-*.whl .whl/async/datasets-5.2.0-*.whl .whl/async/dill-0.4.1-*.whl \
+    .whl/async/multiprocess-0.70.19-*.whl || exit 1
+fi
+export PYTHONPATH=/tmp/site:$PWD
+LOG="$KEEP/gpu_compile.log"
+{
+  nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
+  python3 -c "import torch, transformers, trl, accelerate; print('torch', torch.__version__, 'transformers',
+transformers.__version__, 'trl', trl.__version__, 'accelerate', accelerate.__version__)"
+  echo "commit ${HF_TREE_ATTN_COMMIT:-unknown} dirty ${HF_TREE_ATTN_DIRTY:-0}"
+} 2>&1 | tee -a "$LOG"
+
+step() {  # step <seconds> <name> <command...>: run with a limit, log it, print the elapsed time
+  local limit=$1 name=$2 start=$SECONDS
+  shift 2
+  echo "=== $name (limit ${limit}s)" | tee -a "$LOG"
+  timeout "$limit" "$@" 2>&1 | grep -v -i -E "warn|^\[transformers\]|Loading weights|Callback$|^:|^\{'" | tee -a "$LOG"
+  echo "=== $name: rc ${PIPESTATUS[0]}, $((SECONDS - start)) s" | tee -a "$LOG"
+}
+
+ASYNC=(python3 benchmarks/bench_async_grpo.py --warmup 2 --steps 8 --resume)
+SYNC=(python3 benchmarks/bench_sync_grpo.py --warmup 2 --steps 8 --resume)
+for phase in ${PHASES:-tests}; do
+  case $phase in
+    tests)  # every GPU test of a trainer on the default fast path, against TRL (log: h200_gpu_tests_compile.log)
+      LOG="$KEEP/h200_gpu_tests_compile.log" step 300 tests python3 -m pytest -q -rf -m gpu -p no:cacheprovider \
+        tests/test_gpu_async_grpo.py tests/test_gpu_trees.py tests/test_grpo_trainer.py ;;
+    async-1.7b-grpo)
+      step 420 "$phase" "${ASYNC[@]}" --models qwen3-1.7b --workloads grpo_mixed \
+        --sides trl trl_compiled tree tree_eager --out "$KEEP/async_grpo_h200_qwen3-1.7b_paired.json" ;;
+    async-1.7b-tau2)
+      step 420 "$phase" "${ASYNC[@]}" --models qwen3-1.7b --workloads tau2_like \
+        --sides trl trl_compiled tree tree_eager --out "$KEEP/async_grpo_h200_qwen3-1.7b_paired.json" ;;
+    async-8b)
+      step 480 "$phase" "${ASYNC[@]}" --models qwen3-8b --workloads grpo_mixed tau2_like --sides trl tree \
+        --out "$KEEP/async_grpo_h200_qwen3-8b_paired.json" ;;
+    sync-1.7b)
+      step 300 "$phase" "${SYNC[@]}" --models qwen3-1.7b --workloads grpo_mixed --sides trl tree \
+        --out "$KEEP/sync_grpo_h200_qwen3-1.7b_paired.json" ;;
+    *) echo "unknown phase $phase" | tee -a "$LOG" ;;
+  esac
+done
+cp "$KEEP"/*.json "$KEEP"/*.log "$OUT"/ 2>/dev/null
+ls -la "$OUT"
