@@ -488,9 +488,11 @@ def oracle_mask(forest, sequences) -> torch.Tensor:
 
 
 def flat_logprobs(model, seq, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(logps, entropies)`, each `(L - 1,)` fp32, from one plain unpacked forward of `seq`."""
+    """`(logps, entropies)`, each `(L - 1,)` fp32 (float64 for a float64 model), from one plain unpacked forward of
+    `seq`."""
     ids = torch.as_tensor(seq, dtype=torch.long, device=next(model.parameters()).device)[None]
-    logits = model(ids).logits[0, :-1].float() / temperature
+    logits = model(ids).logits[0, :-1]
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
     logp = logits.log_softmax(-1)
     logps = logp.gather(-1, ids[0, 1:, None])[:, 0]
     entropy = -(logp.exp() * logp).sum(-1)

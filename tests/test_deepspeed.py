@@ -254,6 +254,25 @@ def _recompute_all_on_rank_1():
         grpo_trainer.recompute_plan = plan
 
 
+def _keep_deepspeed_configs_alive() -> None:
+    """Keep every `HfDeepSpeedConfig` transformers is pointed at alive for the rest of the process.
+
+    transformers finds the ZeRO-3 config through a weak reference (`set_hf_deepspeed_config`); its owners here are
+    TrainingArguments and accelerate plugins of trainers this worker is done with. Once the cyclic garbage collector
+    frees one, the next model loads without `zero.Init`, whole and in float64, and DeepSpeed's conversion of it
+    refuses float64 ("Invalid data type torch.float64"): a failure that came and went with the collector's timing.
+    The configs are the trainers' own; only their lifetime changes."""
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    kept, original = [], hf_deepspeed.set_hf_deepspeed_config
+
+    def set_and_keep(config):
+        kept.append(config)
+        original(config)
+
+    hf_deepspeed.set_hf_deepspeed_config = set_and_keep
+
+
 def _worker(out_dir: str) -> None:
     """Runs under `accelerate launch` with a DeepSpeed config: writes `rank{r}.json` into `out_dir`."""
     sys.path.insert(0, str(REPO))
@@ -266,6 +285,7 @@ def _worker(out_dir: str) -> None:
     from trainers import toy_task
 
     torch.set_num_threads(1)
+    _keep_deepspeed_configs_alive()
     stage = int(os.environ["ACCELERATE_DEEPSPEED_ZERO_STAGE"])
     rank = int(os.environ["RANK"])
     report = {"stage": stage, "world": int(os.environ["WORLD_SIZE"]), "logprobs": _check_logprobs(stage, rank)}

@@ -353,6 +353,15 @@ def test_deep_multiturn_tree_matches_flat(family):
         _assert_matches_flat(ref, sequences, logps, entropies)
 
 
+def _float64_twin(model):
+    """A float64 copy of `model` (experts looped in torch: grouped matmuls take no float64), its gradients cleared."""
+    twin = copy.deepcopy(model).double()
+    twin.zero_grad(set_to_none=True)
+    if twin._can_set_experts_implementation():
+        twin.set_experts_implementation("eager")
+    return twin
+
+
 def _param_grads(model) -> dict[str, torch.Tensor]:
     return {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
 
@@ -377,14 +386,23 @@ def test_split_tries_logprobs_and_gradients_match_flat(family):
     with torch.no_grad():
         _assert_matches_flat(ref, sequences, logps, entropies)
     sum((w * lp).sum() + 0.1 * e.sum() for w, lp, e in zip(weights, logps, entropies)).backward()
-    flat = [flat_logprobs(ref, s) for s in sequences]
-    sum((w * lp).sum() + 0.1 * e.sum() for w, (lp, e) in zip(weights, flat)).backward()
+    exact = _float64_twin(ref)
+    for model, dtype in ((ref, torch.float32), (exact, torch.float64)):
+        flat = [flat_logprobs(model, s) for s in sequences]
+        sum((w.to(dtype) * lp).sum() + 0.1 * e.sum() for w, (lp, e) in zip(weights, flat)).backward()
 
-    got, want = _param_grads(tree), _param_grads(ref)
-    assert got.keys() == want.keys() and len(got) > 0
+    # Against the float64 flat gradient: the tree's error within the fp32 bound plus twice the fp32 flat forward's
+    # own error. A decay parameter's gradient (`A_log`, `dt_bias`: one entry per head) sums every token of the
+    # ~1,800 here through the chunked kernels, with cancellation, so the fp32 flat forward alone is off by up to
+    # ~1e-5 of its largest entry on it (seen 6e-6 to 8e-6 on 1 and 2 threads, AVX-512), where a tree-vs-flat
+    # comparison of two fp32 runs would see both errors.
+    got, flat32, want = _param_grads(tree), _param_grads(ref), _param_grads(exact)
+    assert got.keys() == want.keys() == flat32.keys() and len(got) > 0
     for name, value in want.items():
-        worst = (got[name] - value).abs().max().item()
-        assert worst <= TOLERANCES["grad_max_rel"] * value.abs().max().item(), f"{name}: max |diff| {worst}"
+        worst = (got[name].double() - value).abs().max().item()
+        own = (flat32[name].double() - value).abs().max().item()
+        bound = TOLERANCES["grad_max_rel"] * value.abs().max().item() + 2 * own
+        assert worst <= bound, f"{name}: max |tree - float64| {worst} > {bound} (fp32 flat's own error {own})"
     cosine = F.cosine_similarity(
         torch.cat([got[k].flatten() for k in sorted(got)]).double(),
         torch.cat([want[k].flatten() for k in sorted(want)]).double(),
