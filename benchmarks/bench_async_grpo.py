@@ -33,7 +33,9 @@ step's samples as one prefix forest (`estimate_flops`' `tree_flops`; forward + b
 step second over 989 TFLOP/s. Per row, `paired[candidate vs reference]`: for each measured step, the reference
 side's seconds over the candidate's on the same step (the same samples), min / median / max (`harness.paired`), and
 `agreement[...]`: the first micro-batch's per-token log-probabilities of the two sides on the same tokens (their
-targets compared first) within the dtype's bound (`harness.LOGPROB_BOUND`); a pair that fails it is marked failed.
+targets compared first), each side's error to the `reference` side's (TRL's trainer in float32) at most twice the
+other's plus one bf16 rounding (`harness.agreement`; without a reference side, their difference within
+`harness.LOGPROB_BOUND`); a pair that fails it is marked failed.
 
     python benchmarks/bench_async_grpo.py --models qwen3-1.7b --workloads grpo_mixed tau2_like \\
         --sides trl trl_compiled tree tree_eager --out benchmarks/results/async_grpo_h200_qwen3-1.7b.json
@@ -45,7 +47,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import math
 import statistics
 import sys
@@ -198,6 +199,9 @@ SIDES = {
     "tree": (True, {}, {}),
     "tree_eager": (True, {"tree_compile": False}, {}),
     "tree_budget": (True, {"tree_activation_budget_gib": None}, {}),
+    # TRL's trainer in float32 (weights, no autocast, plain-torch attention), one step: the exact per-token values the
+    # agreement checks measure each side's error against.
+    "reference": (False, {}, {}),
 }  # fmt: skip
 # (candidate, reference) pairs reported per row where both sides ran.
 PAIRS = [("tree", "trl"), ("tree", "trl_compiled"), ("tree_eager", "trl"), ("tree", "tree_eager"),
@@ -271,13 +275,17 @@ def side_main(args) -> dict:
     clock = StepClock(args.warmup)
     callbacks = [clock, *([ProfileStep(args.warmup + args.steps)] if profiled else [])]
     kernel = flash_varlen_attention if cuda else varlen_attention
+    reference = args.side == "reference"
+    if reference:
+        kernel, args.dtype, args.warmup, args.steps, profiled = varlen_attention, "float32", 1, 0, False
+        callbacks = [clock]
     with tempfile.TemporaryDirectory() as tmp:
         config.save_pretrained(tmp)  # the path TRL's constructor loads (its config only: build_from_config)
         options = dict(
             **fields, output_dir=str(Path(tmp) / trainer_class.__name__), dtype=args.dtype,
             max_steps=args.warmup + args.steps + (1 if profiled else 0), token_budget=args.token_budget,
-            logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True, use_cpu=not cuda, bf16=cuda,
-            seed=0,
+            logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True, use_cpu=not cuda,
+            bf16=cuda and not reference, seed=0,
         )  # fmt: skip
         scores = FirstScores()
         with warnings.catch_warnings(), use_kernel(kernel), RowLog() as rows:
@@ -289,6 +297,8 @@ def side_main(args) -> dict:
             )  # fmt: skip
             scores.install(trainer, tree)
             trainer.train()
+    if reference:
+        return {"first_scores": {"targets": scores.targets, "log_probs": scores.log_probs}, "dtype": "float32"}
     model_config_ = trainer.accelerator.unwrap_model(trainer.model).config
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
     timing = clock.summary()
@@ -377,7 +387,7 @@ def main():
     args = parser.parse_args()
     if args.warmup < 1 or args.steps < 1:
         parser.error(f"--warmup {args.warmup} --steps {args.steps}: both need at least 1")
-    from harness import LOGPROB_BOUND, agreement, earlier_sides, paired, provenance, resume, run_side, write_side
+    from harness import provenance, resume, run_rows, write_side
 
     if args.side is not None:
         write_side(args.side_out, side_main(args))
@@ -399,39 +409,52 @@ def main():
     child = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
              if k in ("activation_budget_gib", "token_budget", "steps", "warmup", "scale", "dtype")]  # fmt: skip
     child += ["--profile"] * args.profile
-    bound = LOGPROB_BOUND.get(args.dtype, LOGPROB_BOUND["float32"])
-    for model_name in args.models:
-        for workload_name in args.workloads:
-            row = {"model": model_name, "workload": workload_name, "sides": {}, "paired": {}, "agreement": {}}
-            if args.resume:
-                row["sides"].update(earlier_sides(out, model_name, workload_name))
-            for side in args.sides:
-                env = SIDES[side][2]
-                argv = [*child, "--models", model_name, "--workloads", workload_name]
-                row["sides"][side] = run_side(Path(__file__), side, argv, env)
-            sides = row["sides"]
-            row["spec"] = next((r["spec"] for r in sides.values() if "spec" in r), None)
-            for candidate, reference in PAIRS:
-                a, b = sides.get(candidate, {}), sides.get(reference, {})
-                if "median_step_s" not in a or "median_step_s" not in b:
-                    continue
-                key = f"{candidate} vs {reference}"
-                keys = ("samples_per_step", "trained_tokens_per_step")
-                same = all(a[k] == b[k] for k in keys)
-                check = agreement(b["first_scores"]["log_probs"], a["first_scores"]["log_probs"], bound)
-                check["same_targets"] = a["first_scores"]["targets"] == b["first_scores"]["targets"]
-                check["passed"] = check["passed"] and check["same_targets"] and same
-                row["agreement"][key] = check
-                try:
-                    row["paired"][key] = {**paired(b["measured_step_s"], a["measured_step_s"]), "same_batches": same,
-                                          "failed": not check["passed"]}  # fmt: skip
-                except ValueError as error:
-                    row["paired"][key] = {"error": str(error)}
-                if a.get("peak_gib") and b.get("peak_gib"):
-                    row["paired"][key]["peak_ratio"] = a["peak_gib"] / b["peak_gib"]
-            results["rows"].append(row)
-            out.write_text(json.dumps(results, indent=1))
-            print(_summary(row), flush=True)
+    rows = [(m, w) for m in args.models for w in args.workloads]
+    run_rows(Path(__file__), out, results, rows, args.sides, {
+        "argv": child, "env": lambda side: SIDES[side][2], "pair": lambda row: _pair(row, args.dtype),
+        "summary": _summary, "resume": args.resume})  # fmt: skip
+
+
+def _pair(row: dict, dtype: str) -> None:
+    """`row["paired"]` and `row["agreement"]` for every pair of `PAIRS` whose two sides ran."""
+    from harness import paired
+
+    sides = row["sides"]
+    row["spec"] = next((r["spec"] for r in sides.values() if "spec" in r), None)
+    for candidate, reference in PAIRS:
+        a, b = sides.get(candidate, {}), sides.get(reference, {})
+        if "median_step_s" not in a or "median_step_s" not in b:
+            continue
+        key = f"{candidate} vs {reference}"
+        keys = ("samples_per_step", "trained_tokens_per_step")
+        same = all(a[k] == b[k] for k in keys)
+        check = _agreement(a, b, sides.get("reference"), dtype)
+        check["passed"] = check["passed"] and check["same_targets"] and same
+        row["agreement"][key] = check
+        try:
+            row["paired"][key] = {**paired(b["measured_step_s"], a["measured_step_s"]), "same_batches": same,
+                                  "failed": not check["passed"]}  # fmt: skip
+        except ValueError as error:
+            row["paired"][key] = {"error": str(error)}
+        if a.get("peak_gib") and b.get("peak_gib"):
+            row["paired"][key]["peak_ratio"] = a["peak_gib"] / b["peak_gib"]
+
+
+def _agreement(candidate: dict, baseline: dict, reference: dict | None, dtype: str) -> dict:
+    """`harness.agreement` of two sides' first scores: against the float32 `reference` side where it ran (and scored
+    the same tokens), else directly within `LOGPROB_BOUND[dtype]`."""
+    from harness import LOGPROB_BOUND, agreement
+
+    a, b = candidate["first_scores"], baseline["first_scores"]
+    exact = (reference or {}).get("first_scores", {})
+    same = a["targets"] == b["targets"] and (not exact or exact["targets"] == a["targets"])
+    if exact:
+        check = agreement(a["log_probs"], b["log_probs"], exact["log_probs"])
+    else:
+        check = agreement(a["log_probs"], b["log_probs"], bound=LOGPROB_BOUND.get(dtype, LOGPROB_BOUND["float32"]))
+    check["same_targets"] = same
+    check["passed"] = check["passed"] and same
+    return check
 
 
 def _summary(row: dict) -> str:
@@ -439,7 +462,7 @@ def _summary(row: dict) -> str:
     for side, r in row["sides"].items():
         if "error" in r:
             parts.append(f"{side}: {r['error'][:90]}")
-        else:
+        elif "median_step_s" in r:
             peak = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "-"
             parts.append(f"{side}: {r['median_step_s']:.3f} s (first {r['first_step_s']:.1f} s)  "
                          f"mfu {100 * r['mfu']:.1f}%  {peak} GiB")  # fmt: skip

@@ -7,7 +7,8 @@ SDPA, gradient checkpointing, bf16) and `TreeGRPOTrainer` with `TreeGRPOConfig`'
 decoder layers compiled). Random bf16 weights from a config shaped like Qwen3-1.7B / 8B (no download), a character
 tokenizer. One group of G=16 completions per optimizer step (`per_device_train_batch_size=16`,
 `num_generations=16`). Sides (`bench_async_grpo.SIDES` names): `trl`, `trl_compiled` (accelerate's regional
-compilation, dynamic shapes), `tree`, `tree_eager` (`tree_compile=False`). Workloads:
+compilation, dynamic shapes), `tree`, `tree_eager` (`tree_compile=False`), `reference` (TRL's trainer in float32,
+one step: the exact values the agreement checks measure against). Workloads:
 
 - `grpo_P4096_C512`: 4,096-token prompts, 512-token completions;
 - `grpo_mixed`: prompts U[1000, 6000] tokens, completions U[64, 1024].
@@ -17,8 +18,8 @@ tokens trained per second, peak memory after the warm-up, and `mfu`: 3x the forw
 as one prefix forest (`estimate_flops`' `tree_flops`; forward + backward, recompute not counted) per step second
 over 989 TFLOP/s — one formula for both sides. Per row, `paired` and `agreement` as in `bench_async_grpo.py`: per
 measured step the reference's seconds over the candidate's, and the first policy forward's per-token
-log-probabilities of the completion tokens on both sides within the dtype's bound (targets compared first), with
-`tree_fallback == 0` on the tree side.
+log-probabilities of the completion tokens, each side's error to the float32 `reference` at most twice the other's
+(targets compared first), with `tree_fallback == 0` on the tree side.
 
     python benchmarks/bench_sync_grpo.py --models qwen3-1.7b --workloads grpo_P4096_C512 grpo_mixed \\
         --sides trl tree --out benchmarks/results/sync_grpo_h200_qwen3-1.7b.json
@@ -28,7 +29,6 @@ log-probabilities of the completion tokens on both sides within the dtype's boun
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import sys
@@ -40,26 +40,16 @@ from transformers import AutoModelForCausalLM
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
-from bench_async_grpo import SIDES, _summary, model_config  # noqa: E402
+from bench_async_grpo import SIDES, _agreement, _summary, model_config  # noqa: E402
 from bench_balance_fsdp import length_reward, stub_rollout  # noqa: E402
 from bench_tree_vs_flat import MODELS, PEAK_FLOPS  # noqa: E402
-from harness import (  # noqa: E402
-    LOGPROB_BOUND,
-    StepClock,
-    agreement,
-    earlier_sides,
-    paired,
-    provenance,
-    resume,
-    run_side,
-    write_side,
-)
+from harness import StepClock, paired, provenance, resume, run_rows, write_side  # noqa: E402
 
 from hf_tree_attn.metrics import estimate_flops  # noqa: E402
 from trainers import toy_task  # noqa: E402
 
 WORKLOADS = {"grpo_P4096_C512": ((4096, 4096), (512, 512)), "grpo_mixed": ((1000, 6000), (64, 1024))}
-SYNC_SIDES = ("trl", "trl_compiled", "tree", "tree_eager")
+SYNC_SIDES = ("trl", "trl_compiled", "tree", "tree_eager", "reference")
 PAIRS = [("tree", "trl"), ("tree", "trl_compiled"), ("tree_eager", "trl"), ("tree", "tree_eager")]
 PROMPTS = 16  # one per optimizer step: warm-up + measured steps must not exceed it
 
@@ -114,8 +104,10 @@ def side_main(args) -> dict:
     config = model_config(args.models[0])
     config.pad_token_id, config.eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
     torch.manual_seed(0)
+    reference = args.side == "reference"  # TRL's trainer in float32, one step: the exact first scores
     with torch.device("cuda" if cuda else "cpu"):
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.bfloat16)
+        dtype = torch.float32 if reference else torch.bfloat16
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
     workload = args.workloads[0]
     rng = random.Random(0)
     low, high = (round(n * args.scale) for n in WORKLOADS[workload][0])
@@ -123,9 +115,9 @@ def side_main(args) -> dict:
     prompts = ["".join(rng.choice(alphabet) for _ in range(rng.randint(low, high))) for _ in range(PROMPTS)]
     training_args = config_class(
         **fields, output_dir=f"/tmp/bench_sync_grpo/{trainer_class.__name__}", per_device_train_batch_size=16,
-        num_generations=16, max_completion_length=round(1024 * args.scale), max_steps=args.warmup + args.steps,
-        logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True, seed=0, bf16=cuda,
-        use_cpu=not cuda,
+        num_generations=16, max_completion_length=round(1024 * args.scale),
+        max_steps=1 if reference else args.warmup + args.steps, logging_steps=1, save_strategy="no", report_to="none",
+        disable_tqdm=True, seed=0, bf16=cuda and not reference, use_cpu=not cuda,
     )  # fmt: skip
     clock, calls, scores = StepClock(args.warmup), [], FirstScores()
     rollout = recording(stub_rollout(args.scale, WORKLOADS[workload][1]), calls)
@@ -136,6 +128,8 @@ def side_main(args) -> dict:
                                 processing_class=tokenizer, callbacks=[clock], rollout_func=rollout)  # fmt: skip
         scores.install(trainer)
         trainer.train()
+    if reference:
+        return {"first_scores": {"targets": scores.targets, "log_probs": scores.log_probs}, "dtype": "float32"}
     timing = clock.summary()
     times = timing["measured_step_s"]
     flops, completions = [], []
@@ -195,38 +189,34 @@ def main():
     if args.resume:
         resume(out, results, [(m, w) for m in args.models for w in args.workloads])
     child = [f"--steps={args.steps}", f"--warmup={args.warmup}", f"--scale={args.scale}"]
-    for model_name in args.models:
-        for workload in args.workloads:
-            row = {"model": model_name, "workload": workload, "sides": {}, "paired": {}, "agreement": {}}
-            if args.resume:
-                row["sides"].update(earlier_sides(out, model_name, workload))
-            for side in args.sides:
-                argv = [*child, "--models", model_name, "--workloads", workload]
-                row["sides"][side] = run_side(Path(__file__), side, argv, SIDES[side][2])
-            sides = row["sides"]
-            for candidate, reference in PAIRS:
-                a, b = sides.get(candidate, {}), sides.get(reference, {})
-                if "median_step_s" not in a or "median_step_s" not in b:
-                    continue
-                key = f"{candidate} vs {reference}"
-                same = a["completion_tokens_per_step"] == b["completion_tokens_per_step"]
-                check = agreement(b["first_scores"]["log_probs"], a["first_scores"]["log_probs"],
-                                  LOGPROB_BOUND["bfloat16"])  # fmt: skip
-                check["same_targets"] = a["first_scores"]["targets"] == b["first_scores"]["targets"]
-                fallbacks = [f for side in (a, b) for f in (side["tree_fallback"] or []) if f]
-                check["tree_fallback"] = len(fallbacks)
-                check["passed"] = check["passed"] and check["same_targets"] and same and not fallbacks
-                row["agreement"][key] = check
-                try:
-                    row["paired"][key] = {**paired(b["measured_step_s"], a["measured_step_s"]),
-                                          "same_completions": same, "failed": not check["passed"]}  # fmt: skip
-                except ValueError as error:
-                    row["paired"][key] = {"error": str(error)}
-                if a.get("peak_gib") and b.get("peak_gib"):
-                    row["paired"][key]["peak_ratio"] = a["peak_gib"] / b["peak_gib"]
-            results["rows"].append(row)
-            out.write_text(json.dumps(results, indent=1))
-            print(_summary(row), flush=True)
+    rows = [(m, w) for m in args.models for w in args.workloads]
+    run_rows(Path(__file__), out, results, rows, args.sides, {
+        "argv": child, "env": lambda side: SIDES[side][2], "pair": _pair, "summary": _summary,
+        "resume": args.resume})  # fmt: skip
+
+
+def _pair(row: dict) -> None:
+    """`row["paired"]` and `row["agreement"]` for every pair of `PAIRS` whose two sides ran (the tree side's
+    `tree_fallback` must be 0 on every step)."""
+    sides = row["sides"]
+    for candidate, reference in PAIRS:
+        a, b = sides.get(candidate, {}), sides.get(reference, {})
+        if "median_step_s" not in a or "median_step_s" not in b:
+            continue
+        key = f"{candidate} vs {reference}"
+        same = a["completion_tokens_per_step"] == b["completion_tokens_per_step"]
+        check = _agreement(a, b, sides.get("reference"), "bfloat16")
+        fallbacks = [f for side in (a, b) for f in (side["tree_fallback"] or []) if f]
+        check["tree_fallback"] = len(fallbacks)
+        check["passed"] = check["passed"] and check["same_targets"] and same and not fallbacks
+        row["agreement"][key] = check
+        try:
+            row["paired"][key] = {**paired(b["measured_step_s"], a["measured_step_s"]),
+                                  "same_completions": same, "failed": not check["passed"]}  # fmt: skip
+        except ValueError as error:
+            row["paired"][key] = {"error": str(error)}
+        if a.get("peak_gib") and b.get("peak_gib"):
+            row["paired"][key]["peak_ratio"] = a["peak_gib"] / b["peak_gib"]
 
 
 if __name__ == "__main__":

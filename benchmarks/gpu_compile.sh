@@ -46,17 +46,17 @@ for phase in ${PHASES:-tests}; do
     tests)  # every GPU test of a trainer on the default fast path, against TRL (log: h200_gpu_tests_compile.log)
       LOG="$KEEP/h200_gpu_tests_compile.log" step 300 tests python3 -m pytest -q -rf -m gpu -p no:cacheprovider \
         tests/test_gpu_async_grpo.py tests/test_gpu_trees.py tests/test_grpo_trainer.py ;;
-    async-1.7b-grpo)
-      step 420 "$phase" "${ASYNC[@]}" --models qwen3-1.7b --workloads grpo_mixed \
-        --sides trl trl_compiled tree tree_eager --out "$KEEP/async_grpo_h200_qwen3-1.7b_paired.json" ;;
+    async-1.7b-grpo)  # the float32 reference first (agreement), TRL's defaults, the tree, then the compiled sides
+      step 330 "$phase" "${ASYNC[@]}" --models qwen3-1.7b --workloads grpo_mixed \
+        --sides reference trl tree trl_compiled tree_eager --out "$KEEP/async_grpo_h200_qwen3-1.7b_paired.json" ;;
     async-1.7b-tau2)
-      step 420 "$phase" "${ASYNC[@]}" --models qwen3-1.7b --workloads tau2_like \
-        --sides trl trl_compiled tree tree_eager --out "$KEEP/async_grpo_h200_qwen3-1.7b_paired.json" ;;
+      step 330 "$phase" "${ASYNC[@]}" --models qwen3-1.7b --workloads tau2_like \
+        --sides reference trl tree trl_compiled --out "$KEEP/async_grpo_h200_qwen3-1.7b_paired.json" ;;
     async-8b)
       step 480 "$phase" "${ASYNC[@]}" --models qwen3-8b --workloads grpo_mixed tau2_like --sides trl tree \
         --out "$KEEP/async_grpo_h200_qwen3-8b_paired.json" ;;
     sync-1.7b)
-      step 300 "$phase" "${SYNC[@]}" --models qwen3-1.7b --workloads grpo_mixed --sides trl tree \
+      step 300 "$phase" "${SYNC[@]}" --models qwen3-1.7b --workloads grpo_mixed --sides reference trl tree \
         --out "$KEEP/sync_grpo_h200_qwen3-1.7b_paired.json" ;;
     *) echo "unknown phase $phase" | tee -a "$LOG" ;;
   esac
