@@ -47,10 +47,10 @@ for phase in ${PHASES:-tests}; do
       LOG="$KEEP/h200_gpu_tests_compile.log" step 300 tests python3 -m pytest -q -rf -m gpu -p no:cacheprovider \
         tests/test_gpu_async_grpo.py tests/test_gpu_trees.py tests/test_grpo_trainer.py ;;
     async-1.7b-grpo)  # the float32 reference first (agreement), TRL's defaults, the tree, then the compiled sides
-      step 330 "$phase" "${ASYNC[@]}" --models qwen3-1.7b --workloads grpo_mixed \
+      step 300 "$phase" "${ASYNC[@]}" --models qwen3-1.7b --workloads grpo_mixed \
         --sides reference trl tree trl_compiled tree_eager --out "$KEEP/async_grpo_h200_qwen3-1.7b_paired.json" ;;
     async-1.7b-tau2)
-      step 330 "$phase" "${ASYNC[@]}" --models qwen3-1.7b --workloads tau2_like \
+      step 250 "$phase" "${ASYNC[@]}" --models qwen3-1.7b --workloads tau2_like \
         --sides reference trl tree trl_compiled --out "$KEEP/async_grpo_h200_qwen3-1.7b_paired.json" ;;
     async-8b)
       step 480 "$phase" "${ASYNC[@]}" --models qwen3-8b --workloads grpo_mixed tau2_like --sides trl tree \
