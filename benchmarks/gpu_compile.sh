@@ -10,7 +10,8 @@
 # way: a later call's first steps compile from it. Each phase has its own time limit.
 #
 # The H200 image has no trl or datasets: four pure-Python wheels travel in .whl/async (see gpu_async.sh). The copy
-# of the repository there has no .git: HF_TREE_ATTN_COMMIT (and HF_TREE_ATTN_DIRTY=1) name the commit it came from.
+# of the repository there may carry stale git metadata: HF_TREE_ATTN_COMMIT (and HF_TREE_ATTN_DIRTY=1) name the commit
+# it came from, and the result files take them over what git says there.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 TOKENIZERS_PARALLELISM=false
 export NCCL_NVLS_ENABLE=0 TRL_EXPERIMENTAL_SILENCE=1

@@ -54,8 +54,9 @@ def _git(*args: str) -> str | None:
 def provenance(argv: list[str] | None = None) -> dict:
     """The command, git commit and dirty flag, package versions, GPU and UTC time of a benchmark run.
 
-    Where the repository travels without its `.git` (a copy of the work tree), `HF_TREE_ATTN_COMMIT` names the
-    commit it was copied from (and `HF_TREE_ATTN_DIRTY=1` that it held uncommitted changes)."""
+    Where the repository travels as a copy of the work tree (the GPU machine), `HF_TREE_ATTN_COMMIT` names the
+    commit it was copied from (and `HF_TREE_ATTN_DIRTY=1` that it held uncommitted changes); set, they win over what
+    git says there."""
     import importlib.metadata as metadata
 
     versions = {"python": platform.python_version()}
@@ -64,9 +65,14 @@ def provenance(argv: list[str] | None = None) -> dict:
             versions[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
             versions[name] = None
-    commit = _git("rev-parse", "HEAD") or os.environ.get("HF_TREE_ATTN_COMMIT")
-    status = _git("status", "--porcelain", "--untracked-files=no")
-    dirty = bool(status) if status is not None else os.environ.get("HF_TREE_ATTN_DIRTY") == "1"
+    # The variables win where set: the GPU machine's copy of the work tree can carry git metadata of an older
+    # checkout (seen: it named a commit three behind, dirty), so only the sender knows what was sent.
+    if os.environ.get("HF_TREE_ATTN_COMMIT"):
+        commit, dirty = os.environ["HF_TREE_ATTN_COMMIT"], os.environ.get("HF_TREE_ATTN_DIRTY") == "1"
+    else:
+        commit = _git("rev-parse", "HEAD")
+        status = _git("status", "--porcelain", "--untracked-files=no")
+        dirty = bool(status) if status is not None else None
     cuda = torch.cuda.is_available()
     return {
         "command": "python " + " ".join(argv if argv is not None else sys.argv),
