@@ -21,6 +21,7 @@ from pathlib import Path
 
 from results_registry import (
     ASYNC_ATTENTION_PATHS,
+    ASYNC_PAIRED,
     ASYNC_ROWS,
     ASYNC_TREE_ONLY,
     BEYOND_GRPO,
@@ -625,8 +626,53 @@ def rollout_workload(row: dict) -> str:
     return f"G={spec['G']}, P ~ {spec['prompt']}, C ~ {spec['completion']}"
 
 
+def ranged(pair: dict | None) -> str:
+    """A paired ratio: the median per-step ratio with its range, and whether the row's agreement check failed."""
+    if not pair or "median" not in pair:
+        return "—" if not pair else pair.get("error", "—")
+    failed = " **agreement failed**" if pair.get("failed") else ""
+    return f"**{x(pair['median'])}** [{x(pair['min'])}, {x(pair['max'])}]{failed}"
+
+
+def peers_paired(notes: Notes) -> list[str]:
+    """The paired rows (bench_async_grpo.py on the harness): every side in its own process, per-step ratios."""
+    rows = []
+    for name, wl in ASYNC_PAIRED:
+        row = trainer_row(name, wl)
+        sides, pairs = row["sides"], row["paired"]
+        trl, tree = sides["trl"], sides["tree"]
+        medians = " / ".join(
+            secs(sides[s]["median_step_s"]) if "median_step_s" in sides.get(s, {}) else "—"
+            for s in ("trl", "trl_compiled", "tree", "tree_eager")
+        )
+        firsts = " / ".join(f"{sides[s]['first_step_s']:.1f}" for s in ("trl", "tree"))
+        checks = row["agreement"].values()
+        agreed = f"{sum(c['passed'] for c in checks)} of {len(checks)} pairs"
+        rows.append([
+            MODELS[row["model"]], rollout_workload(row), medians, firsts + " s", ranged(pairs.get("tree vs trl")),
+            ranged(pairs.get("tree vs trl_compiled")), ranged(pairs.get("tree_eager vs trl")),
+            f"{pct(tree['mfu'], 1)} / {pct(trl['mfu'], 1)}", f"{tree['peak_gib']:.1f} / {trl['peak_gib']:.1f}",
+            agreed, notes.source(name),
+        ])  # fmt: skip
+    headers = ["model", "workload", "median step: TRL / TRL compiled / tree / tree eager", "first step TRL / tree",
+               "tree vs TRL", "tree vs TRL compiled", "tree eager vs TRL", "MFU tree / TRL", "peak GiB tree / TRL",
+               "agreement", "source"]  # fmt: skip
+    return [
+        "Each side in its own process (`harness.run_side`), 2 warm-up and 8 measured optimizer steps on the same "
+        "replayed samples; a ratio is TRL's step over the tree's on the same step, median [min, max] of the 8. "
+        "`tree`: the defaults (decoder layers compiled in place, inductor, dynamic shapes); `tree eager`: "
+        "`tree_compile=False`; `TRL compiled`: accelerate's regional compilation "
+        "(`ACCELERATE_DYNAMO_BACKEND=INDUCTOR`, `..._USE_REGIONAL_COMPILATION=1`, `..._USE_DYNAMIC=1`). Agreement: on "
+        "the first micro-batch, each side's per-token log-probabilities against a float32 run of TRL's trainer on the "
+        "same tokens, at most twice the other side's error plus one bf16 rounding. Peak memory: each process's own, "
+        "after the warm-up.",
+        "",
+    ] + table(headers, rows)
+
+
 def peers() -> list[str]:
     notes, rows, uneven = Notes(), [], []
+    paired_rows = peers_paired(notes)
     for name, wl in ASYNC_ROWS:
         row = trainer_row(name, wl)
         trl, tree = row["sides"]["trl"], row["sides"]["tree"]
@@ -665,7 +711,13 @@ def peers() -> list[str]:
     first, repeat = (secs(medians["prefix_cudnn"][when] / 1e3) for when in ("first_ms", "repeat_ms"))
     flex_first, flex_repeat = (secs(medians["flex"][when] / 1e3) for when in ("first_ms", "repeat_ms"))
     return (
-        table(headers, rows)
+        paired_rows
+        + [
+            "Earlier rows (older code: eager layers, one process for both sides, a ratio of the median steps of two "
+            "to four steps):",
+            "",
+        ]
+        + table(headers, rows)
         + [line + "  " for line in uneven[:-1]]
         + uneven[-1:]
         + [""] * bool(uneven)
@@ -970,15 +1022,11 @@ SECTIONS = [  # (heading level, title, section, what it measures)
      "prefix trie, `TreeRow`), against `TreeAsyncGRPOTrainer`, both through `trainer.train()` on the same replayed "
      "samples in the same order, so both train the same micro-batches (`bench_async_grpo.py`). TRL's attention "
      "kernel, FlashAttention-3, is downloaded from the Hub at run time, which the offline H200 cannot do: its side "
-     "ran PyTorch's FlashAttention-2 varlen op (`aten._flash_attention_forward`) instead. The tree side ran "
-     "`tree_flex` at its defaults (FlexAttention, or the shared-prefix kernels where the CUDA rule picks them, "
-     "`tree_recompute='auto'`). bf16 weights, TRL's defaults otherwise (gradient checkpointing, one micro-batch per "
-     "step), a token budget of 32,768 per step; two measured steps after a warm-up step, the ratio of the median "
-     "steps. Both sides forward about the same tokens: TRL's packing already computes each shared prefix once, so "
-     "what differs is the kernels and the recompute. MFU counts the same model FLOPs for both sides (the step's "
-     "samples as one forest). Four measured steps after two warm-up steps (FlexAttention, compiled with torch's "
-     "automatic dynamic shapes, compiles for the first row length and again, length-generic, at the second), the "
-     "ratio of the median steps; each side also ran one more step under the torch profiler (`--profile`)."),
+     "ran PyTorch's FlashAttention-2 varlen op (`aten._flash_attention_forward`) instead. bf16 weights, TRL's "
+     "defaults otherwise (gradient checkpointing, one micro-batch per step), a token budget of 32,768 per step. Both "
+     "sides forward about the same tokens: TRL's packing already computes each shared prefix once, so what differs is "
+     "the kernels and the recompute. MFU counts the same model FLOPs for both sides: 3x the forward FLOPs of the "
+     "step's samples as one forest (recompute not counted) per second, over 989 TFLOP/s."),
     (2, "SFT, DPO and reward models on trees", beyond_grpo,
      "`TreeSFTTrainer` and `TreeDPOTrainer` against TRL's `SFTTrainer` and `DPOTrainer`, each through "
      "`trainer.train()` on the same data, one after the other in one process, TRL's defaults (gradient "

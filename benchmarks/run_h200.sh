@@ -214,6 +214,16 @@ for stage in "$@"; do
       # (h200_gpu_async.log holds two of them)
       bash benchmarks/gpu_async.sh
       mv "$OUT/gpu_async.log" "$OUT/h200_gpu_async.log" ;;
+    compile-async-1.7b)  # TreeAsyncGRPOTrainer on its default compiled layers vs TRL's AsyncGRPOTrainer at its defaults
+      # and with accelerate's regional compile, paired per step (gpu_compile.sh's async rows; ~9 min over two calls made
+      # back to back, the second resuming the file; carry .whl/async)
+      python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/async/*.whl
+      PYTHONPATH=/tmp/site:$PWD timeout 300 python3 benchmarks/bench_async_grpo.py --warmup 2 --steps 8 --resume \
+        --models qwen3-1.7b --workloads grpo_mixed --sides reference trl tree trl_compiled tree_eager \
+        --out "$OUT/async_grpo_h200_qwen3-1.7b_paired.json" 2>&1 | grep -E "^qwen|^  |rror:"
+      PYTHONPATH=/tmp/site:$PWD timeout 370 python3 benchmarks/bench_async_grpo.py --warmup 2 --steps 8 --resume \
+        --models qwen3-1.7b --workloads tau2_like --sides reference trl tree trl_compiled \
+        --out "$OUT/async_grpo_h200_qwen3-1.7b_paired.json" 2>&1 | grep -E "^qwen|^  |rror:" ;;
     async-grpo-prefix-kernels)  # the tree side of the 1.7B rows on the shared-prefix kernels for every two-level
       # forest (the committed file ran before the CUDA rule waited for recurring shapes: the size rule alone)
       python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/async/*.whl
