@@ -846,7 +846,7 @@ def correctness() -> list[str]:
         ]  # fmt: skip
         + table(headers, rows + pending("gradients", len(headers)))
         + ["GPU tests (`pytest -m gpu`):", ""]
-        + table(["tests", "result", "source"], test_rows)
+        + table(["tests", "result", "source"], test_rows + pending("gpu_tests", 3))
         + notes.lines()
     )
 
