@@ -17,7 +17,6 @@ import argparse
 import copy
 import gc
 import json
-import platform
 import random
 import statistics
 import sys
@@ -26,12 +25,12 @@ import zlib
 from pathlib import Path
 
 import torch
-import transformers
 from accelerate.utils import gather_object
 from transformers import AutoModelForCausalLM, Qwen3Config, TrainerCallback
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench_tree_vs_flat import MODELS  # noqa: E402
+from harness import provenance  # noqa: E402
 
 from hf_tree_attn.trainer import TreeGRPOConfig, TreeGRPOTrainer  # noqa: E402
 from trainers import toy_task  # noqa: E402
@@ -163,14 +162,9 @@ def main():
 
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
         out = {
-            "command": " ".join(sys.argv),  # under `accelerate launch` / `torchrun`: see `world_size`
+            **provenance(),  # under `accelerate launch` / `torchrun`: see `world_size`
             "world_size": torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1,
             "devices": [torch.cuda.get_device_name() if cuda else "cpu"] * max(1, len(results[name]["per_rank"])),
-            "versions": {
-                "torch": torch.__version__,
-                "transformers": transformers.__version__,
-                "python": platform.python_version(),
-            },  # fmt: skip
             "model_shape": args.model,
             "workload": {
                 "prompt": "U[1000,6000]",

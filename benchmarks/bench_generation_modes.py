@@ -29,17 +29,14 @@ import json
 import platform
 import random
 import statistics
-import sys
 import tempfile
 import time
 from collections import defaultdict
 
 import torch
-import transformers
+from harness import provenance
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen3Config, TrainerCallback
-
-import hf_tree_attn
 
 SHAPES = {
     "qwen3-0.6b": dict(
@@ -179,13 +176,8 @@ def write_results(path: str | None, args: argparse.Namespace, results: dict) -> 
     if not path:
         return
     meta = {
-        "command": "python " + " ".join(sys.argv),
+        **provenance(),
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor() or "cpu",
-        "versions": {
-            "torch": torch.__version__, "transformers": transformers.__version__,
-            "trl": importlib.import_module("trl").__version__, "hf_tree_attn": hf_tree_attn.__version__,
-            "python": platform.python_version(),
-        },
         "model": f"random-weight {args.model} shape, bf16 on CUDA, gradient checkpointing",
         "workload": vars(args),
     }  # fmt: skip

@@ -27,16 +27,14 @@ import argparse
 import contextlib
 import dataclasses
 import json
-import platform
 import random
-import sys
 import time
 from unittest import mock
 
 import gdn_kernels
 import torch
-import transformers
 import transformers.models.qwen3_5.modeling_qwen3_5 as qwen3_5
+from harness import provenance
 
 import hf_tree_attn
 from hf_tree_attn import recurrent
@@ -177,11 +175,8 @@ def main():
         runs = {name: measure(seqs, args.heads, args.dim, device, dtype, args.repeats, args.gdn_route)
                 for name, seqs in workloads.items()}  # fmt: skip
     results = {
-        "command": "python " + " ".join(sys.argv),
+        **provenance(**{k: v for k, v in gdn_kernels.versions().items() if k not in ("torch", "transformers", "gpu")}),
         "device": torch.cuda.get_device_name() if device.type == "cuda" else cpu,
-        "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
-                     "python": platform.python_version(),
-                     **{k: v for k, v in gdn_kernels.versions().items() if k not in ("torch", "transformers", "gpu")}},
         "gdn_route": args.gdn_route, "heads": args.heads, "dim": args.dim, "dtype": str(dtype), "scale": args.scale,
         "runs": runs,
     }  # fmt: skip

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from harness import provenance
 
-import hf_tree_attn
 from hf_tree_attn import pack_forest
 
 
@@ -167,11 +167,7 @@ def main() -> None:
                 "processor": platform.processor() or platform.machine(),
                 "python": platform.python_version(),
             },
-            "versions": {
-                "hf_tree_attn": hf_tree_attn.__version__,
-                "torch": torch.__version__,
-                "numpy": np.__version__,
-            },
+            **provenance(numpy=np.__version__),
             "workload": {
                 "groups": args.groups,
                 "completions_per_group": args.completions,

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import random
 import statistics
 import time
 
 import torch
-import transformers
+from harness import provenance
 
 import hf_tree_attn
 from hf_tree_attn.attention import _flex_attention
@@ -108,14 +107,7 @@ def main():
     parser.add_argument("--out", default="benchmarks/results/prefix_attention.json")
     args = parser.parse_args()
     results = {
-        "command": "python " + " ".join(__import__("sys").argv),
-        "gpu": torch.cuda.get_device_name(),
-        "versions": {
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "cudnn": torch.backends.cudnn.version(),
-            "python": platform.python_version(),
-        },  # fmt: skip
+        **provenance(cudnn=torch.backends.cudnn.version()),
         "rows": {},
     }
     print(f"{'shape':<28} {'flex fwd':>9} {'prefix fwd':>10} {'x':>5} {'flex f+b':>9} {'prefix f+b':>10} {'x':>5} "

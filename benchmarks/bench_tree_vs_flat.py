@@ -52,7 +52,6 @@ import contextlib
 import dataclasses
 import functools
 import json
-import platform
 import random
 import statistics
 import sys
@@ -61,7 +60,7 @@ from dataclasses import dataclass
 
 import gdn_kernels
 import torch
-import transformers
+from harness import provenance
 from transformers import AutoModelForCausalLM, Gemma3TextConfig, Qwen3_5TextConfig, Qwen3Config
 
 import hf_tree_attn
@@ -622,14 +621,7 @@ def main():
         workloads = [w for w in workloads if w.name in args.workloads]
 
     results = {
-        "command": "python " + " ".join(sys.argv),
-        "gpu": torch.cuda.get_device_name(),
-        "versions": {
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "python": platform.python_version(),
-            **{k: v for k, v in gdn_kernels.versions().items() if k not in ("torch", "transformers", "gpu")},
-        },  # fmt: skip
+        **provenance(**{k: v for k, v in gdn_kernels.versions().items() if k not in ("torch", "transformers", "gpu")}),
         "gdn_route": args.gdn_route,
         "gdn_resolved": gdn_kernels.resolved_kernels(),
         "max_tokens_per_mb": args.max_tokens_per_mb,

@@ -37,17 +37,15 @@ import argparse
 import copy
 import gc
 import json
-import platform
 import random
 import statistics
 import string
-import sys
 import time
 import traceback
 
 import torch
-import transformers
 from datasets import Dataset
+from harness import provenance
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     AutoModelForCausalLM,
@@ -347,20 +345,9 @@ def main() -> None:
     args = parser.parse_args()
     global DEVICE, SCALE
     DEVICE, SCALE = torch.device(args.device), args.scale
-    import accelerate
-    import trl
 
     results = {
-        "command": "python " + " ".join(sys.argv),
-        "gpu": torch.cuda.get_device_name() if DEVICE.type == "cuda" else platform.processor() or "cpu",
-        "versions": {
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "trl": trl.__version__,
-            "accelerate": accelerate.__version__,
-            "hf_tree_attn": hf_tree_attn.__version__,
-            "python": platform.python_version(),
-        },  # fmt: skip
+        **provenance(),
         "notes": "random-weight bf16 Qwen3 shapes; TRL defaults (gradient checkpointing on, AdamW); the tree "
         "trainers switch the model to tree_flex, TRL's keeps sdpa; step times are medians after the warmup steps",
         "runs": [],

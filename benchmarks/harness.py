@@ -51,8 +51,9 @@ def _git(*args: str) -> str | None:
     return out.stdout.strip()
 
 
-def provenance(argv: list[str] | None = None) -> dict:
-    """The command, git commit and dirty flag, package versions, GPU and UTC time of a benchmark run.
+def provenance(argv: list[str] | None = None, **versions_extra) -> dict:
+    """The command, git commit and dirty flag, package versions (and `versions_extra`, e.g. cuDNN's), GPU and UTC
+    time of a benchmark run: the top of every result file.
 
     Where the repository travels as a copy of the work tree (the GPU machine), `HF_TREE_ATTN_COMMIT` names the
     commit it was copied from (and `HF_TREE_ATTN_DIRTY=1` that it held uncommitted changes); set, they win over what
@@ -63,8 +64,10 @@ def provenance(argv: list[str] | None = None) -> dict:
     for name in PACKAGES:
         try:
             versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            versions[name] = None
+        except metadata.PackageNotFoundError:  # the GPU machine imports this package from the work tree
+            module = sys.modules.get(name)
+            versions[name] = getattr(module, "__version__", None)
+    versions.update(versions_extra)
     # The variables win where set: the GPU machine's copy of the work tree can carry git metadata of an older
     # checkout (seen: it named a commit three behind, dirty), so only the sender knows what was sent.
     if os.environ.get("HF_TREE_ATTN_COMMIT"):

@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import random
 import statistics
 import time
 
 import torch
-import transformers
 from bench_prefix_attention import attention_kernels
+from harness import provenance
 
 import hf_tree_attn
 
@@ -94,14 +93,7 @@ def main():
     }
     print("median:", summary)
     results = {
-        "command": "python " + " ".join(__import__("sys").argv),
-        "gpu": torch.cuda.get_device_name(),
-        "versions": {
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "cudnn": torch.backends.cudnn.version(),
-            "python": platform.python_version(),
-        },  # fmt: skip
+        **provenance(cudnn=torch.backends.cudnn.version()),
         "heads": [HEADS, KV_HEADS, DIM],
         "groups_per_forest": args.groups,
         "rows": rows,

@@ -19,7 +19,7 @@ import statistics
 import time
 
 import torch
-import transformers
+from harness import provenance
 
 import hf_tree_attn
 from hf_tree_attn.prefix_attention import _backward, _forward, _merge, _merge_with_torch, prefix_attention
@@ -108,13 +108,7 @@ def main():
         "qwen3-1.7b_G8_P1024_C1024": (16, 8, 128, 8, 1024, 1024),
     }
     results = {
-        "command": "python " + " ".join(__import__("sys").argv),
-        "gpu": torch.cuda.get_device_name(),
-        "versions": {
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "cudnn": torch.backends.cudnn.version(),
-        },  # fmt: skip
+        **provenance(cudnn=torch.backends.cudnn.version()),
         "parts": {name: parts(*shape) for name, shape in shapes.items()},
         "per_tree": {name: per_tree(*shape) for name, shape in shapes.items()},
     }

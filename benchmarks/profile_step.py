@@ -20,7 +20,6 @@ import re
 import time
 
 import torch
-import transformers
 from bench_tree_vs_flat import (
     METHODS,
     MODELS,
@@ -31,6 +30,7 @@ from bench_tree_vs_flat import (
     set_flex_kernel_options,
     tree_step,
 )
+from harness import provenance
 from torch.profiler import ProfilerActivity, profile
 
 import hf_tree_attn
@@ -137,9 +137,7 @@ def main():
     flops = hf_tree_attn.estimate_flops(model.config, wl.sequences, prompt_lengths=wl.prompt_lengths)
     timing = {"micro_batches": 1}
     result = {
-        "command": "python " + " ".join(__import__("sys").argv),
-        "gpu": torch.cuda.get_device_name(),
-        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+        **provenance(),
         "model": args.model,
         "workload": wl.name,
         "spec": wl.spec,
