@@ -193,7 +193,22 @@ def warm_on_cuda(forest) -> bool:
 def serves(forest, device_type: str) -> bool:
     """Whether the kernels take the plain causal layers of `forest` (a `PackedForest`) on `device_type`: it is
     two-level and, on CUDA, `fast_on_cuda` with a call signature seen before (`warm_on_cuda`), or `MODE` is
-    "always". Each layer's tensors are checked again (`supports`)."""
+    "always". Each layer's tensors are checked again (`supports`).
+
+    Decided once per forest, device type and `MODE`, eagerly (`PackedForest.attention_mask` asks before the layers
+    run), and kept with the forest's masks. A compiled layer reads only that decision, so dynamo guards on it alone:
+    one graph for the kernels and one for FlexAttention, whichever of the reasons above sent a forest to
+    FlexAttention (guarding on each reason compiled the same FlexAttention layer once per reason, inside a run)."""
+    cache = forest._mask_cache
+    key = ("prefix_serves", device_type, MODE)
+    if key not in cache:
+        if torch.compiler.is_compiling():  # no eager decision was made: FlexAttention
+            return False
+        cache[key] = _serves(forest, device_type)
+    return cache[key]
+
+
+def _serves(forest, device_type: str) -> bool:
     if MODE == "never" or forest.prefix_plan is None:
         return False
     if device_type != "cuda" or MODE == "always":

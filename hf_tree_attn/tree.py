@@ -169,9 +169,11 @@ class PackedForest:
         mask: call this again with the other device.
         """
         from .masks import TreeMaskSource
+        from .prefix_attention import serves
 
         device = _mask_device(device or self.subtree_end.device)
         dense = device.type != "cuda" if dense is None else dense
+        serves(self, device.type)  # the attention path, decided before the layers (a compiled layer only reads it)
         key = ("carrier", dense, device)
         if key not in self._mask_cache:
             self._mask_cache[key] = TreeMaskSource(

@@ -195,6 +195,43 @@ def test_cuda_rule_picks_the_faster_kernel_where_measured():
     assert forest.prefix_plan is not None and not forest.prefix_fast_on_cuda  # small trees: FlexAttention on CUDA
 
 
+class _DecisionOnly:
+    """A forest as a compiled layer may read it: its mask cache only (any other attribute fails the test)."""
+
+    def __init__(self, cache: dict):
+        self._mask_cache = cache
+
+    def __getattr__(self, name):
+        raise AssertionError(f"a compiled layer read forest.{name}: dynamo would guard on it")
+
+
+@pytest.mark.parametrize("device_type", ["cpu", "cuda"])
+def test_a_compiled_layer_reads_only_the_eager_decision(monkeypatch, device_type):
+    """`serves` inside a compiled layer reads the one decision the forest's `attention_mask` made eagerly, none of
+    the reasons behind it (a two-level plan, `fast_on_cuda`, a recurring call signature, `MODE`'s value aside), so
+    dynamo compiles one layer graph per attention path, not one per reason; a forest never decided runs
+    FlexAttention."""
+    from hf_tree_attn import prefix_attention as pa
+
+    (two_level,) = pack_forest(_two_level_groups(random.Random(0), 2))
+    (deep,) = pack_forest(multiturn(random.Random(1), turns=3))
+    assert two_level.prefix_plan is not None and deep.prefix_plan is None
+    decided = {}
+    for name, forest in (("two_level", two_level), ("deep", deep)):
+        key = ("prefix_serves", device_type, pa.MODE)
+        if device_type == "cpu":
+            forest.attention_mask("cpu")  # the eager decision, as every tree forward makes it
+        else:  # no CUDA here: the decision `attention_mask` would make on CUDA, made by the same call
+            assert pa.serves(forest, "cuda") == pa._serves(forest, "cuda")
+        decided[name] = forest._mask_cache[key]
+    assert decided == {"two_level": device_type == "cpu", "deep": False}
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    for name, forest in (("two_level", two_level), ("deep", deep)):
+        assert pa.serves(_DecisionOnly(forest._mask_cache), device_type) is decided[name]
+    (fresh,) = pack_forest(_two_level_groups(random.Random(2), 2))
+    assert pa.serves(_DecisionOnly(fresh._mask_cache), device_type) is False
+
+
 @pytest.mark.parametrize("case", ["grpo", "one_completion_each", "single_tokens"])
 def test_bf16_on_cpu_as_close_as_the_dense_path(case):
     """bf16 on CPU (the flash kernel accumulates in float32, rounds its output to bf16): output and gradients as
