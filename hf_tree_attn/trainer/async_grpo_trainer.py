@@ -31,7 +31,7 @@ import torch
 from transformers import AutoConfig
 from trl.experimental.async_grpo import AsyncGRPOTrainer
 
-from ..attention import ATTN_IMPLEMENTATION
+from ..attention import ATTN_IMPLEMENTATION, registration_error
 from ..support import config_support_error, peft_config_error, rope_split_lengths, tree_support_error
 from ..tree import PackedForest
 from . import trl_compat
@@ -94,7 +94,7 @@ class _TreeConstruction:
         # Read with the loader's own options (a gated, private, offline or sub-folder checkpoint), before any weight.
         options = ("revision", "trust_remote_code", "token", "cache_dir", "subfolder", "local_files_only")
         config = AutoConfig.from_pretrained(model_id, **{key: kwargs[key] for key in options if key in kwargs})
-        reason = config_support_error(config)  # before reading any weights
+        reason = registration_error() or config_support_error(config)  # before reading any weights
         if reason is None and rope_split_lengths(config):
             limit = " / ".join(str(n) for n in rope_split_lengths(config))
             reason = (
