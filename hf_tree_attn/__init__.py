@@ -1,7 +1,8 @@
 """Tree training for HuggingFace Transformers: pack prefix-sharing sequences into tries and score them at once.
 
 `import hf_tree_attn` registers `attn_implementation="tree_flex"` with transformers and the segment-wise tree
-versions of the state-carrying layers' kernels (`hf_tree_attn.recurrent`); both idempotent.
+versions of the state-carrying layers' kernels (`hf_tree_attn.recurrent`); both idempotent. A `tree_flex` another
+package registered first is not replaced: the import raises, naming it (`attention.register`).
 """
 
 from .attention import ATTN_IMPLEMENTATION, register, tree_flex_attention

@@ -15,26 +15,43 @@ Two registrations, one per interface:
 So one model object serves tree training and ordinary forwards / `generate`: without a forest, `tree_flex` is
 `sdpa` (eager where the model has no SDPA). Models whose attention bypasses `AttentionInterface` (MPT, Bloom,
 XGLM, …) would silently misuse the mask, so their first forward raises.
+
+The name is transformers-wide, so `register()` refuses to replace a `tree_flex` another package registered (naming
+it and the way out), and the gate (`support.check_tree_model`) checks that a model on `tree_flex` runs these very
+functions (`registration_error`): a `tree_flex` registered over them afterwards is never taken for this one.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
+import os
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
-from transformers.masking_utils import eager_mask, sdpa_mask
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask, sdpa_mask
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .masks import is_tree_mask_mod, mask_tag
 from .prefix_attention import prefix_attention
 from .prefix_attention import serves as prefix_serves
 from .prefix_attention import supports as prefix_supports
 
-__all__ = ["ATTN_IMPLEMENTATION", "bypasses_attention_interface", "register", "tree_flex_attention", "tree_flex_mask"]
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "FORCE_REGISTER_ENV",
+    "bypasses_attention_interface",
+    "register",
+    "registration_error",
+    "tree_flex_attention",
+    "tree_flex_mask",
+]
 
 ATTN_IMPLEMENTATION = "tree_flex"
+# Set to 1 to let `register()` (which `import hf_tree_attn` runs) replace a `tree_flex` another package registered.
+FORCE_REGISTER_ENV = "HF_TREE_ATTN_FORCE_REGISTER"
 
 # Config fields that restrict which earlier positions a layer sees (a sliding window, a chunk): the forest's plain
 # ancestor-or-self mask handed to every layer would silently drop them.
@@ -359,7 +376,68 @@ def tree_flex_mask(**kwargs):
     return build(**kwargs)
 
 
-def register() -> None:
-    """Register `tree_flex` with transformers (idempotent; runs on `import hf_tree_attn`)."""
-    AttentionInterface.register(ATTN_IMPLEMENTATION, tree_flex_attention)
-    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, tree_flex_mask)
+def _registrations():
+    """`(interface class, what models look the name up in, this module's function)`, attention then mask."""
+    return (
+        (AttentionInterface, ALL_ATTENTION_FUNCTIONS, tree_flex_attention),
+        (AttentionMaskInterface, ALL_MASK_ATTENTION_FUNCTIONS, tree_flex_mask),
+    )
+
+
+def _is_ours(function, ours) -> bool:
+    """`function` is `ours`, or `ours` from an earlier load of this module (`importlib.reload` makes new objects of
+    the same code): the same module, qualified name and source file."""
+    if function is ours:
+        return True
+    code = getattr(inspect.unwrap(function), "__code__", None)
+    return (
+        getattr(function, "__module__", None) == ours.__module__
+        and getattr(function, "__qualname__", None) == ours.__qualname__
+        and getattr(code, "co_filename", None) == inspect.unwrap(ours).__code__.co_filename
+    )
+
+
+def _describe(function) -> str:
+    return f"{getattr(function, '__module__', '?')}.{getattr(function, '__qualname__', repr(function))}"
+
+
+def register(force: bool = False) -> None:
+    """Register `tree_flex` with transformers (runs on `import hf_tree_attn`; idempotent, a reload included).
+
+    Refuses (`RuntimeError`) to replace a `tree_flex` that another package registered in `AttentionInterface` or
+    `AttentionMaskInterface`, naming it: models loaded on `tree_flex` would silently change attention. `force=True`,
+    or the environment variable `HF_TREE_ATTN_FORCE_REGISTER=1` at import, replaces it.
+    """
+    force = force or os.environ.get(FORCE_REGISTER_ENV, "0") not in ("", "0")
+    for interface, lookup, ours in _registrations():
+        current = lookup.get(ATTN_IMPLEMENTATION)
+        if current is not None and not _is_ours(current, ours) and not force:
+            raise RuntimeError(
+                f"transformers' {interface.__name__} already holds {ATTN_IMPLEMENTATION!r}: {_describe(current)}, "
+                f"not hf_tree_attn's {ours.__qualname__}. hf_tree_attn does not replace it (models loaded on "
+                f"{ATTN_IMPLEMENTATION!r} would silently run other attention). Uninstall the package that registers "
+                f"it, or leave it unimported; to replace it anyway, set {FORCE_REGISTER_ENV}=1 (before "
+                "`import hf_tree_attn`) or call `hf_tree_attn.register(force=True)`."
+            )
+    for interface, _, ours in _registrations():
+        interface.register(ATTN_IMPLEMENTATION, ours)
+
+
+def registration_error() -> str | None:
+    """Why `attn_implementation="tree_flex"` does not run this module's functions (what transformers holds under
+    the name, and the way out), or None when it does."""
+    for interface, lookup, ours in _registrations():
+        current = lookup.get(ATTN_IMPLEMENTATION)
+        if current is None:
+            return (
+                f"transformers' {interface.__name__} holds no {ATTN_IMPLEMENTATION!r}: call hf_tree_attn.register() "
+                "(`import hf_tree_attn` does)."
+            )
+        if not _is_ours(current, ours):
+            return (
+                f"attn_implementation={ATTN_IMPLEMENTATION!r} runs {_describe(current)} (registered in transformers' "
+                f"{interface.__name__} by another package, over hf_tree_attn's), not hf_tree_attn's "
+                f"{ours.__qualname__}. Call `hf_tree_attn.register(force=True)` after importing that package, or "
+                "uninstall it."
+            )
+    return None

@@ -25,6 +25,7 @@ import sys
 
 import torch
 
+from .attention import registration_error
 from .recurrent import STATE_LAYER_TYPES, kwargs_breaks, unsupported_recurrent_layers
 
 __all__ = [
@@ -537,6 +538,9 @@ def check_tree_model(model: torch.nn.Module) -> None:
             f"`from_pretrained(..., attn_implementation={ATTN_IMPLEMENTATION!r})` or call "
             f"`model.set_attn_implementation({ATTN_IMPLEMENTATION!r})` (after `import hf_tree_attn`)."
         )
+    error = registration_error()  # the name is transformers-wide: another package may hold it
+    if error is not None:
+        raise ValueError(error)
     error = tree_support_error(inner)
     if error is not None:
         raise NotImplementedError(error)

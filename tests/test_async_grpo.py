@@ -334,6 +334,23 @@ def test_refused_model_names_the_way_out(tmp_path):
     assert "tree_packing=False" not in str(refused.value)
 
 
+def test_a_tree_flex_registered_over_ours_is_refused_before_loading(tmp_path, monkeypatch):
+    """Another package's `tree_flex` in transformers' table: the model would run it, so the trainer refuses."""
+    from transformers import AttentionInterface
+
+    from hf_tree_attn.trainer import TreeAsyncGRPOConfig, TreeAsyncGRPOTrainer
+
+    def other_attention(*args, **kwargs):
+        raise AssertionError("never called")
+
+    qwen3 = save_model(tiny_family_config("qwen3"), tmp_path / "qwen3")
+    args = TreeAsyncGRPOConfig(output_dir=str(tmp_path / "out"), use_cpu=True, bf16=False, report_to="none")
+    monkeypatch.setitem(AttentionInterface._global_mapping, "tree_flex", other_attention)
+    with pytest.raises(ValueError, match=r"cannot train .* on exact trees: attn_implementation='tree_flex' runs .*"
+                       r"other_attention.*register\(force=True\)"):  # fmt: skip
+        TreeAsyncGRPOTrainer(qwen3, args=args, processing_class=build_tokenizer())
+
+
 def test_parent_api_is_pinned():
     """What this trainer relies on in TRL's AsyncGRPOTrainer: its signatures, the module-level names each swapped
     method looks up, the order its constructor loads, refuses and patches the model in, and the batch keys its

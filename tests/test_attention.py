@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import copy
 import importlib
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -33,6 +38,120 @@ def test_import_twice_is_idempotent():
     assert (set(AttentionInterface().valid_keys()), set(AttentionMaskInterface().valid_keys())) == keys
     assert AttentionInterface._global_mapping["tree_flex"] is hf_tree_attn.attention.tree_flex_attention
     assert AttentionMaskInterface._global_mapping["tree_flex"] is hf_tree_attn.attention.tree_flex_mask
+
+
+def _foreign(*args, **kwargs):
+    """Another package's function registered under "tree_flex"."""
+    raise AssertionError("never called")
+
+
+# The two registrations: transformers' interface, and the name of hf_tree_attn's function in it.
+INTERFACES = {
+    "attention": (AttentionInterface, "tree_flex_attention"),
+    "mask": (AttentionMaskInterface, "tree_flex_mask"),
+}
+
+
+@pytest.mark.parametrize("kind", INTERFACES)
+def test_a_foreign_tree_flex_is_not_replaced(kind, monkeypatch):
+    interface, ours = INTERFACES[kind]
+    monkeypatch.delenv(hf_tree_attn.attention.FORCE_REGISTER_ENV, raising=False)
+    monkeypatch.setitem(interface._global_mapping, "tree_flex", _foreign)
+    with pytest.raises(RuntimeError) as refused:
+        hf_tree_attn.register()
+    message = str(refused.value)
+    assert (
+        f"{interface.__name__} already holds 'tree_flex': test_attention._foreign, not hf_tree_attn's {ours}"
+        in message
+    )
+    assert "Uninstall the package that registers it, or leave it unimported" in message
+    assert "HF_TREE_ATTN_FORCE_REGISTER=1" in message and "hf_tree_attn.register(force=True)" in message
+    for table, name in INTERFACES.values():  # refused whole: neither table was touched
+        expected = _foreign if table is interface else getattr(hf_tree_attn.attention, name)
+        assert table._global_mapping["tree_flex"] is expected
+
+
+@pytest.mark.parametrize("how", ["argument", "environment"])
+def test_force_replaces_a_foreign_tree_flex(how, monkeypatch):
+    monkeypatch.setitem(AttentionInterface._global_mapping, "tree_flex", _foreign)
+    monkeypatch.setitem(AttentionMaskInterface._global_mapping, "tree_flex", _foreign)
+    if how == "environment":
+        monkeypatch.setenv(hf_tree_attn.attention.FORCE_REGISTER_ENV, "1")
+    hf_tree_attn.register(force=how == "argument")
+    assert AttentionInterface._global_mapping["tree_flex"] is hf_tree_attn.attention.tree_flex_attention
+    assert AttentionMaskInterface._global_mapping["tree_flex"] is hf_tree_attn.attention.tree_flex_mask
+    assert hf_tree_attn.attention.registration_error() is None
+
+
+def test_our_function_from_an_earlier_load_is_replaced_quietly(monkeypatch):
+    """What `importlib.reload(hf_tree_attn.attention)` leaves registered: the same code, another function object."""
+    ours = hf_tree_attn.attention.tree_flex_attention
+    earlier = types.FunctionType(ours.__code__, ours.__globals__, ours.__name__, ours.__defaults__, ours.__closure__)
+    earlier.__qualname__, earlier.__module__ = ours.__qualname__, ours.__module__
+    monkeypatch.setitem(AttentionInterface._global_mapping, "tree_flex", earlier)
+    assert hf_tree_attn.attention.registration_error() is None
+    hf_tree_attn.register()
+    assert AttentionInterface._global_mapping["tree_flex"] is ours
+    impostor = types.FunctionType(_foreign.__code__, ours.__globals__, ours.__name__)
+    impostor.__qualname__, impostor.__module__ = ours.__qualname__, ours.__module__
+    monkeypatch.setitem(AttentionInterface._global_mapping, "tree_flex", impostor)  # another file's code
+    with pytest.raises(RuntimeError, match="already holds 'tree_flex'"):
+        hf_tree_attn.register()
+
+
+@pytest.mark.parametrize("kind", INTERFACES)
+def test_a_tree_flex_registered_over_ours_is_not_taken_for_it(kind, monkeypatch):
+    """Registered after `import hf_tree_attn`: a model on "tree_flex" would run the other function, so the gate
+    refuses it, naming it."""
+    interface, ours = INTERFACES[kind]
+    model = tiny_model("llama")
+    check_tree_model(model)
+    monkeypatch.setitem(interface._global_mapping, "tree_flex", _foreign)
+    error = hf_tree_attn.attention.registration_error()
+    assert f"runs test_attention._foreign (registered in transformers' {interface.__name__}" in error
+    assert f"not hf_tree_attn's {ours}" in error and "hf_tree_attn.register(force=True)" in error
+    with pytest.raises(ValueError, match="runs test_attention._foreign"):
+        check_tree_model(model)
+
+
+def _python(code: str, **env) -> subprocess.CompletedProcess:
+    environment = {k: v for k, v in os.environ.items() if k != "HF_TREE_ATTN_FORCE_REGISTER"} | env
+    repo = Path(__file__).resolve().parent.parent
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=repo, env=environment, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_import_refuses_a_foreign_tree_flex_registered_first():
+    code = (
+        "from transformers import AttentionMaskInterface\n"
+        "def other_mask(**kwargs): pass\n"
+        "AttentionMaskInterface.register('tree_flex', other_mask)\n"
+        "import hf_tree_attn\n"
+        "print(AttentionMaskInterface._global_mapping['tree_flex'].__module__)\n"
+    )
+    refused = _python(code)
+    assert refused.returncode != 0
+    assert "RuntimeError: transformers' AttentionMaskInterface already holds 'tree_flex': __main__.other_mask" in (
+        refused.stderr
+    )
+    forced = _python(code, HF_TREE_ATTN_FORCE_REGISTER="1")
+    assert forced.returncode == 0, forced.stderr[-2000:]
+    assert forced.stdout.strip() == "hf_tree_attn.attention"
+
+
+def test_reloading_the_module_keeps_the_registration_ours():
+    code = (
+        "import importlib, hf_tree_attn, hf_tree_attn.attention as attention\n"
+        "from transformers import AttentionInterface\n"
+        "importlib.reload(attention)\n"
+        "assert attention.registration_error() is None  # the earlier load's functions: still ours\n"
+        "importlib.reload(hf_tree_attn)\n"
+        "assert AttentionInterface._global_mapping['tree_flex'] is attention.tree_flex_attention\n"
+        "assert attention.registration_error() is None\n"
+    )
+    result = _python(code)
+    assert result.returncode == 0, result.stderr[-2000:]
 
 
 def test_from_config_with_tree_flex():

@@ -118,6 +118,21 @@ def test_refused_reward_model_scores_flat_with_the_reason_logged(caplog):
     assert "GPT2ForSequenceClassification" in caplog.text and "scores flat" in caplog.text
 
 
+def test_a_tree_flex_registered_over_ours_scores_flat(monkeypatch):
+    """Another package's `tree_flex` in transformers' table: the reward model would run it, so it scores flat."""
+    from transformers import AttentionInterface
+
+    def other_attention(*args, **kwargs):
+        raise AssertionError("never called")
+
+    monkeypatch.setitem(AttentionInterface._global_mapping, "tree_flex", other_attention)
+    reason = reward_model_error(_reward_model())
+    assert "runs test_tree_rewards.test_a_tree_flex_registered_over_ours_scores_flat.<locals>.other_attention" in (
+        reason
+    )
+    assert reason.endswith("It scores flat, as in trl.GRPOTrainer.")
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Inside TreeGRPOTrainer: the rewards of a run equal trl.GRPOTrainer's.
 

@@ -1,9 +1,12 @@
 """TRL trainers on packed prefix trees (needs `trl`: `pip install hf_tree_attn[train]`).
 
-`hf_tree_attn` itself imports without trl; this subpackage is where the trl-dependent classes live. The asynchronous
+`hf_tree_attn` itself imports without trl; this subpackage is where the trl-dependent classes live. Every TRL
+internal they use is in `trl_compat`, which refuses a TRL outside the tested range (`trl_compat.TRL_REQUIREMENT`)
+with an `ImportError` naming the fix; it is imported first, so that is the error another TRL gets. The asynchronous
 trainer builds on `trl.experimental`, which warns on import: it is loaded on first use.
 """
 
+from . import trl_compat  # noqa: F401  (first: its TRL version check runs before any trainer imports TRL)
 from .dpo_config import TreeDPOConfig
 from .dpo_trainer import TreeDPOTrainer
 from .grpo_config import TreeGRPOConfig

@@ -15,50 +15,32 @@ weight-transfer protocols, weight sync, the token-budget planner, the loss, metr
   weighted per sample as a flat forward weighs it (TRL's counts a shared token once).
 
 TRL's methods run whole; each swap replaces one name TRL's trainer module looks up, for the duration of one call
-(`_trl_names`): its model loader, `add_fused_lm_head` and peak-FLOPs lookup inside the constructor, its collator
-class inside `get_train_dataloader`, its FLOP formula inside `_log_step_metrics`. `compute_loss` is TRL's, handed a
-stand-in for the model (`_ForestForward`) whose log-probabilities are the forest's. `tests/test_async_grpo.py` pins
-each name and the order TRL's constructor uses them in.
+(`trl_compat.swapped_async_module_names`): its model loader, `add_fused_lm_head` and peak-FLOPs lookup inside the
+constructor, its collator class inside `get_train_dataloader`, its FLOP formula inside `_log_step_metrics`.
+`compute_loss` is TRL's, handed a stand-in for the model (`_ForestForward`) whose log-probabilities are the forest's.
+`tests/test_trl_compat.py` and `tests/test_async_grpo.py` pin each name and the order TRL's constructor uses them in.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import re
 from collections.abc import Callable
-from types import SimpleNamespace
 
 import torch
-import trl.experimental.async_grpo.async_grpo_trainer as trl_async
 from transformers import AutoConfig
 from trl.experimental.async_grpo import AsyncGRPOTrainer
 
-from ..attention import ATTN_IMPLEMENTATION
+from ..attention import ATTN_IMPLEMENTATION, registration_error
 from ..support import config_support_error, peft_config_error, rope_split_lengths, tree_support_error
 from ..tree import PackedForest
+from . import trl_compat
 from .async_grpo_config import TreeAsyncGRPOConfig
 from .compile_setting import apply_compile, decide_compile
 from .forest_step import recompute_plan, score_forests
 from .rollout_forest import TreeDataCollatorForRollout, rank_forest
 
 __all__ = ["TreeAsyncGRPOTrainer"]
-
-# The layer kinds TRL's tree packing routes; anything else in `layer_types` makes its constructor refuse the model.
-_TRL_ROUTED_KINDS = frozenset({"full_attention", "sliding_attention"})
-
-
-@contextlib.contextmanager
-def _trl_names(**replacements):
-    """Within the block, TRL's async trainer module sees `replacements` under these names (restored after)."""
-    saved = {name: getattr(trl_async, name) for name in replacements}
-    for name, value in replacements.items():
-        setattr(trl_async, name, value)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(trl_async, name, value)
 
 
 def _refusal(model_id: str, reason: str, way_out: str | None = None) -> ValueError:
@@ -89,10 +71,11 @@ class _TreeConstruction:
     """
 
     def __enter__(self):
-        self._load, self._add_fused_lm_head = trl_async.create_model_from_path, trl_async.add_fused_lm_head
-        self._peak_flops = trl_async.get_peak_flops_per_device
+        self._load = trl_compat.async_module_name("create_model_from_path")
+        self._add_fused_lm_head = trl_compat.async_module_name("add_fused_lm_head")
+        self._peak_flops = trl_compat.async_module_name("get_peak_flops_per_device")
         self._restore: list[Callable[[], None]] = []
-        self._names = _trl_names(
+        self._names = trl_compat.swapped_async_module_names(
             create_model_from_path=self.load,
             add_fused_lm_head=self.add_fused_lm_head,
             get_peak_flops_per_device=self.peak_flops_per_device,
@@ -111,7 +94,7 @@ class _TreeConstruction:
         # Read with the loader's own options (a gated, private, offline or sub-folder checkpoint), before any weight.
         options = ("revision", "trust_remote_code", "token", "cache_dir", "subfolder", "local_files_only")
         config = AutoConfig.from_pretrained(model_id, **{key: kwargs[key] for key in options if key in kwargs})
-        reason = config_support_error(config)  # before reading any weights
+        reason = registration_error() or config_support_error(config)  # before reading any weights
         if reason is None and rope_split_lengths(config):
             limit = " / ".join(str(n) for n in rope_split_lengths(config))
             reason = (
@@ -134,14 +117,15 @@ class _TreeConstruction:
         # Some configs store the layer kinds under another name (`attribute_map`, e.g. Nemotron-H's
         # `layers_block_type`); the instance attribute goes, the class default (None) answers TRL's check.
         field = getattr(text_config, "attribute_map", {}).get("layer_types", "layer_types")
-        if kinds - _TRL_ROUTED_KINDS and field in vars(text_config):
+        if kinds - trl_compat.ASYNC_ROUTED_LAYER_KINDS and field in vars(text_config):
             kept = vars(text_config).pop(field)
             self._restore.append(lambda: vars(text_config).__setitem__(field, kept))
-        if any(name.endswith(".sinks") for name, _ in model.named_parameters()):
+        suffix = trl_compat.ASYNC_REFUSED_PARAMETER_SUFFIX
+        if any(name.endswith(suffix) for name, _ in model.named_parameters()):
             named_parameters = model.named_parameters
 
             def without_sinks(*args, **kwargs):
-                return ((n, p) for n, p in named_parameters(*args, **kwargs) if not n.endswith(".sinks"))
+                return ((n, p) for n, p in named_parameters(*args, **kwargs) if not n.endswith(suffix))
 
             model.named_parameters = without_sinks
             self._restore.append(lambda: delattr(model, "named_parameters"))
@@ -169,7 +153,7 @@ class _ForestForward:
     def __init__(self, trainer: TreeAsyncGRPOTrainer, model: torch.nn.Module, forest: PackedForest, rows):
         self.trainer, self.model, self.forest, self.rows = trainer, model, forest, rows
 
-    def __call__(self, **trl_forward_kwargs) -> SimpleNamespace:
+    def __call__(self, **trl_forward_kwargs):
         trainer, forest = self.trainer, self.forest
         # The recompute bound is TRL's own async trainer on the same row: its unique tokens, every layer checkpointed
         # (so attention outputs are kept only within tree_activation_budget_gib).
@@ -179,20 +163,7 @@ class _ForestForward:
             autocast=trainer.accelerator.autocast, compute_entropy=True, compute_aux_loss=trainer.aux_loss_enabled,
             recompute=plan,
         )  # fmt: skip
-        return SimpleNamespace(log_probs=table, entropy=entropy, aux_loss=aux_loss)
-
-
-def _trl_forward_only(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The inputs TRL's `compute_loss` reads only to hand them to its own forward, which the forest replaces."""
-    ids = inputs["input_ids"]
-    none = ids.new_empty((1, 0))
-    return {
-        "shift_labels": torch.full_like(ids, -100),
-        "tree_kv_index": none,
-        "tree_cu_seqlens_q": none,
-        "tree_cu_seqlens_k": none,
-        "tree_max_seqlens": ids.new_zeros((1, 2)),
-    }
+        return trl_compat.async_model_outputs(log_probs=table, entropy=entropy, aux_loss=aux_loss)
 
 
 def _flops_or_nan(flops_per_token: Callable) -> Callable:
@@ -251,7 +222,7 @@ class TreeAsyncGRPOTrainer(AsyncGRPOTrainer):
 
     def get_train_dataloader(self):
         """TRL's dataloader (its planner, dispatching), with the rows packed by `TreeDataCollatorForRollout`."""
-        with _trl_names(DataCollatorForRollout=TreeDataCollatorForRollout):
+        with trl_compat.swapped_async_module_names(DataCollatorForRollout=TreeDataCollatorForRollout):
             return super().get_train_dataloader()
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -259,9 +230,10 @@ class TreeAsyncGRPOTrainer(AsyncGRPOTrainer):
         forest = rank_forest(inputs, self.accelerator.device)
         rows = inputs["token_index"][inputs["token_index"] >= 0]
         forward = _ForestForward(self, model, forest, rows)
-        inputs = {**inputs, **_trl_forward_only(inputs)}
+        inputs = {**inputs, **trl_compat.async_forward_only_inputs(inputs)}
         return super().compute_loss(forward, inputs, return_outputs, num_items_in_batch)
 
     def _log_step_metrics(self) -> None:
-        with _trl_names(compute_flops_per_token=_flops_or_nan(trl_async.compute_flops_per_token)):
-            super()._log_step_metrics()
+        flops_per_token = _flops_or_nan(trl_compat.async_module_name("compute_flops_per_token"))
+        with trl_compat.swapped_async_module_names(compute_flops_per_token=flops_per_token):
+            trl_compat.log_step_metrics(super())

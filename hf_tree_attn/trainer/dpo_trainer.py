@@ -18,6 +18,7 @@ import logging
 
 from trl import DPOTrainer
 
+from . import trl_compat
 from .dpo_config import TreeDPOConfig
 from .grpo_trainer import _select_tree_attention
 from .head_trainer import TreeHeadTrainerMixin
@@ -56,12 +57,13 @@ class TreeDPOTrainer(TreeHeadTrainerMixin, DPOTrainer):
         Its forwards' tree metrics are taken out of the logged ones (they would weigh into the first log's
         averages) and summed up in one INFO log record instead."""
         self._tree_setup()
-        before = {mode: {key: len(values) for key, values in m.items()} for mode, m in self._metrics.items()}
+        logged = trl_compat.metrics(self)
+        before = {mode: {key: len(values) for key, values in m.items()} for mode, m in logged.items()}
         try:
-            return super()._precompute_ref_logps(dataset, name, batch_size)
+            return trl_compat.precompute_ref_logps(super(), dataset, name, batch_size)
         finally:
             fallbacks = []
-            for mode, metrics in self._metrics.items():
+            for mode, metrics in logged.items():
                 for key in [k for k in metrics if k.startswith("tree_")]:
                     start = before.get(mode, {}).get(key, 0)
                     if key == "tree_fallback":

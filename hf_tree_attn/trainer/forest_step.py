@@ -25,6 +25,7 @@ from ..recompute import (
     unpriced_reason,
 )
 from ..tree import PackedForest
+from . import trl_compat
 
 __all__ = ["recompute_plan", "score_forests"]
 
@@ -44,12 +45,13 @@ def recompute_plan(
     and whether those keep the shared-prefix kernels' outputs.
 
     `trainer` is the tree trainer (`args.tree_recompute`, `args.tree_activation_budget_gib`, `model`, `accelerator`,
-    `_metrics`, and `_unpriced`: None until the layers were priced once). `tree_recompute="auto"`: as few layers as
-    keep the forests' estimated activations within those of `bound_tokens` tokens with every layer checkpointed, or
-    within `tree_activation_budget_gib` where that is more, and attention kept where the kernels serve a forest and the
-    model's checkpoint allows it (`hf_tree_attn.recompute`) — with `keep_within_bound`, only where the kept outputs
-    fit in the bound too. `(None, False)` = leave the model's checkpointing as it is ("all", or a forward without
-    gradients). Logs `tree_checkpointed_layers` and `tree_kept_attention`.
+    TRL's metrics table (`trl_compat.metrics`), and `_unpriced`: None until the layers were priced once).
+    `tree_recompute="auto"`: as few layers as keep the forests' estimated activations within those of `bound_tokens`
+    tokens with every layer checkpointed, or within `tree_activation_budget_gib` where that is more, and attention
+    kept where the kernels serve a forest and the model's checkpoint allows it (`hf_tree_attn.recompute`) — with
+    `keep_within_bound`, only where the kept outputs fit in the bound too. `(None, False)` = leave the model's
+    checkpointing as it is ("all", or a forward without gradients). Logs `tree_checkpointed_layers` and
+    `tree_kept_attention`.
     """
     args = trainer.args
     if args.tree_recompute == "all" or not args.gradient_checkpointing:
@@ -69,7 +71,7 @@ def recompute_plan(
                 "layer recomputes, as with tree_recompute='all' (logged as tree_checkpointed_layers=1).",
             )
     if trainer._unpriced:
-        trainer._metrics["train"]["tree_checkpointed_layers"].append(1.0)
+        trl_compat.metrics(trainer)["train"]["tree_checkpointed_layers"].append(1.0)
         return None, False
     device = trainer.accelerator.device.type
     keep = any(serves(forest, device) for forest in forests) and keeps_attention(model)
@@ -87,8 +89,9 @@ def recompute_plan(
     ):
         keep = False
         count = checkpoint_count(config, tree_tokens, bound_tokens, **sizing)
-    trainer._metrics["train"]["tree_checkpointed_layers"].append(count / config.num_hidden_layers)
-    trainer._metrics["train"]["tree_kept_attention"].append(float(keep))
+    logged = trl_compat.metrics(trainer)["train"]
+    logged["tree_checkpointed_layers"].append(count / config.num_hidden_layers)
+    logged["tree_kept_attention"].append(float(keep))
     return count, keep
 
 

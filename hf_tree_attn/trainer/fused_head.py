@@ -39,14 +39,22 @@ from ..logprobs import _decoder, _lm_head_params, forest_forward_kwargs, tree_ro
 from ..support import rope_length_limit, rope_split_lengths, unwrap_model
 from ..tree import PackedForest, pack_forest
 from .mixed_precision_forward import MixedPrecisionLayer, peel, wrap
+from .trl_compat import (
+    CHUNKED_LOGPROB_OUTPUTS,
+    FUSED_HEAD_SETTINGS,
+    TRL_REQUIREMENT,
+    FusedCausalLMOutput,
+    chunked_logprobs,
+    fused_forward_closure,
+    is_trl_fused_forward,
+)
 
 __all__ = ["FusedPlan", "TreeLMHead", "fused_head_settings", "plan_fused_batch"]
 
 
 # What `add_fused_lm_head` fixes when it installs its forward, read back from that forward's closure so the tree
-# scores with TRL's exact settings (`test_fused_head_settings_are_readable` pins the names).
-_SETTINGS = ("outputs", "temperature", "cast_lm_head_to_fp32", "final_logit_softcapping", "logit_scale")
-_OUTPUT_NAMES = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+# scores with TRL's exact settings; looked up here at call time (a test asks for one TRL does not keep).
+_SETTINGS = FUSED_HEAD_SETTINGS
 # Keys of TRL's batches that describe the flat layout only: the forest replaces them.
 _LAYOUT_KEYS = frozenset(
     {"input_ids", "attention_mask", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k",
@@ -77,16 +85,17 @@ def _trl_fused_forward(forward) -> tuple[Callable, tuple[MixedPrecisionLayer, ..
 
 def _settings_of(func: Callable) -> dict:
     """The settings in the closure of TRL's fused forward `func` (unbound); `ValueError` if `func` is not it."""
-    code, closure = getattr(func, "__code__", None), getattr(func, "__closure__", None)
-    cells = dict(zip(code.co_freevars, (c.cell_contents for c in closure))) if code and closure else {}
+    code = getattr(func, "__code__", None)
+    cells = fused_forward_closure(func)
     missing = [name for name in _SETTINGS if name not in cells]
     if not missing:
         return {name: cells[name] for name in _SETTINGS}
     where = f"{code.co_filename}:{code.co_firstlineno}" if code else type(func).__name__
-    if getattr(func, "__globals__", {}).get("__name__") == "trl.trainer.utils":
+    if is_trl_fused_forward(func):
         raise ValueError(
             f"TRL's fused LM head ({code.co_name} at {where}) keeps no {missing} in its closure: this trl version is "
-            "not the one hf_tree_attn reads (trl 1.16). Install trl 1.16, or set tree_packing=False."
+            f'not the one hf_tree_attn reads (trl{TRL_REQUIREMENT}). pip install "trl{TRL_REQUIREMENT}", or set '
+            "tree_packing=False."
         )
     # What `functools.wraps` calls it (the model's `forward`), and the def that really runs.
     wrapped_name = getattr(func, "__qualname__", repr(func))
@@ -342,9 +351,6 @@ class TreeLMHead:
 
     def _forward(self, model, plan: FusedPlan, settings: dict, labels, num_items_in_batch, kwargs: dict):
         """Backbone once per forest, TRL's kernel once per distinct pair; TRL's output layout."""
-        from trl.kernels import ChunkedLogProbFunction
-        from trl.trainer.utils import _CHUNKED_LOGPROB_CHUNK_SIZE, FusedCausalLMOutput, maybe_gather_lm_head_ctx
-
         text_config = model.config.get_text_config()
         router = bool(kwargs.get("output_router_logits", getattr(text_config, "output_router_logits", False)))
         decoder = _decoder(model)
@@ -365,15 +371,14 @@ class TreeLMHead:
             if settings["cast_lm_head_to_fp32"]:
                 hidden = hidden.float()
                 autocast = torch.autocast(hidden.device.type, enabled=False)
-            with autocast, maybe_gather_lm_head_ctx(weight, bias):
+            with autocast:
                 pair_values.append(
-                    ChunkedLogProbFunction.apply(
+                    chunked_logprobs(
                         hidden,
                         weight,
                         bias,
                         targets.to(weight.device),
                         settings["temperature"],
-                        _CHUNKED_LOGPROB_CHUNK_SIZE,  # TRL's vocab tile
                         settings["final_logit_softcapping"],
                         settings["logit_scale"],
                         outputs,
@@ -384,7 +389,7 @@ class TreeLMHead:
         rows, cols = plan.entry_row.to(device), plan.entry_col.to(device)
         pair_of_entry = plan.pair_of_entry.to(device)
         fields = {}
-        for i, name in enumerate(_OUTPUT_NAMES):
+        for i, name in enumerate(CHUNKED_LOGPROB_OUTPUTS):
             if pair_values[0][i] is None:
                 fields[name] = None
                 continue

@@ -30,8 +30,6 @@ import torch
 from accelerate.utils import gather_object
 from transformers import AutoConfig
 from trl import GRPOTrainer
-from trl.extras.profiling import profiling_decorator
-from trl.trainer.utils import split_pixel_values_by_grid, split_tensor_dict, unsplit_pixel_values_by_grid
 
 from ..attention import ATTN_IMPLEMENTATION
 from ..collator import TreeDataCollator
@@ -47,6 +45,7 @@ from ..support import (
     unwrap_model,
 )
 from ..tree import pack_forest
+from . import trl_compat
 from .balance import (
     MIN_GAIN,
     assign_blocks,
@@ -67,6 +66,12 @@ from .forest_step import _log_once, recompute_plan, score_forests
 from .grpo_config import TreeGRPOConfig, _balance_refusal
 from .reward import tree_reward_models
 from .rollouts import check_rollouts, checked_rollout_func
+from .trl_compat import (
+    profiling_decorator,
+    split_pixel_values_by_grid,
+    split_tensor_dict,
+    unsplit_pixel_values_by_grid,
+)
 
 __all__ = ["TreeGRPOTrainer", "micro_batch_order", "stock_attention"]
 
@@ -134,7 +139,7 @@ class TreeGRPOTrainer(GRPOTrainer):
                 stacklevel=2,
             )
         if self.rollout_func is not None:  # an empty prompt or completion is named before TRL's code trips on it
-            self.rollout_func = checked_rollout_func(self.rollout_func, self._tokenizer.decode)
+            self.rollout_func = checked_rollout_func(self.rollout_func, trl_compat.tokenizer(self).decode)
         # Compiled decoder layers: the user's dynamo settings, or the CUDA default (`compile_setting.py`).
         self.tree_compile = decide_compile(args, self.accelerator, self.model) if self.tree_packing else None
         if self.tree_compile is not None:
@@ -162,12 +167,12 @@ class TreeGRPOTrainer(GRPOTrainer):
         """Fail at start, not mid-run, if `max_tokens_per_mb` cannot hold a prompt plus a full completion."""
         budget = self.args.max_tokens_per_mb
         dataset = self.train_dataset
-        if budget is None or self._is_vlm or self.environment_factories is not None:
+        if budget is None or trl_compat.is_vlm(self) or self.environment_factories is not None:
             return
         if not hasattr(dataset, "select") or "prompt" not in (dataset.column_names or []):
             return
         sample = dataset.select(range(min(len(dataset), 256)))["prompt"]
-        prompt_ids, _, _ = self._tokenize_prompts(list(sample))
+        prompt_ids, _, _ = trl_compat.tokenize_prompts(self, list(sample))
         longest = max(len(ids) for ids in prompt_ids) + self.max_completion_length
         if longest > budget:
             fix = -(-longest // 128) * 128
@@ -191,23 +196,23 @@ class TreeGRPOTrainer(GRPOTrainer):
         which work within a micro-batch); where the split matters, whole groups are this trainer's split by design.
         """
         if not self.tree_packing:
-            return super()._prepare_inputs(generation_batch)
+            return trl_compat.prepare_inputs(super(), generation_batch)
         mode = "train" if self.model.training else "eval"
         if mode == "train":
             generate_every = self.args.steps_per_generation * self.num_iterations
-            if self._step % generate_every == 0 or self._buffered_inputs is None:
+            if trl_compat.generation_step(self) % generate_every == 0 or trl_compat.buffered_inputs(self) is None:
                 self._tree_cache.clear()
-                generation_batch = self._generate_and_score_completions(generation_batch)
+                generation_batch = trl_compat.generate_and_score_completions(self, generation_batch)
                 generation_batch = split_pixel_values_by_grid(generation_batch)
-                rows = len(next(v for v in generation_batch.values() if v is not None))  # as shuffle_sequence_dict
-                permutation = torch.randperm(rows)
+                permutation = trl_compat.shuffle_permutation(generation_batch)  # TRL's draw, so TRL's random stream
                 batches = split_tensor_dict(generation_batch, self.args.steps_per_generation)
                 order = micro_batch_order(permutation, len(batches))
-                self._buffered_inputs = [unsplit_pixel_values_by_grid(batches[i]) for i in order]
-                self._buffered_inputs = self._balance_across_ranks(self._buffered_inputs)
-            return self._buffered_inputs[self._step % self.args.steps_per_generation]
+                micro_batches = [unsplit_pixel_values_by_grid(batches[i]) for i in order]
+                trl_compat.set_buffered_inputs(self, self._balance_across_ranks(micro_batches))
+            step = trl_compat.generation_step(self)
+            return trl_compat.buffered_inputs(self)[step % self.args.steps_per_generation]
         self._tree_cache.clear()
-        return self._generate_and_score_completions(generation_batch)
+        return trl_compat.generate_and_score_completions(self, generation_batch)
 
     def _balance_active(self) -> bool:
         """Whether `_balance_across_ranks` moves groups (`tree_balance`; None = wherever the loss allows it)."""
@@ -274,11 +279,11 @@ class TreeGRPOTrainer(GRPOTrainer):
         source = assign_blocks(costs, window=accumulation if steps % accumulation == 0 else 1)
         before = step_imbalance(costs)
         after = step_imbalance(costs[source[..., 0], source[..., 1], source[..., 2]])
-        self._metrics["train"]["balance/imbalance_before"].append(before)
+        trl_compat.metrics(self)["train"]["balance/imbalance_before"].append(before)
         if after > before * (1 - MIN_GAIN):  # not worth an all_to_all of the batch
-            self._metrics["train"]["balance/imbalance_after"].append(before)
+            trl_compat.metrics(self)["train"]["balance/imbalance_after"].append(before)
             return micro_batches
-        self._metrics["train"]["balance/imbalance_after"].append(after)
+        trl_compat.metrics(self)["train"]["balance/imbalance_after"].append(after)
 
         # What each row needs of the widths after the move, as TRL pads a rank's own rows: its prompt length and
         # its completion length (a completion that mask_truncated_completions zeroed keeps its source width).
@@ -295,7 +300,7 @@ class TreeGRPOTrainer(GRPOTrainer):
                 moved[key] = value
             else:
                 if side in ("prompt", "completion"):
-                    fill = pad_value(key, self._tokenizer.pad_token_id)
+                    fill = pad_value(key, trl_compat.tokenizer(self).pad_token_id)
                     value = pad_width(value, prompt_width if side == "prompt" else completion_width, side, fill)
                 moved[key] = move_rows(value, orders, per_micro, group)
         needs = move_rows(needs, orders, per_micro, group).max(0).values.tolist()
@@ -312,12 +317,12 @@ class TreeGRPOTrainer(GRPOTrainer):
         prompt once for its group's completions; `reward.py`), equal to TRL's per-completion forwards."""
         args = (inputs, prompts, completions, completion_ids_list)
         if self.args.tree_packing is False:
-            return super()._calculate_rewards(*args)
+            return trl_compat.calculate_rewards(super(), *args)
         mode = "train" if self.model.training else "eval"
-        record = lambda name, value: self._metrics[mode][name].append(value)  # noqa: E731
+        record = lambda name, value: trl_compat.metrics(self)[mode][name].append(value)  # noqa: E731
         # One forest (no token budget): never larger than TRL's padded batch, and one forward per rank as in TRL.
         with tree_reward_models(self.reward_funcs, None, self.args.tree_max_token_ratio, record):
-            return super()._calculate_rewards(*args)
+            return trl_compat.calculate_rewards(super(), *args)
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         """TRL's generation; transformers' continuous batching runs with `tree_flex`'s stock twin, then switches back.
@@ -334,8 +339,8 @@ class TreeGRPOTrainer(GRPOTrainer):
             stack.enter_context(eager_layers(self.model))  # the compiled layers are the tree forward's
             if self.tree_packing and self.use_transformers_continuous_batching:
                 stack.enter_context(stock_attention(self.accelerator.unwrap_model(self.model)))
-            completion_ids, logprobs = super()._generate_single_turn(*args)
-        check_rollouts(prompt_ids, completion_ids, "generation", self._tokenizer.decode)
+            completion_ids, logprobs = trl_compat.generate_single_turn(super(), *args)
+        check_rollouts(prompt_ids, completion_ids, "generation", trl_compat.tokenizer(self).decode)
         return completion_ids, logprobs
 
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
@@ -427,10 +432,10 @@ class TreeGRPOTrainer(GRPOTrainer):
         mode = "train" if self.model.training else "eval"
         if not self.tree_packing or any(v is not None for v in multimodal.values()):
             if self.args.tree_packing is not False:
-                self._metrics[mode]["tree_fallback"].append(1.0)
-            return super()._get_per_token_logps_and_entropies(
-                model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss,
-                **multimodal,
+                trl_compat.metrics(self)[mode]["tree_fallback"].append(1.0)
+            return trl_compat.get_per_token_logps_and_entropies(
+                super(), model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy,
+                compute_aux_loss, **multimodal,
             )  # fmt: skip
 
         limit = rope_length_limit(unwrap_model(self.model).config)
@@ -442,10 +447,11 @@ class TreeGRPOTrainer(GRPOTrainer):
             packed = None if too_long else self._packed_chunk(ids, mask, logits_to_keep, mode)
             if self._lockstep() and self._flat_on_any_rank(packed is None):
                 packed = None  # every rank takes TRL's flat path for this chunk
-            self._metrics[mode]["tree_fallback"].append(float(packed is None))
+            trl_compat.metrics(self)[mode]["tree_fallback"].append(float(packed is None))
             missing = self._missing_forwards(1 if packed is None else len(packed))  # agree before any forward
             if packed is None:
-                logps, entropies, aux = super()._get_per_token_logps_and_entropies(
+                logps, entropies, aux = trl_compat.get_per_token_logps_and_entropies(
+                    super(),
                     model,
                     ids,
                     mask,
@@ -518,9 +524,9 @@ class TreeGRPOTrainer(GRPOTrainer):
         compute_ratio = tree_tokens / ids.numel()
         config = self.accelerator.unwrap_model(self.model).config.get_text_config()
         flops = estimate_flops(config, sequences, prompt_lengths=scored_prompt_lengths)
-        self._metrics[mode]["tree_token_ratio"].append(ratio)
-        self._metrics[mode]["tree_compute_ratio"].append(compute_ratio)
-        self._metrics[mode]["tree_flops_saved"].append(flops["flops_saved"])
+        trl_compat.metrics(self)[mode]["tree_token_ratio"].append(ratio)
+        trl_compat.metrics(self)[mode]["tree_compute_ratio"].append(compute_ratio)
+        trl_compat.metrics(self)[mode]["tree_flops_saved"].append(flops["flops_saved"])
 
         if compute_ratio > self.args.tree_max_token_ratio:
             self._tree_cache[key] = None
@@ -565,7 +571,7 @@ class TreeGRPOTrainer(GRPOTrainer):
 
     def _idle_forwards(self, model, count: int) -> torch.Tensor:
         """`count` forwards of a 2-token forest whose result enters the graph with weight 0 (a scalar 0)."""
-        pad = self._tokenizer.pad_token_id or 0
+        pad = trl_compat.tokenizer(self).pad_token_id or 0
         (forest,) = pack_forest([[pad, pad]])
         forest = forest.to(self.accelerator.device)
         total = torch.zeros((), device=self.accelerator.device)
@@ -603,7 +609,8 @@ class TreeGRPOTrainer(GRPOTrainer):
         if count is not None and self._lockstep():  # the same layers recompute on every rank: the most any needs
             count = int(self.accelerator.gather(torch.tensor([count], device=self.accelerator.device)).max())
             layers = self.accelerator.unwrap_model(self.model).config.get_text_config().num_hidden_layers
-            self._metrics["train"]["tree_checkpointed_layers"][-1] = count / layers  # what ran, not this rank's plan
+            # What ran, not this rank's plan.
+            trl_compat.metrics(self)["train"]["tree_checkpointed_layers"][-1] = count / layers
         return count, keep
 
 

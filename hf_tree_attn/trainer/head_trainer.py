@@ -15,6 +15,7 @@ import warnings
 
 from ..attention import ATTN_IMPLEMENTATION
 from ..support import rope_split_lengths, unwrap_model
+from . import trl_compat
 from .compile_setting import apply_compile, decide_compile
 from .fused_head import TreeLMHead, fused_head_settings
 from .grpo_trainer import _loaded_model_error, _select_tree_attention, restore_stock_attention
@@ -40,7 +41,7 @@ class TreeHeadTrainerMixin:
 
     def _tree_refusal(self) -> str | None:
         """Why this run cannot use trees beyond the model gate (overridden per trainer), or None."""
-        if getattr(self, "_is_vision_dataset", False):
+        if trl_compat.is_vision_dataset(self):
             return "the dataset holds images, whose inputs the tree does not lay out."
         return None
 
@@ -106,7 +107,7 @@ class TreeHeadTrainerMixin:
             apply_compile(self.accelerator, self.tree_compile, models)
 
     def _record_tree(self, name: str, value: float) -> None:
-        self._metrics["train" if self.model.training else "eval"][name].append(value)
+        trl_compat.metrics(self)["train" if self.model.training else "eval"][name].append(value)
 
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
         """TRL's model card (`README.md` in `output_dir`), plus a section with the tree-packing settings."""
@@ -128,7 +129,8 @@ class TreeHeadTrainerMixin:
         ]
         table = "\n".join(f"| `{name}` | `{value}` |" for name, value in rows)
         intro = (
-            f"Trained with `hf_tree_attn.{type(self).__name__}` (hf_tree_attn {__version__}): TRL's {self._name}, "
+            f"Trained with `hf_tree_attn.{type(self).__name__}` (hf_tree_attn {__version__}): TRL's "
+            f"{trl_compat.trainer_name(self)}, "
             "with each batch's log-probabilities computed on packed prefix trees, so tokens its sequences share are "
             "computed once. The log-probabilities and gradients are those of TRL's forward; only the cost changes."
         )

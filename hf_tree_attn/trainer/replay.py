@@ -22,7 +22,8 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
-from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
+
+from .trl_compat import RolloutSample
 
 __all__ = ["NoWeightTransfer", "ReplayRolloutWorker", "agent_samples", "grpo_samples"]
 

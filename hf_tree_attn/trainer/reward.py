@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from ..attention import ATTN_IMPLEMENTATION
+from ..attention import ATTN_IMPLEMENTATION, registration_error
 from ..logprobs import forest_forward_kwargs
 from ..support import (
     EXACT_FAMILIES,
@@ -79,6 +79,9 @@ def reward_model_error(model: torch.nn.Module) -> str | None:
             f"{name} runs attn_implementation={impl!r}, which {ATTN_IMPLEMENTATION!r} does not stand in for; load it "
             f"with 'sdpa' or {ATTN_IMPLEMENTATION!r} to score on trees. {fix}"
         )
+    reason = registration_error()
+    if reason is not None:
+        return f"{reason} {fix}"
     return None
 
 

@@ -27,10 +27,10 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import torch
-from trl.experimental.async_grpo.async_grpo_trainer import DataCollatorForRollout
-from trl.trainer.utils import pad
 
 from ..tree import PackedForest, pack_forest
+from . import trl_compat
+from .trl_compat import DataCollatorForRollout, pad
 
 __all__ = ["FOREST_KEYS", "TreeDataCollatorForRollout", "rank_forest"]
 
@@ -69,7 +69,7 @@ class TreeDataCollatorForRollout(DataCollatorForRollout):
         batch["mean_seq_len"] = torch.full((self.num_processes,), n_forward_tokens / len(all_examples))
 
         forwarded = [_forwarded(forest) for forest, _ in packed]
-        self._log_metrics(rows=forwarded, all_examples=all_examples, padded=batch["attention_mask"])
+        trl_compat.collator_log_metrics(self, forwarded, all_examples, batch["attention_mask"])
         return batch
 
 
