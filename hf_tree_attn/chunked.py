@@ -20,10 +20,10 @@ The tiny example of `hf_tree_attn.tree` (`[[5, 6, 7, 8], [5, 6, 9]]`) with `chun
 
     kept rows (context of a later chunk): [0, 1]      slot = [0, 1, -1, -1, -1]
 
-Every row is forwarded once (no prefix repeated), except the rows of chunks that neither score a token nor hold a
-row a later chunk reads, which need no forward at all. What the chunks share costs memory instead: the keys and
-values of the kept rows, per attention layer, from the chunk that computes them until the last chunk that reads them
-(`ChunkPlan.kept_kv_bytes`). `hf_tree_attn.prefix_reuse` runs a plan.
+Every row is forwarded once (no prefix repeated), except the rows of chunks that score no token (only leaves: such a
+chunk holds no row a later chunk reads either), which need no forward at all. What the chunks share costs memory
+instead: the keys and values of the kept rows, per attention layer, from the chunk that computes them until the
+last chunk that reads them (`ChunkPlan.kept_kv_bytes`). `hf_tree_attn.prefix_reuse` runs a plan.
 """
 
 from __future__ import annotations
@@ -50,7 +50,8 @@ class ChunkPlan:
             ascending.
         kept_rows: `(K,)` int64 — rows some later chunk attends to (the union of the contexts), ascending.
         slot: `(N,)` int64 — index of each row in `kept_rows`, -1 for a row no later chunk reads.
-        needed: `(C,)` bool — whether chunk `c` scores a token or computes a kept row; the others need no forward.
+        needed: `(C,)` bool — whether chunk `c` scores a token (only such a chunk can hold a kept row); the others
+            need no forward.
     """
 
     bounds: np.ndarray
@@ -114,6 +115,7 @@ def plan_chunks(forest: PackedForest, chunk_rows: int) -> ChunkPlan:
     cuts = np.searchsorted(scorer[order], np.arange(num_chunks + 1))
     scored = tuple(rows[order[cuts[c] : cuts[c + 1]]] for c in range(num_chunks))
 
-    holds_kept = np.add.reduceat((slot >= 0).astype(np.int64), bounds[:-1]) > 0
-    needed = np.array([len(s) > 0 for s in scored], dtype=bool) | holds_kept
+    # A kept row is an ancestor of a later chunk's first row, so its child on that path is scored where it is: a
+    # chunk that scores nothing holds no kept row either, and its forward would feed nothing.
+    needed = np.array([len(s) > 0 for s in scored], dtype=bool)
     return ChunkPlan(bounds, context, scored, kept_rows, slot, needed)
