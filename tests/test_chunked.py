@@ -267,6 +267,29 @@ def test_train_mode_with_non_reentrant_checkpointing_matches_flat():
     _check_against_flat(tree, ref, _trie(3, seed=30))
 
 
+def test_recompute_repeats_the_forward_under_dropout_and_autocast():
+    """Each chunk's recompute in the backward sees the dropout masks and the autocast its forward saw (the backward
+    runs outside the caller's autocast block): its last MLP's outputs (bf16, after dropout) are bit-identical to the
+    forward's."""
+    config = coverage_config("gpt2")
+    config.resid_pdrop = config.embd_pdrop = 0.1  # attention dropout must stay 0 on trees
+    torch.manual_seed(0)
+    tree = AutoModelForCausalLM.from_config(config, attn_implementation="tree_flex").train()
+    sequences = _trie(3, seed=35, max_len=200)
+    hidden = []
+    mlp = tree.transformer.h[-1].mlp
+    hook = mlp.register_forward_hook(lambda m, args, out: hidden.append(out.detach().clone()))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logps = sequence_logprobs(tree, sequences, BUDGET, prefix_reuse=True)
+    torch.cat(logps).sum().backward()
+    hook.remove()
+    forward, recompute = hidden[:3], hidden[3:][::-1]
+    assert len(recompute) == 3 and all(h.dtype == torch.bfloat16 for h in hidden)
+    for a, b in zip(forward, recompute):
+        assert torch.equal(a, b)
+    assert not torch.equal(forward[0][:, :40], forward[1][:, :40]), "dropout must be on: chunks draw their own masks"
+
+
 def test_padded_chunks_match_flat():
     """Chunks and their context padded to 128 rows (CUDA's layout): padding rows see neither context nor real rows."""
     tree, ref = twin_models("llama")
