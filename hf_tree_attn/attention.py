@@ -34,7 +34,7 @@ from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_f
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from .masks import is_tree_mask_mod, mask_tag
+from .masks import ContextMaskSource, is_tree_mask_mod, mask_tag
 from .prefix_attention import prefix_attention
 from .prefix_attention import serves as prefix_serves
 from .prefix_attention import supports as prefix_supports
@@ -158,6 +158,28 @@ def _check_forest_mask(module: torch.nn.Module, attention_mask, tag, forest) -> 
     )
 
 
+def _check_context_mask(module: torch.nn.Module, attention_mask, tag, context) -> None:
+    """A chunk of a prefix-reuse forward (`hf_tree_attn.prefix_reuse`) must reach every layer with its context and
+    its own masks: a chunk's mask without the context's keys would be read against the chunk's keys alone."""
+    chunk_mask = tag is not None and tag.role == "layer" and isinstance(tag.source, ContextMaskSource)
+    if context is None and not chunk_mask:
+        return
+    layer = f"Layer {getattr(module, 'layer_idx', '?')} of {type(module).__name__}"
+    if context is None:
+        raise RuntimeError(
+            f"{layer} got the mask of a prefix-reuse chunk without its `tree_context`: the model's forward does not "
+            "pass its keyword arguments on to this layer, so the layer cannot see the keys of earlier chunks. Score "
+            "this model with prefix_reuse=False."
+        )
+    if not chunk_mask or tag.source is not context.mask_source:
+        got = type(attention_mask).__name__ if attention_mask is not None else "None"
+        raise RuntimeError(
+            f"{layer} got `tree_context` with attention_mask={got}, not that chunk's own mask: run prefix reuse "
+            "through `hf_tree_attn.prefix_reuse.chunked_forest_logprobs` (or `sequence_logprobs(..., "
+            "prefix_reuse=True)`), which builds both."
+        )
+
+
 def _check_full_tree_mask(module: torch.nn.Module, query: torch.Tensor) -> None:
     """`forest.dense_mask()` / `block_mask()` given as `attention_mask` go to every layer as is: refuse them where
     a window or chunk of the model could cut the tree, or where the layer scales queries by their row (Llama 4's
@@ -242,7 +264,9 @@ def tree_flex_attention(
         scaling: softmax scale (Gemma2/3 pass `query_pre_attn_scalar ** -0.5`).
         dropout: must be 0 — FlexAttention has no dropout, and a tree forward must be deterministic.
         **kwargs: `softcap`, `s_aux` (attention sinks, `(q_heads,)`), `tree_forest` (the `PackedForest`, from
-            `forest_forward_kwargs` / the collator), `kernel_options` (FlexAttention); the rest is ignored.
+            `forest_forward_kwargs` / the collator), `tree_context` (one chunk of a prefix-reuse forward: the keys
+            and values of its context rows go in front of `key` / `value`, see `hf_tree_attn.prefix_reuse`),
+            `kernel_options` (FlexAttention); the rest is ignored.
 
     Returns:
         `(attn_output, None)` with `attn_output` `(batch, q_len, q_heads, head_dim)` contiguous.
@@ -253,7 +277,14 @@ def tree_flex_attention(
             "`attention_dropout=0.0`."
         )
     forest = kwargs.get("tree_forest")
+    context = kwargs.get("tree_context")
     if torch.compiler.is_compiling():
+        if context is not None:
+            raise RuntimeError(
+                "Prefix reuse (`tree_context`) runs its decoder layers eagerly: its keys and values of earlier chunks "
+                "are Python-side state a compiled graph would freeze. Do not torch.compile the whole model for it "
+                "(decoder layers compiled by hf_tree_attn are run eagerly there by themselves)."
+            )
         # Regionally compiled layers (masks are built outside, by `tree_flex_mask`): the checks below read
         # Python-side mask tags and would make every new forest a recompilation, so only `tree_forest` counts here.
         depth = forest.position_ids[0] if forest is not None else None
@@ -261,6 +292,7 @@ def tree_flex_attention(
         tag = mask_tag(attention_mask)
         if forest is not None:
             _check_forest_mask(module, attention_mask, tag, forest)
+        _check_context_mask(module, attention_mask, tag, context)
         if tag is not None and tag.role == "full":
             _check_full_tree_mask(module, query)
         depth = tag.source.depth if tag is not None and tag.role == "layer" else None
@@ -278,7 +310,9 @@ def tree_flex_attention(
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
 
-    if forest is not None and softcap is None and sinks is None:
+    if context is not None:  # keys [context rows; own rows], as the chunk's mask has them
+        key, value = context.attend(module, key, value)
+    elif forest is not None and softcap is None and sinks is None:
         out = _prefix_attention(query, key, value, attention_mask, forest, scaling)
         if out is not None:
             return out.transpose(1, 2).contiguous(), None

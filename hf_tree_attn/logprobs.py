@@ -22,7 +22,7 @@ from torch.utils.checkpoint import checkpoint
 from .compile import call_compiled
 from .model_inputs import check_forest_inputs, lm_head_weight_and_bias
 from .support import check_forest, check_tree_model, config_field, logit_scale, rope_split_lengths, unwrap_model
-from .tree import PackedForest, TokenSequence, pack_forest
+from .tree import PackedForest, TokenSequence, check_token_budget, pack_forest
 
 __all__ = [
     "check_tree_model",
@@ -444,6 +444,7 @@ def sequence_logprobs(
     max_tokens_per_mb: int | None = None,
     temperature: float = 1.0,
     return_entropy: bool = False,
+    prefix_reuse: bool = False,
 ) -> list[torch.Tensor] | tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Log p(tok_t | tok_<t) for t = 1..L-1 of every sequence, computing each shared prefix once.
 
@@ -454,6 +455,11 @@ def sequence_logprobs(
         max_tokens_per_mb: token budget of one forward (a multiple of 128); `None` = one forward for all.
         temperature: logits are divided by it.
         return_entropy: also return per-token entropies.
+        prefix_reuse: where the sequences' forest exceeds `max_tokens_per_mb`, run it as one forest in chunks of
+            that many rows (`hf_tree_attn.prefix_reuse`) instead of micro-batches that each repeat the prefix they
+            need: every shared prefix computed once, and a sequence longer than the budget scored in chunks. Costs
+            a recompute (as activation checkpointing does) and the kept keys / values of the prefixes chunks share;
+            refuses state-carrying (hybrid) and chunked-attention models. Off by default.
 
     Returns:
         `logps` — `logps[i]` is `(len(sequences[i]) - 1,)` float32, differentiable; with `return_entropy`,
@@ -464,9 +470,27 @@ def sequence_logprobs(
     logps: list[torch.Tensor | None] = [None] * len(sequences)
     entropies: list[torch.Tensor | None] = [None] * len(sequences)
     splits = rope_split_lengths(unwrap_model(model).config)
-    for forest in pack_forest(sequences, max_tokens_per_mb=max_tokens_per_mb, split_lengths=splits):
+    chunked = prefix_reuse and max_tokens_per_mb is not None
+    if chunked:
+        from .prefix_reuse import chunked_forest_logprobs, prefix_reuse_error
+
+        check_token_budget(max_tokens_per_mb)
+        error = prefix_reuse_error(model)
+        if error is not None:
+            raise NotImplementedError(error)
+        forests = pack_forest(sequences, split_lengths=splits, two_level=False)  # one per length class
+    else:
+        forests = pack_forest(sequences, max_tokens_per_mb=max_tokens_per_mb, split_lengths=splits)
+    for forest in forests:
         forest = forest.to(device)
-        table, entropy_table = forest_logprobs(model, forest, temperature=temperature, return_entropy=return_entropy)
+        if chunked and forest.seq_len > max_tokens_per_mb:
+            table, entropy_table = chunked_forest_logprobs(
+                model, forest, max_tokens_per_mb, temperature=temperature, return_entropy=return_entropy
+            )
+        else:
+            table, entropy_table = forest_logprobs(
+                model, forest, temperature=temperature, return_entropy=return_entropy
+            )
         for seq_id, values in zip(forest.seq_ids, gather_sequences(forest, table)):
             logps[seq_id] = values
         if return_entropy:

@@ -38,10 +38,13 @@ from torch.nn.attention.flex_attention import BlockMask, and_masks, create_block
 from transformers.masking_utils import causal_mask_function
 
 __all__ = [
+    "ContextMaskSource",
     "MaskTag",
     "TreeMaskSource",
     "at_depth",
+    "at_depths",
     "causal_mask_mod",
+    "context_tree_mask_mod",
     "dense_mask",
     "dense_tree_mask",
     "is_tree_mask_mod",
@@ -75,26 +78,59 @@ def causal_mask_mod(b, h, q_idx, kv_idx):
     return kv_idx <= q_idx
 
 
+def context_tree_mask_mod(subtree_end: torch.Tensor, context_end: torch.Tensor, query_rows: torch.Tensor):
+    """`mask_mod` over keys `[context rows (P); own rows (S)]` for the queries of one chunk of a forest's DFS row
+    (`hf_tree_attn.chunked`): own rows by the ancestor-or-self test on the chunk's local `subtree_end` `(S,)` int;
+    context row `r` (an ancestor of the chunk's first row) seen by query `q` iff `context_end[r] > query_rows[q]`
+    (`(P,)` and `(S,)` int, global rows: `q`'s subtree is inside `r`'s)."""
+    num_context = context_end.shape[0]
+
+    def own_mask(q_idx, own_idx):
+        return (own_idx <= q_idx) & (q_idx < subtree_end[own_idx.clamp(min=0)])
+
+    if num_context == 0:
+
+        def context_tree_mask(b, h, q_idx, kv_idx):
+            return own_mask(q_idx, kv_idx)
+
+        return context_tree_mask
+
+    def context_tree_mask(b, h, q_idx, kv_idx):
+        sees_context = context_end[kv_idx.clamp(max=num_context - 1)] > query_rows[q_idx]
+        return torch.where(kv_idx < num_context, sees_context, own_mask(q_idx, kv_idx - num_context))
+
+    return context_tree_mask
+
+
 def at_depth(mask_function: Callable, depth: torch.Tensor):
     """`mask_function` (a model's mask for one flat sequence) read at the depths `(S,)` long of `q` and `kv`."""
+    return at_depths(mask_function, depth, depth)
+
+
+def at_depths(mask_function: Callable, q_depth: torch.Tensor, kv_depth: torch.Tensor):
+    """`mask_function` read at the depths of the queries `(Q,)` long and of the keys `(KV,)` long."""
 
     def depth_mask(b, h, q_idx, kv_idx):
-        return mask_function(b, h, depth[q_idx], depth[kv_idx])
+        return mask_function(b, h, q_depth[q_idx], kv_depth[kv_idx])
 
     return depth_mask
 
 
-def dense_mask(mask_mod: Callable, size: int, device: torch.device | str, use_vmap: bool = False) -> torch.Tensor:
-    """`(1, 1, size, size)` bool tensor of `mask_mod` (True = attend).
+def dense_mask(
+    mask_mod: Callable, size: int, device: torch.device | str, use_vmap: bool = False, kv_size: int | None = None
+) -> torch.Tensor:
+    """`(1, 1, size, kv_size)` bool tensor of `mask_mod` (True = attend); `kv_size` defaults to `size`.
 
     Index-based mask functions (all of transformers' own) broadcast over an index grid; others (`use_vmap`, as
     transformers flags custom `or_mask_function` / `and_mask_function`) are evaluated pair by pair with `vmap`.
     """
+    kv_size = size if kv_size is None else kv_size
     if use_vmap:
-        return create_mask(mask_mod, 1, 1, size, size, device=device)
-    idx = torch.arange(size, device=device)
+        return create_mask(mask_mod, 1, 1, size, kv_size, device=device)
+    q_idx = torch.arange(size, device=device)
+    kv_idx = torch.arange(kv_size, device=device)
     zero = torch.zeros((), dtype=torch.long, device=device)
-    return mask_mod(zero, zero, idx[:, None], idx[None, :]).expand(size, size)[None, None]
+    return mask_mod(zero, zero, q_idx[:, None], kv_idx[None, :]).expand(size, kv_size)[None, None]
 
 
 class MaskTag(NamedTuple):
@@ -153,11 +189,14 @@ def dense_tree_mask(subtree_end: torch.Tensor) -> torch.Tensor:
     return mask
 
 
-def _block_mask(mask_mod: Callable, size: int, device: torch.device, block_size: int = 128) -> BlockMask:
+def _block_mask(
+    mask_mod: Callable, size: int, device: torch.device, block_size: int = 128, kv_size: int | None = None
+) -> BlockMask:
     global _compiled_create_block_mask
     if _compiled_create_block_mask is None:
         _compiled_create_block_mask = torch.compile(create_block_mask, dynamic=True)
-    return _compiled_create_block_mask(mask_mod, None, None, size, size, device=device, BLOCK_SIZE=block_size)
+    kv_size = size if kv_size is None else kv_size
+    return _compiled_create_block_mask(mask_mod, None, None, size, kv_size, device=device, BLOCK_SIZE=block_size)
 
 
 def tree_block_mask(subtree_end: torch.Tensor, block_size: int = 128) -> BlockMask:
@@ -254,6 +293,72 @@ class TreeMaskSource:
             built = dense_mask(mask_mod, self.size, device, use_vmap=use_vmap).contiguous()
         else:
             built = _block_mask(mask_mod, self.size, device)
+        tag_mask(built, MaskTag("layer", self, causal))
+        if key is not None:
+            self.cache[cache_key] = built
+        return built
+
+
+class ContextMaskSource(TreeMaskSource):
+    """The tree masks of one chunk of a forest's DFS row whose queries also see context rows: ancestors computed by
+    earlier chunks (`hf_tree_attn.chunked`, `hf_tree_attn.prefix_reuse`).
+
+    The chunk runs as a forest of its own rows (`.carrier` stands for it, as `TreeMaskSource`'s does), but each layer
+    kind's mask is `(1, 1, S, P + S)`: its keys are the `P` context rows, then the chunk's `S` own rows, as
+    `tree_flex_attention` concatenates them. A context row is seen where `context_tree_mask_mod` says so and the
+    model's own mask function, read at the two depths, agrees (a sliding window counts depths across the boundary
+    as within a chunk).
+
+    Args:
+        subtree_end: `(S,)` int — the chunk's own rows' subtree ends, local and cut at the chunk's end; `r + 1` for
+            padding row `r`.
+        depth: `(S,)` long — the own rows' depths (0 for padding).
+        seq_lengths: `(N,)` long on the CPU — token count of each sequence of the whole forest (RoPE length checks).
+        dense: dense bool masks (SDPA / eager) instead of `BlockMask`s (FlexAttention).
+        context_end: `(P,)` int — global subtree end of each context row; 0 for padding (never seen).
+        context_depth: `(P,)` long — depth of each context row.
+        query_rows: `(S,)` int — global row of each own row; for padding rows one past the forest's last row.
+    """
+
+    def __init__(
+        self,
+        subtree_end: torch.Tensor,
+        depth: torch.Tensor,
+        seq_lengths: torch.Tensor,
+        dense: bool,
+        context_end: torch.Tensor,
+        context_depth: torch.Tensor,
+        query_rows: torch.Tensor,
+    ):
+        super().__init__(subtree_end, depth, seq_lengths, {}, dense)
+        self.context_end = context_end
+        self.context_depth = context_depth
+        self.query_rows = query_rows
+
+    @property
+    def context_size(self) -> int:
+        return self.context_end.shape[0]
+
+    def mask(self, mask_function: Callable, use_vmap: bool = False) -> torch.Tensor | BlockMask:
+        """The mask `(1, 1, S, P + S)` of a layer kind whose flat mask is `mask_function` (tagged "layer")."""
+        device = self.subtree_end.device
+        try:
+            key = mask_function_key(mask_function)
+        except _NoKey:
+            key = None
+        causal = key in _CAUSAL_KEYS
+        cache_key = ("causal" if causal else key,)
+        if key is not None and cache_key in self.cache:
+            return self.cache[cache_key]
+        tree = context_tree_mask_mod(self.subtree_end, self.context_end, self.query_rows)
+        if not causal:
+            kv_depth = torch.cat([self.context_depth, self.depth])
+            tree = and_masks(tree, at_depths(mask_function, self.depth, kv_depth))
+        kv_size = self.context_size + self.size
+        if self.dense:
+            built = dense_mask(tree, self.size, device, use_vmap=use_vmap, kv_size=kv_size).contiguous()
+        else:
+            built = _block_mask(tree, self.size, device, kv_size=kv_size)
         tag_mask(built, MaskTag("layer", self, causal))
         if key is not None:
             self.cache[cache_key] = built

@@ -440,7 +440,8 @@ def pack_forest(
         i = int(lengths.argmax())
         raise ValueError(
             f"sequences[{i}] has {lengths[i]} tokens, more than max_tokens_per_mb={max_tokens_per_mb}; raise "
-            f"max_tokens_per_mb to at least {-(-int(lengths[i]) // pad_multiple) * pad_multiple} or truncate it."
+            f"max_tokens_per_mb to at least {-(-int(lengths[i]) // pad_multiple) * pad_multiple}, truncate it, or "
+            "score it in chunks of the budget with `sequence_logprobs(..., prefix_reuse=True)`."
         )
     length_class = sum((lengths > int(t)).astype(np.int64) for t in split_lengths) if len(split_lengths) else None
     if length_class is None or (length_class == length_class[0]).all():

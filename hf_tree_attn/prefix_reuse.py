@@ -1,0 +1,409 @@
+"""Prefix reuse: a whole step as one forest, run in chunks of a token budget, each shared prefix computed once.
+
+`hf_tree_attn.chunked` cuts the forest's DFS row into chunks and names each chunk's context rows (the ancestors of
+its first row, computed by earlier chunks). This module runs such a plan with exact log-probs, entropies and
+gradients for any loss of them, at the memory of one chunk's activations plus the kept keys and values:
+
+- **forward** (no autograd): the chunks in order. In every attention layer a chunk stores the post-RoPE keys and
+  values of its rows that later chunks read (a per-layer store indexed by `ChunkPlan.slot`), and attends over
+  `[its context rows' keys and values, gathered from the store; its own]` with the chunk's mask `(1, 1, S, P + S)`
+  (`hf_tree_attn.masks.ContextMaskSource`). Each token is scored by the chunk holding its parent row.
+- **backward**: the chunks in reverse, each recomputed with autograd on, its context keys and values fresh leaf
+  tensors; one `torch.autograd.backward` per chunk from its log-probs / entropies (the incoming gradients) and its
+  own kept keys and values (the gradients later chunks sent them); the leaves' gradients are then added into a
+  float32 gradient store at the context rows, for the earlier chunks that computed them. Parameter gradients
+  accumulate in `.grad` as they would in one backward (the reentrant pattern of `torch.utils.checkpoint(...,
+  use_reentrant=True)`, with its limits: `loss.backward()`, not `torch.autograd.grad`).
+
+Cost: one forward without autograd, one recompute and one backward per chunk, what full activation checkpointing
+costs, with every row forwarded once. Memory beyond one chunk: `kept_kv_bytes` in the forward (the kept keys and
+values of every attention layer, held until the backward), and as much again in float32 for their gradients during
+the backward. RNG and autocast states of each chunk's forward are restored for its recompute.
+
+What it refuses, before any forward (`prefix_reuse_error`): models `check_tree_model` refuses; layers that carry a
+state from token to token (hybrids: a chunk would have to start from the state its first row inherits); chunked
+attention, layer kinds it does not know and attention temperature tuning (not verified with context rows). The
+way out is `prefix_reuse=False`. Transformers' non-reentrant activation checkpointing inside the model works; the
+reentrant one is refused when its backward runs. Decoder layers compiled by `hf_tree_attn.compile` run eagerly here.
+
+Devices: on CPU the chunk masks are dense and attention runs through SDPA / HF's eager math (softcap, sinks). On
+CUDA the FlexAttention path (a `BlockMask` over the concatenated keys) is built but has not been run on a GPU: its
+forward is checked against the dense path on CPU only. So CUDA is refused unless `HF_TREE_ATTN_PREFIX_REUSE_CUDA`
+(or `CUDA_PATH`) picks a path: `flex` (the `BlockMask`) or `dense` (SDPA on dense masks: exact, `S * (P + S)` bytes
+of mask per layer kind).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import numpy as np
+import torch
+
+from .chunked import ChunkPlan, plan_chunks
+from .compile import eager_layers
+from .logprobs import _final_hidden_states, lm_head_logprobs
+from .masks import ContextMaskSource
+from .model_inputs import check_forest_inputs
+from .support import check_forest, check_tree_model, config_field, unwrap_model
+from .tree import PackedForest
+
+__all__ = ["CUDA_PATH", "chunked_forest_logprobs", "kept_kv_bytes", "prefix_reuse_error"]
+
+# How prefix reuse attends on CUDA: "flex", "dense", or None (refused: not yet run on a GPU).
+CUDA_PATH = os.environ.get("HF_TREE_ATTN_PREFIX_REUSE_CUDA") or None
+
+_ATTENTION_KINDS = ("full_attention", "sliding_attention")
+_PER_TOKEN_KINDS = ("mlp", "moe", "dense", "sparse")
+_FIX = (
+    "Score it with prefix_reuse=False (the default): micro-batches that repeat the prefix they share, each "
+    "sequence within max_tokens_per_mb."
+)
+
+
+def prefix_reuse_error(model: torch.nn.Module) -> str | None:
+    """Why `model` cannot run prefix reuse (a message with the reason and the way out), or None. Call
+    `check_tree_model` first: this only adds what chunking needs beyond a tree."""
+    from .recurrent import STATE_LAYER_TYPES, TREE_LAYERS, _class_path
+
+    inner = unwrap_model(model)
+    config = inner.config.get_text_config()
+    name = type(inner).__name__
+    kinds = list(dict.fromkeys(config_field(config, "layer_types", default=()) or ()))
+    state = [k for k in kinds if k in STATE_LAYER_TYPES]
+    state_layers = sorted({type(m).__name__ for m in inner.modules() if _class_path(type(m)) in TREE_LAYERS})
+    if state or state_layers:
+        what = ", ".join(state_layers or state)
+        return (
+            f"{name} has layers that carry a state from token to token ({what}): a chunk would have to start them "
+            "from the state its first row inherits, which prefix reuse does not carry between chunks. " + _FIX
+        )
+    unknown = [k for k in kinds if k not in _ATTENTION_KINDS + _PER_TOKEN_KINDS]
+    chunk = config_field(config, "attention_chunk_size")
+    if unknown or chunk:
+        what = f"layer types {unknown}" if unknown else f"attention_chunk_size={chunk}"
+        return (
+            f"{name} has {what}: prefix reuse is verified for full and sliding-window attention only "
+            f"({list(_ATTENTION_KINDS)}). " + _FIX
+        )
+    if any(getattr(m, "attn_temperature_tuning", False) for m in inner.modules()):
+        return (
+            f"{name} scales its queries by position (attention temperature tuning), which prefix reuse does not "
+            "verify. " + _FIX
+        )
+    return None
+
+
+def kept_kv_bytes(model: torch.nn.Module, plan: ChunkPlan, dtype: torch.dtype | None = None) -> int:
+    """`plan.kept_kv_bytes` for `model`'s attention layers, read from its config: layers of an attention kind (all
+    when the config has no `layer_types`), `num_key_value_heads`, `head_dim` (or hidden size / heads), in `dtype`
+    (default: the model's parameters'). Multi-head latent attention counts its key and value widths."""
+    config = unwrap_model(model).config.get_text_config()
+    dtype = dtype or next(model.parameters()).dtype
+    kinds = config_field(config, "layer_types")
+    layers = sum(k in _ATTENTION_KINDS for k in kinds) if kinds else config.num_hidden_layers
+    heads = config.num_attention_heads
+    if config_field(config, "kv_lora_rank"):  # keys qk_nope + qk_rope wide, values v_head_dim, one per query head
+        width = config.qk_nope_head_dim + config.qk_rope_head_dim + config.v_head_dim
+        return plan.kept_kv_bytes(layers, heads, 1, dtype.itemsize) * width // 2
+    kv_heads = config_field(config, "num_key_value_heads", default=heads)
+    head_dim = config_field(config, "head_dim") or config.hidden_size // heads
+    return plan.kept_kv_bytes(layers, kv_heads, head_dim, dtype.itemsize)
+
+
+def chunked_forest_logprobs(
+    model: torch.nn.Module,
+    forest: PackedForest,
+    max_tokens_per_mb: int,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+    chunk_rows: int | None = None,
+    fp32_head: bool = False,
+    pad_multiple: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`forest_logprobs` of a forest larger than one forward: its DFS row in chunks of `max_tokens_per_mb` rows,
+    each row forwarded once (see the module docstring).
+
+    Args:
+        model: a causal LM with `attn_implementation="tree_flex"` that `prefix_reuse_error` accepts.
+        forest: the whole step as one forest on the model's device, best a plain trie (`pack_forest(sequences,
+            two_level=False)`: every shared token once).
+        max_tokens_per_mb: rows of one chunk (a forward's queries; its keys add the chunk's context rows).
+        temperature, return_entropy, chunk_rows, fp32_head: as in `forest_logprobs`.
+        pad_multiple: each chunk's rows and context rows are padded to a multiple of it; default 128 on CUDA
+            (FlexAttention's block), 1 elsewhere.
+
+    Returns:
+        `(logps, entropy)`, each `(S,)` float32 indexed by the forest's rows (0 at unscored rows); `entropy` is None
+        unless requested. Differentiable (through a reentrant backward: call `.backward()` on the loss).
+    """
+    check_tree_model(model)
+    error = prefix_reuse_error(model)
+    if error is not None:
+        raise NotImplementedError(error)
+    check_forest(model, forest)
+    check_forest_inputs(unwrap_model(model), forest, temperature)
+    device = forest.input_ids.device
+    if device.type == "cuda" and CUDA_PATH not in ("flex", "dense"):
+        raise NotImplementedError(
+            f"Prefix reuse on CUDA has not been run on a GPU yet (HF_TREE_ATTN_PREFIX_REUSE_CUDA={CUDA_PATH!r}): "
+            "its FlexAttention path is checked on CPU in inference only. Set HF_TREE_ATTN_PREFIX_REUSE_CUDA=flex "
+            "(a BlockMask over the concatenated keys) or =dense (SDPA on dense masks), or use prefix_reuse=False."
+        )
+    dense = device.type != "cuda" or CUDA_PATH == "dense"
+    if pad_multiple is None:
+        pad_multiple = 128 if device.type == "cuda" else 1
+    plan = plan_chunks(forest, max_tokens_per_mb)
+    step = _Step(model, forest, plan, temperature, return_entropy, chunk_rows, fp32_head, dense, pad_multiple)
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not (torch.is_grad_enabled() and params):
+        tables = step.forward()
+        return tables[0], (tables[1] if return_entropy else None)
+    # The parameters are the node's inputs so that `torch.autograd.grad(loss, params)` reaches its backward, which
+    # then refuses it, rather than returning no gradient without a word.
+    tables = _PrefixReuse.apply(step, *params)
+    return tables[0], (tables[1] if return_entropy else None)
+
+
+class _PrefixReuse(torch.autograd.Function):
+    """The whole chunked forest as one autograd node: outputs the per-row tables, runs `_Step.backward`."""
+
+    @staticmethod
+    def forward(ctx, step: _Step, *params: torch.Tensor):
+        ctx.step = step
+        ctx.num_params = len(params)
+        return step.forward()
+
+    @staticmethod
+    def backward(ctx, *grads):
+        if not torch.autograd._is_checkpoint_valid():
+            raise RuntimeError(
+                "Prefix reuse accumulates parameter gradients in `.grad` from a backward of its own, so it works "
+                "with `loss.backward()` but not with `torch.autograd.grad(...)` or `.backward(inputs=...)`."
+            )
+        ctx.step.backward(grads)
+        return (None,) * (1 + ctx.num_params)  # the parameters' gradients are already in their `.grad`
+
+
+class _Step:
+    """One forest run as a `ChunkPlan`: its key/value store, the chunks' forwards and their backward."""
+
+    def __init__(self, model, forest, plan, temperature, return_entropy, chunk_rows, fp32_head, dense, pad_multiple):
+        self.model = model
+        self.forest = forest
+        self.plan = plan
+        self.head = dict(
+            temperature=temperature, return_entropy=return_entropy, chunk_rows=chunk_rows, fp32_head=fp32_head
+        )
+        self.dense = dense
+        self.pad_multiple = pad_multiple
+        self.device = forest.input_ids.device
+        n = forest.num_tree_tokens
+        self.ids = forest.input_ids[0, :n]
+        self.depth = forest.position_ids[0, :n]
+        self.end = forest.subtree_end[:n]
+        self.parent = forest.parent[:n]
+        self.seq_lengths = forest.seq_offsets.diff().cpu()
+        self.slot = torch.from_numpy(plan.slot).to(self.device)
+        self.kv: dict[torch.nn.Module, tuple[torch.Tensor, torch.Tensor]] = {}  # (1, kv_heads, K, head_dim) each
+        self.kv_grad: dict[torch.nn.Module, tuple[torch.Tensor, torch.Tensor]] = {}  # float32, same shapes
+        self.states: dict[int, tuple] = {}  # chunk -> RNG states at its forward
+        self.autocast = _autocast_state(self.device.type)
+
+    def forward(self) -> tuple[torch.Tensor, ...]:
+        size = self.forest.seq_len
+        logps = torch.zeros(size, dtype=torch.float32, device=self.device)
+        entropy = torch.zeros(size, dtype=torch.float32, device=self.device)
+        with torch.no_grad(), eager_layers(self.model):
+            for c in np.flatnonzero(self.plan.needed).tolist():
+                self.states[c] = _rng_state(self.device)
+                _, rows, values, entropies = self._run(c, backward=False)
+                logps[rows] = values
+                if entropies is not None:
+                    entropy[rows] = entropies
+        return (logps, entropy) if self.head["return_entropy"] else (logps,)
+
+    def backward(self, grads: tuple[torch.Tensor, ...]) -> None:
+        self.kv_grad = {}
+        for c in reversed(np.flatnonzero(self.plan.needed).tolist()):
+            with contextlib.ExitStack() as stack:
+                stack.enter_context(_restored_rng(self.device, self.states[c]))
+                for autocast in _autocasts(self.autocast):
+                    stack.enter_context(autocast)
+                stack.enter_context(eager_layers(self.model))
+                stack.enter_context(torch.enable_grad())
+                context, rows, values, entropies = self._run(c, backward=True)
+                outputs = [(values, grads[0][rows])]
+                if entropies is not None:
+                    outputs.append((entropies, grads[1][rows]))
+                for module, own in context.own.items():
+                    if module in self.kv_grad:  # a later chunk read these rows
+                        for tensor, grad in zip(own, self.kv_grad[module]):
+                            outputs.append((tensor, grad[:, :, context.own_slots].to(tensor.dtype)))
+                outputs = [(t, g) for t, g in outputs if t.requires_grad]
+                if outputs:
+                    torch.autograd.backward([t for t, _ in outputs], [g for _, g in outputs])
+            for module, leaves in context.leaves.items():
+                if not any(leaf.grad is not None for leaf in leaves):
+                    continue
+                if module not in self.kv_grad:
+                    self.kv_grad[module] = tuple(torch.zeros_like(t, dtype=torch.float32) for t in self.kv[module])
+                for store, leaf in zip(self.kv_grad[module], leaves):
+                    if leaf.grad is not None:
+                        store.index_add_(2, context.context_slots, leaf.grad.float())
+        self.kv_grad = {}
+
+    def _run(self, c: int, backward: bool):
+        """Chunk `c` through the model and the LM head: `(context, scored rows (E,), logps (E,), entropies)`."""
+        plan, device, pad = self.plan, self.device, self.pad_multiple
+        a, b = int(plan.bounds[c]), int(plan.bounds[c + 1])
+        n = b - a
+        size = -(-n // pad) * pad
+        fill = size - n
+        context_rows = torch.from_numpy(plan.context[c]).to(device)
+        context_fill = -(-len(context_rows) // pad) * pad - len(context_rows)
+
+        # Padding rows are fed the chunk's first token, for the reason `forest_forward_kwargs` gives.
+        ids = torch.cat([self.ids[a:b], self.ids[a : a + 1].expand(fill)])
+        depth = torch.cat([self.depth[a:b], self.depth.new_zeros(fill)])
+        local_end = torch.cat([
+            self.end[a:b].clamp(max=b) - a,
+            torch.arange(n + 1, size + 1, dtype=self.end.dtype, device=device),  # padding sees itself only
+        ])  # fmt: skip
+        query_rows = torch.cat([
+            torch.arange(a, b, dtype=self.end.dtype, device=device),
+            self.end.new_full((fill,), self.forest.num_tree_tokens),  # past every context row's subtree
+        ])  # fmt: skip
+        source = ContextMaskSource(
+            local_end,
+            depth,
+            self.seq_lengths,
+            self.dense,
+            context_end=torch.cat([self.end[context_rows], self.end.new_zeros(context_fill)]),
+            context_depth=torch.cat([self.depth[context_rows], self.depth.new_zeros(context_fill)]),
+            query_rows=query_rows,
+        )
+        own = torch.arange(a, b, device=device)
+        kept = self.slot[a:b] >= 0
+        context = ChunkContext(
+            self,
+            source,
+            context_slots=self.slot[context_rows],
+            context_fill=context_fill,
+            own_local=(own[kept] - a),
+            own_slots=self.slot[a:b][kept],
+            backward=backward,
+        )
+        inputs = {
+            "input_ids": ids[None],
+            "position_ids": depth[None],
+            "attention_mask": source.carrier,
+            "tree_context": context,
+            "use_cache": False,
+        }
+        hidden, _ = _final_hidden_states(self.model, inputs)
+        rows = torch.from_numpy(plan.scored[c]).to(device)
+        values, entropies = lm_head_logprobs(self.model, hidden[0], self.parent[rows] - a, self.ids[rows], **self.head)
+        return context, rows, values, entropies
+
+
+class ChunkContext:
+    """What `tree_flex_attention` needs to run one chunk of a prefix-reuse forward (passed as `tree_context`).
+
+    `attend(module, key, value)` returns `[context keys; own keys]` and the same for values, `(1, kv_heads, P + S,
+    head_dim)`, and records what the chunk's pass needs: in the forward, the own rows later chunks read go into the
+    store; in the backward, the context keys and values are leaf tensors (`leaves`) whose gradients go back to the
+    chunks that computed them, and the own kept rows' keys and values (`own`) receive the gradients later chunks
+    sent them. A second call of one module in a backward pass is the recompute of non-reentrant activation
+    checkpointing: it gets the same leaves.
+
+    Attributes:
+        mask_source: the chunk's `ContextMaskSource` (its masks must be the ones the layers get).
+        context_slots: `(P,)` long — store slots of the context rows.
+        own_local: `(K_c,)` long — the chunk's rows that later chunks read, as indices into the chunk.
+        own_slots: `(K_c,)` long — their store slots.
+    """
+
+    def __init__(self, step, mask_source, context_slots, context_fill, own_local, own_slots, backward):
+        self.step = step
+        self.mask_source = mask_source
+        self.context_slots = context_slots
+        self.context_fill = context_fill
+        self.own_local = own_local
+        self.own_slots = own_slots
+        self.backward = backward
+        self.leaves: dict[torch.nn.Module, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.own: dict[torch.nn.Module, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @torch.compiler.disable
+    def attend(self, module, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        own = (key[:, :, self.own_local], value[:, :, self.own_local])
+        if module in self.leaves:
+            if not self.backward:
+                raise NotImplementedError(
+                    f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) attends twice in one "
+                    "forward (an attention block shared between layers): prefix reuse keeps one set of keys per "
+                    "attention module. " + _FIX
+                )
+            # A checkpoint's recompute: the same operations as the first call (it counts the tensors autograd
+            # saves), the same leaves; the first call's `own` stays what the chunk's backward starts from.
+            context_key, context_value = self.leaves[module]
+        else:
+            if self.backward and not torch.is_grad_enabled():
+                raise NotImplementedError(
+                    "The model runs its decoder layers under reentrant activation checkpointing (use_reentrant="
+                    "True), whose forward keeps no graph for prefix reuse's backward to start from. Enable "
+                    "checkpointing with gradient_checkpointing_kwargs={'use_reentrant': False}, or use "
+                    "prefix_reuse=False."
+                )
+            store = self.step.kv.get(module)
+            if store is None:
+                slots = len(self.step.plan.kept_rows)
+                store = self.step.kv[module] = tuple(
+                    t.new_zeros(t.shape[0], t.shape[1], slots, t.shape[3]) for t in (key, value)
+                )
+            if self.backward:
+                self.own[module] = own
+            else:
+                for kept, rows in zip(store, own):
+                    kept.index_copy_(2, self.own_slots, rows.to(kept.dtype))
+            context_key, context_value = (t.index_select(2, self.context_slots) for t in store)
+            if self.backward:
+                context_key.requires_grad_()
+                context_value.requires_grad_()
+            self.leaves[module] = (context_key, context_value)
+        if self.context_fill:
+            context_key, context_value = (
+                torch.cat([t, t.new_zeros(*t.shape[:2], self.context_fill, t.shape[3])], dim=2)
+                for t in (context_key, context_value)
+            )
+        return (
+            torch.cat([context_key.to(key.dtype), key], dim=2),
+            torch.cat([context_value.to(value.dtype), value], dim=2),
+        )
+
+
+def _rng_state(device: torch.device) -> tuple:
+    return torch.get_rng_state(), (torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
+
+
+@contextlib.contextmanager
+def _restored_rng(device: torch.device, state: tuple):
+    """The RNG as it was at the chunk's forward (dropout draws the same masks), the caller's restored after."""
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices, device_type=device.type if devices else "cuda"):
+        torch.set_rng_state(state[0])
+        if state[1] is not None:
+            torch.cuda.set_rng_state(state[1], device)
+        yield
+
+
+def _autocast_state(device_type: str) -> list[tuple[str, bool, torch.dtype]]:
+    kinds = dict.fromkeys([device_type, "cpu"])
+    return [(kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)) for kind in kinds]
+
+
+def _autocasts(state) -> list:
+    """Autocast as the chunk's forward ran under it (a backward runs outside the caller's autocast block)."""
+    return [torch.autocast(kind, dtype=dtype, enabled=enabled) for kind, enabled, dtype in state]

@@ -1,0 +1,481 @@
+"""Prefix reuse: one forest per step, run in chunks of a token budget (`hf_tree_attn.chunked`,
+`hf_tree_attn.prefix_reuse`), against per-sequence flat forwards and the unsplit forest."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import numpy as np
+import pytest
+import torch
+from helpers import TOLERANCES, DictTrie, flat_logprobs, forest_case, hybrid_twin_models, trie_node_count, twin_models
+from test_coverage import tiny_config as coverage_config
+from transformers import AutoModelForCausalLM
+
+import hf_tree_attn.attention
+from hf_tree_attn import forest_logprobs, gather_sequences, pack_forest, sequence_logprobs
+from hf_tree_attn import prefix_reuse as prefix_reuse_module
+from hf_tree_attn.chunked import plan_chunks
+from hf_tree_attn.prefix_reuse import chunked_forest_logprobs, kept_kv_bytes, prefix_reuse_error
+
+ATOL = TOLERANCES["logps_atol"]
+BUDGET = 128  # the smallest budget sequence_logprobs takes (a multiple of 128)
+
+
+def _tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(3, 128) for _ in range(n)]
+
+
+def _trie(num_chunks: int, seed: int, max_len: int = 250) -> list[list[int]]:
+    """One trie (a prompt, completions, completions branching off completions) of more than `num_chunks - 1`
+    and at most `num_chunks` budgets of unique tokens."""
+    rng = random.Random(seed)
+    target = BUDGET * (num_chunks - 1) + BUDGET // 2
+    prompt = _tokens(rng, min(90, target // 3))
+    sequences, rows = [], len(prompt)
+    while rows < target:
+        base = prompt
+        if sequences and rng.random() < 0.4:
+            other = rng.choice(sequences)
+            base = other[: rng.randint(len(prompt), len(other))]
+        n = min(rng.randint(5, 60), target - rows, max_len - len(base))
+        if n <= 0:
+            continue
+        sequences.append(base + _tokens(rng, n))
+        rows += n
+    assert BUDGET * (num_chunks - 1) < trie_node_count(sequences) <= BUDGET * num_chunks
+    return sequences
+
+
+def _edge_cases() -> list[list[int]]:
+    """Identical sequences, a sequence that is a prefix of another, 1-token sequences, several tries, behind a long
+    shared prompt, over four chunks."""
+    rng = random.Random(1)
+    prompt = _tokens(rng, 150)
+    sequences = [prompt + s for s in forest_case("identical", 0) + forest_case("prefix", 0)]
+    sequences += [prompt, prompt[:1], prompt[:70]]  # a prefix of all of them, a 1-token one
+    sequences += forest_case("single_token", 0) + forest_case("no_sharing", 0) + forest_case("mixed", 5)
+    assert 3 * BUDGET < trie_node_count(sequences) <= 4 * BUDGET
+    return sequences
+
+
+def _param_grads(model) -> dict[str, torch.Tensor]:
+    return {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def _assert_grads_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    """Per tensor: max |got - want| <= grad_max_rel * max |want| (tests/test_logprobs.py's bound)."""
+    assert got.keys() == want.keys() and len(got) > 0
+    for name, flat in want.items():
+        worst = (got[name] - flat).abs().max().item()
+        assert worst <= TOLERANCES["grad_max_rel"] * flat.abs().max().item() + 1e-9, f"{name}: max |diff| {worst}"
+
+
+def _weights(sequences, seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return (
+        [torch.randn(len(s) - 1, generator=g) for s in sequences],
+        [torch.randn(len(s) - 1, generator=g) for s in sequences],
+    )
+
+
+def _loss(logps, entropies, weights) -> torch.Tensor:
+    return sum((w * lp).sum() + (v * e).sum() for w, v, lp, e in zip(*weights, logps, entropies))
+
+
+def _check_against_flat(tree, ref, sequences, temperature: float = 1.0, loss=_loss) -> None:
+    """Chunked log-probs, entropies and parameter gradients of `loss` equal per-sequence flat forwards."""
+    weights = _weights(sequences, seed=0)
+    logps, entropies = sequence_logprobs(
+        tree, sequences, BUDGET, temperature=temperature, return_entropy=True, prefix_reuse=True
+    )
+    loss(logps, entropies, weights).backward()
+    flat = [flat_logprobs(ref, s, temperature) for s in sequences]
+    loss([f[0] for f in flat], [f[1] for f in flat], weights).backward()
+    for i, (want_logps, want_entropy) in enumerate(flat):
+        torch.testing.assert_close(logps[i], want_logps, atol=ATOL, rtol=0, msg=lambda m, i=i: f"sequence {i}: {m}")
+        torch.testing.assert_close(
+            entropies[i], want_entropy, atol=ATOL, rtol=0, msg=lambda m, i=i: f"entropy {i}: {m}"
+        )
+    _assert_grads_close(_param_grads(tree), _param_grads(ref))
+
+
+def _num_chunks(sequences) -> int:
+    (forest,) = pack_forest(sequences, two_level=False)
+    return plan_chunks(forest, BUDGET).num_chunks
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The plan
+
+
+def test_plan_of_the_docstring_example():
+    (forest,) = pack_forest([[5, 6, 7, 8], [5, 6, 9]], pad_multiple=8)
+    plan = plan_chunks(forest, 2)
+    assert plan.bounds.tolist() == [0, 2, 4, 5]
+    assert [c.tolist() for c in plan.context] == [[], [0, 1], [0, 1]]
+    assert [s.tolist() for s in plan.scored] == [[1, 2, 4], [3], []]
+    assert plan.kept_rows.tolist() == [0, 1] and plan.slot.tolist() == [0, 1, -1, -1, -1]
+    assert plan.needed.tolist() == [True, True, False]
+    assert plan.forwarded_rows == 4
+    assert plan.kept_kv_bytes(layers=3, kv_heads=2, head_dim=16, bytes_per_value=2) == 2 * 3 * 2 * 2 * 16 * 2
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 3, 16, 1000])
+@pytest.mark.parametrize("case", ["mixed", "multiturn", "prefix"])
+def test_plan_matches_the_dict_trie(case, chunk_rows):
+    """Each chunk's context is the set of rows of earlier chunks some row of it descends from (walked up the dict
+    trie), every row with a parent is scored once, by the chunk of its parent, and the kept rows are the contexts."""
+    sequences = forest_case(case, seed=2) + forest_case(case, seed=3)
+    (forest,) = pack_forest(sequences, two_level=False)
+    n = forest.num_tree_tokens
+    plan = plan_chunks(forest, chunk_rows)
+    trie, row_node = DictTrie(), {}
+    for k, sid in enumerate(forest.seq_ids):
+        row_node.update(zip(forest.positions(k).tolist(), trie.insert(sequences[sid])))
+    node_row = {node: row for row, node in row_node.items()}
+    assert plan.bounds[0] == 0 and plan.bounds[-1] == n and (np.diff(plan.bounds) <= chunk_rows).all()
+    scored_by = {}
+    for c in range(plan.num_chunks):
+        a, b = plan.bounds[c], plan.bounds[c + 1]
+        seen = {node_row[x] for g in range(a, b) for x in trie.ancestors_or_self(row_node[g]) if node_row[x] < a}
+        assert plan.context[c].tolist() == sorted(seen), f"chunk {c}"
+        for t in plan.scored[c].tolist():
+            assert a <= node_row[trie.parent[row_node[t]]] < b
+            scored_by[t] = c
+    assert sorted(scored_by) == [r for r in range(n) if trie.parent[row_node[r]] != 0]
+    kept = sorted(set().union(*[set(c.tolist()) for c in plan.context]))
+    assert plan.kept_rows.tolist() == kept
+    assert (plan.slot[plan.kept_rows] == np.arange(len(kept))).all() and (plan.slot >= 0).sum() == len(kept)
+    holds = [bool((plan.slot[plan.bounds[c] : plan.bounds[c + 1]] >= 0).any()) for c in range(plan.num_chunks)]
+    assert plan.needed.tolist() == [len(s) > 0 or h for s, h in zip(plan.scored, holds)]
+    assert plan.needed.tolist() == [len(s) > 0 for s in plan.scored]  # a chunk holding a kept row scores its child
+
+
+def test_plan_refuses_a_bad_chunk_size():
+    (forest,) = pack_forest([[5, 6, 7]])
+    with pytest.raises(ValueError, match=r"chunk_rows=0 must be a positive int"):
+        plan_chunks(forest, 0)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Exactness: against per-sequence flat forwards and the unsplit forest
+
+
+@pytest.mark.parametrize("num_chunks", [2, 3, 8])
+def test_split_trie_matches_flat_and_unsplit(num_chunks):
+    tree, ref = twin_models("qwen3")
+    sequences = _trie(num_chunks, seed=num_chunks)
+    assert _num_chunks(sequences) == num_chunks
+    _check_against_flat(tree, ref, sequences)
+
+    # The unsplit forest: one forward over all of it, the same weights.
+    chunked_grads = _param_grads(tree)
+    tree.zero_grad()
+    weights = _weights(sequences, seed=0)
+    (forest,) = pack_forest(sequences, two_level=False)
+    table, entropy_table = forest_logprobs(tree, forest, return_entropy=True)
+    logps, entropies = gather_sequences(forest, table), gather_sequences(forest, entropy_table)
+    _loss(logps, entropies, weights).backward()
+    with torch.no_grad():
+        got, got_entropy = sequence_logprobs(tree, sequences, BUDGET, return_entropy=True, prefix_reuse=True)
+    for i in range(len(sequences)):
+        torch.testing.assert_close(got[i], logps[i].detach(), atol=ATOL, rtol=0)
+        torch.testing.assert_close(got_entropy[i], entropies[i].detach(), atol=ATOL, rtol=0)
+    _assert_grads_close(chunked_grads, _param_grads(tree))
+
+
+def test_sequence_four_times_the_budget_matches_flat():
+    tree, ref = twin_models("llama")
+    sequence = _tokens(random.Random(4), 4 * BUDGET)
+    with pytest.raises(ValueError, match=r"more than max_tokens_per_mb=128.*prefix_reuse=True"):
+        sequence_logprobs(tree, [sequence], BUDGET)
+    assert _num_chunks([sequence]) == 4
+    _check_against_flat(tree, ref, [sequence, sequence[:200]])
+
+
+def test_edge_cases_match_flat():
+    tree, ref = twin_models("gemma")  # MQA
+    sequences = _edge_cases()
+    assert _num_chunks(sequences) == 4
+    _check_against_flat(tree, ref, sequences)
+
+
+def test_loss_coupling_sequences_matches_flat():
+    """A loss that is not a sum over tokens (normalised by the total token count, a square of a sum, entropies
+    times log-probs) gets exact gradients: the reentrant backward is given the loss's own gradient per token."""
+    tree, ref = twin_models("qwen3")
+    sequences = _trie(3, seed=11)
+
+    def coupled(logps, entropies, weights):
+        tokens = sum(len(lp) for lp in logps)
+        weighted = sum((w * lp).sum() for w, lp in zip(weights[0], logps)) / tokens
+        total = torch.cat(list(logps)).sum() / tokens
+        return weighted + total**2 + torch.cat(list(entropies)).mean() * total
+
+    _check_against_flat(tree, ref, sequences, temperature=0.8, loss=coupled)
+
+
+def _coverage_twins(model_type: str):
+    """`(tree_flex model, eager model)` of the coverage matrix's tiny config (windows of 4 tokens), identical
+    jittered fp32 weights (as test_coverage does: constant-initialised parameters must not hide a difference)."""
+    config = coverage_config(model_type)
+    torch.manual_seed(0)
+    tree = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="tree_flex").float().eval()
+    with torch.no_grad():
+        for param in tree.parameters():
+            param.add_(0.05 * torch.randn_like(param))
+    ref = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="eager").float().eval()
+    ref.load_state_dict(tree.state_dict())
+    return tree, ref
+
+
+@pytest.mark.parametrize(
+    "model_type",
+    [
+        "mistral",  # sliding window of 4 on every layer (SDPA)
+        "gemma2",  # alternating window and full layers, attention and final softcap (eager math)
+        "gpt_oss",  # attention sinks, alternating windows, MoE
+        "qwen3_moe",  # MoE
+        "gemma3n_text",  # later layers reuse earlier layers' keys and values
+        "deepseek_v3",  # multi-head latent attention: keys wider than values
+    ],
+)
+def test_layer_kinds_match_flat(model_type):
+    tree, ref = _coverage_twins(model_type)
+    sequences = _trie(3, seed=20, max_len=200)
+    assert _num_chunks(sequences) == 3
+    _check_against_flat(tree, ref, sequences)
+
+
+def _enable_checkpointing(model, use_reentrant: bool) -> None:
+    kwargs = {"use_reentrant": use_reentrant}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.23 renamed it
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def test_train_mode_with_non_reentrant_checkpointing_matches_flat():
+    """transformers' non-reentrant activation checkpointing recomputes each layer inside the chunk's backward: the
+    recompute must see the same context leaves."""
+    tree, ref = twin_models("qwen3")
+    tree.train()
+    _enable_checkpointing(tree, use_reentrant=False)
+    assert all(layer.gradient_checkpointing for layer in tree.model.layers)
+    _check_against_flat(tree, ref, _trie(3, seed=30))
+
+
+def test_recompute_repeats_the_forward_under_dropout_and_autocast():
+    """Each chunk's recompute in the backward sees the dropout masks and the autocast its forward saw (the backward
+    runs outside the caller's autocast block): its last MLP's outputs (bf16, after dropout) are bit-identical to the
+    forward's."""
+    config = coverage_config("gpt2")
+    config.resid_pdrop = config.embd_pdrop = 0.1  # attention dropout must stay 0 on trees
+    torch.manual_seed(0)
+    tree = AutoModelForCausalLM.from_config(config, attn_implementation="tree_flex").train()
+    sequences = _trie(3, seed=35, max_len=200)
+    hidden = []
+    mlp = tree.transformer.h[-1].mlp
+    hook = mlp.register_forward_hook(lambda m, args, out: hidden.append(out.detach().clone()))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logps = sequence_logprobs(tree, sequences, BUDGET, prefix_reuse=True)
+    torch.cat(logps).sum().backward()
+    hook.remove()
+    forward, recompute = hidden[:3], hidden[3:][::-1]
+    assert len(recompute) == 3 and all(h.dtype == torch.bfloat16 for h in hidden)
+    for a, b in zip(forward, recompute):
+        assert torch.equal(a, b)
+    assert not torch.equal(forward[0][:, :40], forward[1][:, :40]), "dropout must be on: chunks draw their own masks"
+
+
+def test_padded_chunks_match_flat():
+    """Chunks and their context padded to 128 rows (CUDA's layout): padding rows see neither context nor real rows."""
+    tree, ref = twin_models("llama")
+    sequences = _trie(3, seed=40)
+    (forest,) = pack_forest(sequences, two_level=False)
+    assert forest.num_tree_tokens % BUDGET and any(len(c) % BUDGET for c in plan_chunks(forest, BUDGET).context)
+    with torch.no_grad():
+        table, entropy = chunked_forest_logprobs(tree, forest, BUDGET, return_entropy=True, pad_multiple=BUDGET)
+    for i, (lp, ent) in enumerate(zip(gather_sequences(forest, table), gather_sequences(forest, entropy))):
+        want_logps, want_entropy = flat_logprobs(ref, sequences[forest.seq_ids[i]])
+        torch.testing.assert_close(lp, want_logps, atol=ATOL, rtol=0)
+        torch.testing.assert_close(ent, want_entropy, atol=ATOL, rtol=0)
+
+
+def test_block_mask_forward_equals_dense(monkeypatch):
+    """The CUDA path's BlockMask over [context; own] keys, in FlexAttention on CPU (inference only: it has no CPU
+    backward), gives the dense path's log-probs and entropies; GPT-OSS: windows, and sinks folded in through the
+    log-sum-exp."""
+    tree, _ = _coverage_twins("gpt_oss")
+    sequences = _trie(3, seed=50, max_len=200)
+    (forest,) = pack_forest(sequences, two_level=False)
+    plan = plan_chunks(forest, BUDGET)
+    calls = []
+    flex = hf_tree_attn.attention._flex_attention
+    monkeypatch.setattr(hf_tree_attn.attention, "_flex_attention", lambda *a, **k: calls.append(1) or flex(*a, **k))
+    tables = {}
+    with torch.no_grad():
+        for dense in (True, False):
+            step = prefix_reuse_module._Step(tree, forest, plan, 1.0, True, None, False, dense, BUDGET)
+            tables[dense] = step.forward()
+    assert len(calls) == plan.needed.sum() * tree.config.num_hidden_layers, "the BlockMasks must take FlexAttention"
+    for got, want in zip(tables[False], tables[True]):
+        torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Each row forwarded once; the kept keys and values as estimated
+
+
+def test_forwarded_tokens_are_the_unique_tokens():
+    tree, _ = twin_models("qwen3")
+    sequences = _trie(3, seed=60, max_len=120) + _trie(2, seed=61, max_len=120)  # two tries, within the budget
+    forwarded = []
+    hook = tree.model.embed_tokens.register_forward_hook(lambda m, args, out: forwarded.append(args[0].numel()))
+    with torch.no_grad():
+        sequence_logprobs(tree, sequences, BUDGET, prefix_reuse=True)
+    unique = trie_node_count(sequences)
+    assert len(forwarded) == _num_chunks(sequences) and sum(forwarded) == unique
+    forwarded.clear()
+    logps = sequence_logprobs(tree, sequences, BUDGET, prefix_reuse=True)
+    torch.cat(logps).sum().backward()
+    hook.remove()
+    assert sum(forwarded) == 2 * unique  # a forward, then one recompute per chunk
+    repeated = sum(f.num_tree_tokens for f in pack_forest(sequences, max_tokens_per_mb=BUDGET))
+    assert repeated > unique, "micro-batches repeat the prefix they share: the comparison is not vacuous"
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "gpt_oss", "deepseek_v3"])
+def test_kept_kv_bytes_is_what_is_stored(model_type):
+    tree = twin_models("qwen3")[0] if model_type == "qwen3" else _coverage_twins(model_type)[0]
+    sequences = _trie(3, seed=70, max_len=200)
+    (forest,) = pack_forest(sequences, two_level=False)
+    plan = plan_chunks(forest, BUDGET)
+    step = prefix_reuse_module._Step(tree, forest, plan, 1.0, False, None, False, True, 1)
+    with torch.no_grad():
+        step.forward()
+    stored = sum(t.numel() * t.element_size() for kv in step.kv.values() for t in kv)
+    assert len(plan.kept_rows) > 0 and stored == kept_kv_bytes(tree, plan)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Leakage
+
+
+def test_changing_one_branch_moves_only_its_subtree():
+    """A token changed inside one branch whose subtree spans chunks: every log-prob and entropy of a token outside
+    that subtree is bit-identical, the rows after it in the last chunk included (they hold it as context)."""
+    tree, _ = twin_models("llama")
+    sequences = _trie(3, seed=80)
+    (forest,) = pack_forest(sequences, two_level=False)
+    plan = plan_chunks(forest, BUDGET)
+    end = forest.subtree_end
+    # A row of an earlier chunk whose subtree ends inside the last chunk, branching ones first.
+    rows = [r for r in range(1, int(plan.bounds[2])) if plan.bounds[2] < end[r] < plan.bounds[3]]
+    row = min(rows, key=lambda r: (int((forest.parent == r).sum()) < 2, r))
+    assert row in plan.context[2]
+    token = int(forest.input_ids[0, row])
+    changed = None
+    for new in (token + 1, token - 1, token + 2, token - 2):
+        if not 3 <= new < 128:
+            continue
+        trial = [list(s) for s in sequences]
+        for k, sid in enumerate(forest.seq_ids):
+            positions = forest.positions(k).tolist()
+            if row in positions:
+                trial[sid][positions.index(row)] = new
+        (after,) = pack_forest(trial, two_level=False)
+        if torch.equal(after.subtree_end, end) and torch.equal(after.seq_positions, forest.seq_positions):
+            changed = trial
+            break
+    assert changed is not None, "no change keeps the layout"
+    with torch.no_grad():
+        before, ent_before = sequence_logprobs(tree, sequences, BUDGET, return_entropy=True, prefix_reuse=True)
+        after, ent_after = sequence_logprobs(tree, changed, BUDGET, return_entropy=True, prefix_reuse=True)
+    moved = 0
+    for k, sid in enumerate(forest.seq_ids):
+        rows = forest.positions(k)[1:]
+        inside = (rows >= row) & (rows < end[row])  # the changed token and the tokens its subtree predicts
+        assert torch.equal(before[sid][~inside], after[sid][~inside]), f"sequence {sid} saw the change"
+        parents = forest.parent[rows]  # an entropy is of the distribution its parent row predicts
+        outside = (parents < row) | (parents >= end[row])
+        assert torch.equal(ent_before[sid][outside], ent_after[sid][outside])
+        moved += int((before[sid][inside] != after[sid][inside]).sum())
+    assert moved > 0, "the change must move the log-probs of its subtree"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# What is refused
+
+
+def test_default_is_unchanged_and_long_sequence_refused_without_it():
+    tree, _ = twin_models("llama")
+    sequences = _trie(2, seed=90)
+    with torch.no_grad():
+        plain = sequence_logprobs(tree, sequences, BUDGET)
+        reused = sequence_logprobs(tree, sequences, BUDGET, prefix_reuse=True)
+        unlimited = sequence_logprobs(tree, sequences, prefix_reuse=True)  # no budget: one forward, as without it
+    for a, b, c in zip(plain, reused, unlimited):
+        torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
+        torch.testing.assert_close(a, c, atol=ATOL, rtol=0)
+    with pytest.raises(ValueError, match=r"sequences\[0\] has 300 tokens.*prefix_reuse=True"):
+        sequence_logprobs(tree, [list(range(3, 303))], BUDGET)
+    with pytest.raises(ValueError, match=r"max_tokens_per_mb=100 must be a positive multiple of pad_multiple=128"):
+        sequence_logprobs(tree, sequences, 100, prefix_reuse=True)
+
+
+def test_hybrid_is_refused():
+    tree, _ = hybrid_twin_models("qwen3_5")
+    assert "carry a state from token to token (Qwen3_5GatedDeltaNet)" in prefix_reuse_error(tree)
+    with pytest.raises(NotImplementedError, match=r"Qwen3_5GatedDeltaNet.*prefix_reuse=False"):
+        sequence_logprobs(tree, _trie(2, seed=0), BUDGET, prefix_reuse=True)
+
+
+def test_chunked_attention_is_refused():
+    torch.manual_seed(0)
+    tree = AutoModelForCausalLM.from_config(coverage_config("llama4_text"), attn_implementation="tree_flex")
+    with pytest.raises(NotImplementedError, match=r"chunked_attention.*full and sliding-window.*prefix_reuse=False"):
+        sequence_logprobs(tree, _trie(2, seed=0), BUDGET, prefix_reuse=True)
+
+
+def test_model_refused_by_the_tree_gate_is_refused():
+    _, ref = twin_models("llama")  # sdpa, not tree_flex
+    with pytest.raises(ValueError, match=r"attn_implementation='sdpa'; tree packing needs 'tree_flex'"):
+        sequence_logprobs(ref, _trie(2, seed=0), BUDGET, prefix_reuse=True)
+
+
+def test_reentrant_checkpointing_is_refused():
+    tree, _ = twin_models("llama")
+    tree.train()
+    _enable_checkpointing(tree, use_reentrant=True)
+    logps = sequence_logprobs(tree, _trie(2, seed=0), BUDGET, prefix_reuse=True)
+    with pytest.raises(NotImplementedError, match=r"reentrant activation checkpointing.*use_reentrant': False"):
+        torch.cat(logps).sum().backward()
+
+
+def test_autograd_grad_is_refused():
+    tree, _ = twin_models("llama")
+    logps = sequence_logprobs(tree, _trie(2, seed=0), BUDGET, prefix_reuse=True)
+    with pytest.raises(RuntimeError, match=r"works with `loss.backward\(\)` but not with `torch.autograd.grad"):
+        torch.autograd.grad(torch.cat(logps).sum(), [tree.lm_head.weight])
+
+
+def test_chunk_mask_without_its_context_is_refused():
+    """A layer that gets a chunk's mask but not its `tree_context` (a forward that drops the kwarg) raises rather
+    than reading the chunk's mask against its own keys alone."""
+    tree, _ = twin_models("llama")
+    (forest,) = pack_forest(_trie(2, seed=0), two_level=False)
+    step = prefix_reuse_module._Step(tree, forest, plan_chunks(forest, BUDGET), 1.0, False, None, False, True, 1)
+    calls = []
+
+    def drop_context(module, args, kwargs):
+        calls.append(1)
+        return args, {k: v for k, v in kwargs.items() if k != "tree_context"}
+
+    hook = tree.model.layers[1].self_attn.register_forward_pre_hook(drop_context, with_kwargs=True)
+    with torch.no_grad(), pytest.raises(RuntimeError, match=r"Layer 1 of LlamaAttention got the mask of a prefix"):
+        step.forward()
+    hook.remove()
+    assert calls
