@@ -7,6 +7,7 @@ package registered first is not replaced: the import raises, naming it (`attenti
 
 from .attention import ATTN_IMPLEMENTATION, register, tree_flex_attention
 from .collator import TreeDataCollator, TreeMicroBatch
+from .hidden_states import forest_hidden_states, gather_hidden_states
 from .logprobs import forest_logprobs, gather_sequences, pad_sequences, sequence_logprobs
 from .metrics import estimate_flops
 from .recurrent import register as _register_recurrent
@@ -54,7 +55,9 @@ __all__ = [
     "TreeSFTTrainer",
     "check_tree_model",
     "estimate_flops",
+    "forest_hidden_states",
     "forest_logprobs",
+    "gather_hidden_states",
     "gather_sequences",
     "pack_forest",
     "pad_sequences",
