@@ -26,6 +26,8 @@ _TRAINER_CLASSES = (
     "TreeDPOTrainer",
     "TreeGRPOConfig",
     "TreeGRPOTrainer",
+    "TreeRewardConfig",
+    "TreeRewardTrainer",
     "TreeSFTConfig",
     "TreeSFTTrainer",
 )
@@ -51,6 +53,8 @@ __all__ = [
     "TreeGRPOConfig",
     "TreeGRPOTrainer",
     "TreeMicroBatch",
+    "TreeRewardConfig",
+    "TreeRewardTrainer",
     "TreeSFTConfig",
     "TreeSFTTrainer",
     "check_tree_model",
