@@ -143,6 +143,20 @@ def test_the_prompt_is_computed_once(pair):
     assert trie_node_count(rows) < sum(map(len, rows)) - 2 * len(SYSTEM)  # the system prompt alone repeats 5 times
 
 
+def test_several_forests_per_batch_equal_trl(pair):
+    """`max_tokens_per_mb=128`: the batch's tries go into several forests, one backbone forward each."""
+    (tree, flat), batch = pair
+    calls = []
+    hook = tree.model.get_input_embeddings().register_forward_hook(lambda *args: calls.append(1))
+    tree.args.max_tokens_per_mb = 128
+    try:
+        metrics = _assert_same_step(tree, flat, batch)
+    finally:
+        tree.args.max_tokens_per_mb = None
+        hook.remove()
+    assert metrics["tree_fallback"] == 0.0 and len(calls) >= 2
+
+
 def _run(trainer):
     trainer.train()
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
