@@ -7,6 +7,7 @@ package registered first is not replaced: the import raises, naming it (`attenti
 
 from .attention import ATTN_IMPLEMENTATION, register, tree_flex_attention
 from .collator import TreeDataCollator, TreeMicroBatch
+from .hidden_states import forest_hidden_states, gather_hidden_states
 from .logprobs import forest_logprobs, gather_sequences, pad_sequences, sequence_logprobs
 from .metrics import estimate_flops
 from .recurrent import register as _register_recurrent
@@ -25,6 +26,8 @@ _TRAINER_CLASSES = (
     "TreeDPOTrainer",
     "TreeGRPOConfig",
     "TreeGRPOTrainer",
+    "TreeRewardConfig",
+    "TreeRewardTrainer",
     "TreeSFTConfig",
     "TreeSFTTrainer",
 )
@@ -50,11 +53,15 @@ __all__ = [
     "TreeGRPOConfig",
     "TreeGRPOTrainer",
     "TreeMicroBatch",
+    "TreeRewardConfig",
+    "TreeRewardTrainer",
     "TreeSFTConfig",
     "TreeSFTTrainer",
     "check_tree_model",
     "estimate_flops",
+    "forest_hidden_states",
     "forest_logprobs",
+    "gather_hidden_states",
     "gather_sequences",
     "pack_forest",
     "pad_sequences",

@@ -133,6 +133,32 @@ def test_a_tree_flex_registered_over_ours_scores_flat(monkeypatch):
     assert reason.endswith("It scores flat, as in trl.GRPOTrainer.")
 
 
+def test_peft_gate_accepts_a_modules_to_save_head_and_refuses_a_lora_on_it():
+    """PEFT's sequence-classification task copies `score` into `modules_to_save` (row by row, like the original):
+    exact, and the PEFT model scores equal its own padded forward. A LoRA on `score` and prompt learning are
+    refused, naming the way out."""
+    from peft import LoraConfig, PromptTuningConfig, get_peft_model
+
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="SEQ_CLS")
+    peft_model = get_peft_model(_reward_model(), lora).eval()
+    assert type(peft_model.base_model.model.score).__name__ == "ModulesToSaveWrapper"
+    assert reward_model_error(peft_model) is None
+    ids, mask = _right_padded(ROWS)
+    with torch.no_grad():
+        torch.nn.init.normal_(peft_model.base_model.model.model.layers[0].self_attn.q_proj.lora_B["default"].weight)
+        want = peft_model(input_ids=ids, attention_mask=mask).logits
+        records = []
+        with tree_reward_models([peft_model], record=lambda name, value: records.append((name, value))):
+            got = peft_model(input_ids=ids, attention_mask=mask).logits
+    assert ("reward_tree_fallback", 0.0) in records
+    torch.testing.assert_close(got, want, atol=TOLERANCES["logps_atol"], rtol=0)
+
+    on_score = get_peft_model(_reward_model(), LoraConfig(r=4, target_modules=["q_proj", "score"]))
+    assert "leave it out of target_modules" in reward_model_error(on_score, fallback="")
+    prompt = get_peft_model(_reward_model(), PromptTuningConfig(num_virtual_tokens=2, task_type="SEQ_CLS"))
+    assert "prompt learning" in reward_model_error(prompt)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Inside TreeGRPOTrainer: the rewards of a run equal trl.GRPOTrainer's.
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 import trl
 from helpers import tiny_model
-from trl import DPOTrainer, GRPOTrainer, SFTTrainer
+from trl import DPOTrainer, GRPOTrainer, RewardTrainer, SFTTrainer
 from trl.trainer import utils as trl_utils
 
 from hf_tree_attn import logprobs
@@ -178,6 +178,7 @@ def test_trl_hooks_the_seam_calls_exist_with_their_parameters():
         (GRPOTrainer, {"_metrics", "_step", "_buffered_inputs", "_is_vlm", "_tokenizer"}),
         (SFTTrainer, {"_metrics", "_is_vision_dataset"}),
         (DPOTrainer, {"_metrics", "_is_vision_dataset"}),
+        (RewardTrainer, {"_metrics"}),
     ],
     ids=lambda v: getattr(v, "__name__", ""),
 )
@@ -201,6 +202,18 @@ def test_accessors_read_and_write_the_trl_attributes():
     assert trl_compat.is_vision_dataset(trainer) is False
     trainer._is_vision_dataset = True
     assert trl_compat.is_vision_dataset(trainer) is True
+
+
+def test_reward_trainer_scores_the_whole_batch_in_one_model_call():
+    """`TreeRewardTrainer` overrides only the public `compute_loss` and, inside TRL's, swaps the classifier's forward:
+    TRL's must score every row with one `model(**inputs)` call (its batch, `margin` included, which the tree's
+    forward ignores as the model's layers do) and split the logits into chosen and rejected halves."""
+    assert _unwrapped_params(RewardTrainer.compute_loss) == [
+        "self", "model", "inputs", "return_outputs", "num_items_in_batch"
+    ]  # fmt: skip
+    source = inspect.getsource(RewardTrainer.compute_loss)
+    assert source.count("model(") == 1 and "outputs = model(**inputs)" in source
+    assert "torch.chunk(outputs.logits.squeeze(-1), chunks=2)" in source
 
 
 def test_trainer_names_are_trls():
@@ -388,7 +401,7 @@ def test_experimental_names_load_on_first_use():
 
 def _trl_private_names() -> set[str]:
     """Private names TRL's own classes define or assign (not transformers' `Trainer`'s)."""
-    classes = [GRPOTrainer, SFTTrainer, DPOTrainer]
+    classes = [GRPOTrainer, SFTTrainer, DPOTrainer, RewardTrainer]
     try:
         module = _async()
         classes += [module.AsyncGRPOTrainer, module.DataCollatorForRollout]

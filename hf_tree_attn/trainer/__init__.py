@@ -11,6 +11,8 @@ from .dpo_config import TreeDPOConfig
 from .dpo_trainer import TreeDPOTrainer
 from .grpo_config import TreeGRPOConfig
 from .grpo_trainer import TreeGRPOTrainer
+from .reward_config import TreeRewardConfig
+from .reward_trainer import TreeRewardTrainer
 from .sft_config import TreeSFTConfig
 from .sft_trainer import TreeSFTTrainer
 
@@ -35,6 +37,8 @@ __all__ = [
     "TreeDPOTrainer",
     "TreeGRPOConfig",
     "TreeGRPOTrainer",
+    "TreeRewardConfig",
+    "TreeRewardTrainer",
     "TreeSFTConfig",
     "TreeSFTTrainer",
 ]

@@ -114,7 +114,7 @@ from trl.trainer.utils import (  # each as of 1.16.0
 
 def metrics(trainer) -> dict:
     """TRL's metrics table, `trainer._metrics`: `{"train" | "eval": {name: [values]}}` (lists default to empty),
-    averaged and logged by TRL's `log`; GRPO, SFT, DPO and the async GRPO trainer alike (1.16.0)."""
+    averaged and logged by TRL's `log`; GRPO, SFT, DPO, reward and the async GRPO trainer alike (1.16.0)."""
     return trainer._metrics
 
 
