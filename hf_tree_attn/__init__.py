@@ -25,6 +25,8 @@ _TRAINER_CLASSES = (
     "TreeDPOTrainer",
     "TreeGRPOConfig",
     "TreeGRPOTrainer",
+    "TreeRLOOConfig",
+    "TreeRLOOTrainer",
     "TreeSFTConfig",
     "TreeSFTTrainer",
 )
@@ -50,6 +52,8 @@ __all__ = [
     "TreeGRPOConfig",
     "TreeGRPOTrainer",
     "TreeMicroBatch",
+    "TreeRLOOConfig",
+    "TreeRLOOTrainer",
     "TreeSFTConfig",
     "TreeSFTTrainer",
     "check_tree_model",

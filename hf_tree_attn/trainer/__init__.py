@@ -11,6 +11,8 @@ from .dpo_config import TreeDPOConfig
 from .dpo_trainer import TreeDPOTrainer
 from .grpo_config import TreeGRPOConfig
 from .grpo_trainer import TreeGRPOTrainer
+from .rloo_config import TreeRLOOConfig
+from .rloo_trainer import TreeRLOOTrainer
 from .sft_config import TreeSFTConfig
 from .sft_trainer import TreeSFTTrainer
 
@@ -35,6 +37,8 @@ __all__ = [
     "TreeDPOTrainer",
     "TreeGRPOConfig",
     "TreeGRPOTrainer",
+    "TreeRLOOConfig",
+    "TreeRLOOTrainer",
     "TreeSFTConfig",
     "TreeSFTTrainer",
 ]

@@ -1,7 +1,8 @@
 """`TreeGRPOTrainer`: TRL's GRPO trainer with its log-probability forwards on packed prefix trees.
 
 The old-policy, reference and policy log-probabilities (and entropies) of a chunk of TRL's padded rows come from
-one forward over the chunk's prefix forest, each prompt's group kept in one micro-batch (`group_trainer.py`).
+one forward over the chunk's prefix forest, each prompt's group kept in one micro-batch (`group_trainer.py`, which
+`TreeRLOOTrainer` shares).
 Everything else — generation, rewards, advantages, every `loss_type`, KL, clipping, metrics — is TRL's own code on
 the same `(B, C)` tensors. What is GRPO's own here: `_generate_single_turn` (transformers' continuous batching with a
 stock attention, empty prompts or completions refused, as a `rollout_func`'s output is checked, `rollouts.py`), and
