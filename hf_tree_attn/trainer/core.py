@@ -318,10 +318,10 @@ class TreeTrainerMixin:
         """Why this run cannot use trees beyond the model gate (overridden per trainer), or None."""
         return None
 
-    def _tree_decide(self, stacklevel: int = 3) -> bool:
+    def _tree_decide(self, stacklevel: int = 3) -> None:
         """Trees or TRL's path, after TRL's `__init__` loaded the models: `self.tree_packing` (and
-        `self.tree_reason`, None on trees). Under `tree_packing="auto"` a refusal puts the models back on their stock
-        attention and warns once, naming the reason; under `tree_packing=True` it is an error."""
+        `self.tree_reason`, None on trees), logged at INFO. Under `tree_packing="auto"` a refusal puts the models back
+        on their stock attention and warns once, naming the reason; under `tree_packing=True` it is an error."""
         args, reason = self.args, self._tree_reason
         models = (self.model, getattr(self, "ref_model", None))
         if args.tree_packing is not False and reason is None:
@@ -333,7 +333,8 @@ class TreeTrainerMixin:
             warnings.warn(f"tree_packing='auto': {reason} Training on {self._TREE_FALLBACK}.", stacklevel=stacklevel)
         self.tree_packing = args.tree_packing is not False and reason is None
         self.tree_reason = reason
-        return self.tree_packing
+        path = "packed trees" if self.tree_packing else f"TRL's path: {reason or 'tree_packing=False'}"
+        logger.info("%s trains on %s", type(self).__name__, path)
 
     def _tree_compile_layers(self) -> None:
         """Compile the decoder layers the trees run (`self.tree_compile`, None on TRL's path): the user's dynamo
