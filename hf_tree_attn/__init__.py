@@ -28,6 +28,8 @@ _TRAINER_CLASSES = (
     "TreeGRPOTrainer",
     "TreeRewardConfig",
     "TreeRewardTrainer",
+    "TreeRLOOConfig",
+    "TreeRLOOTrainer",
     "TreeSFTConfig",
     "TreeSFTTrainer",
 )
@@ -55,6 +57,8 @@ __all__ = [
     "TreeMicroBatch",
     "TreeRewardConfig",
     "TreeRewardTrainer",
+    "TreeRLOOConfig",
+    "TreeRLOOTrainer",
     "TreeSFTConfig",
     "TreeSFTTrainer",
     "check_tree_model",

@@ -236,9 +236,9 @@ def _flat_on_rank_1(trainer_cls):
 def _recompute_all_on_rank_1():
     """Within: rank 1 plans to recompute every layer of a tree forward, rank 0 none (as forests of different sizes
     would make `tree_recompute="auto"` plan): every rank must recompute the same layers; ZeRO-3 hung without."""
-    from hf_tree_attn.trainer import grpo_trainer
+    from hf_tree_attn.trainer import group_trainer
 
-    plan = grpo_trainer.recompute_plan
+    plan = group_trainer.recompute_plan
 
     def diverging(trainer, forests, bound_tokens, **kwargs):
         count, keep = plan(trainer, forests, bound_tokens, **kwargs)
@@ -247,11 +247,11 @@ def _recompute_all_on_rank_1():
         layers = trainer.accelerator.unwrap_model(trainer.model).config.num_hidden_layers
         return (layers if trainer.accelerator.process_index == 1 else 0), False
 
-    grpo_trainer.recompute_plan = diverging
+    group_trainer.recompute_plan = diverging
     try:
         yield
     finally:
-        grpo_trainer.recompute_plan = plan
+        group_trainer.recompute_plan = plan
 
 
 def _keep_deepspeed_configs_alive() -> None:

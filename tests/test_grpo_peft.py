@@ -177,7 +177,7 @@ def test_fallback_restores_the_implementation_tree_flex_stood_in_for(model_type,
     from transformers import AutoModelForCausalLM
 
     from hf_tree_attn.support import tree_support_error
-    from hf_tree_attn.trainer.grpo_trainer import restore_stock_attention
+    from hf_tree_attn.trainer.core import restore_stock_attention
 
     base = AutoModelForCausalLM.from_config(tiny_config(model_type), attn_implementation="tree_flex")
     model = get_peft_model(base, PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3))

@@ -538,18 +538,18 @@ def test_empty_rollouts_are_refused_naming_the_sample(tiny, tmp_path, prompt_ids
 def test_trust_remote_code_reaches_the_config_check(tiny, tmp_path, monkeypatch, config_field, init_kwargs, expected):
     """The gate reads a model path's config as TRL then loads it: `trust_remote_code` from `model_init_kwargs`, else
     `GRPOConfig.trust_remote_code` (a remote-code model refused its config before TRL could load it)."""
-    from hf_tree_attn.trainer import grpo_trainer
+    from hf_tree_attn.trainer import core
 
     seen = {}
-    real = grpo_trainer.AutoConfig.from_pretrained
+    real = core.AutoConfig.from_pretrained
 
     def from_pretrained(path, **kwargs):
         seen.update(kwargs)
         return real(path, **{k: v for k, v in kwargs.items() if k != "trust_remote_code"})
 
-    monkeypatch.setattr(grpo_trainer.AutoConfig, "from_pretrained", from_pretrained)
+    monkeypatch.setattr(core.AutoConfig, "from_pretrained", from_pretrained)
     args = _config(TreeGRPOConfig, tmp_path, trust_remote_code=config_field, model_init_kwargs=init_kwargs)
-    grpo_trainer._select_tree_attention(tiny[0], args)
+    core.select_tree_attention(tiny[0], args)
     assert seen["trust_remote_code"] is expected
 
 

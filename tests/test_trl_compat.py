@@ -18,11 +18,11 @@ import pytest
 import torch
 import trl
 from helpers import tiny_model
-from trl import DPOTrainer, GRPOTrainer, RewardTrainer, SFTTrainer
+from trl import DPOTrainer, GRPOTrainer, RewardTrainer, RLOOTrainer, SFTTrainer
 from trl.trainer import utils as trl_utils
 
 from hf_tree_attn import logprobs
-from hf_tree_attn.trainer import TreeDPOTrainer, TreeGRPOTrainer, trl_compat
+from hf_tree_attn.trainer import TreeDPOTrainer, TreeGRPOTrainer, TreeRLOOTrainer, trl_compat
 
 REPO = Path(__file__).resolve().parent.parent
 TRAINER_DIR = REPO / "hf_tree_attn" / "trainer"
@@ -163,6 +163,38 @@ def test_overridden_hooks_keep_trl_signatures(trl_class, tree_class, hook, param
         assert fixed == ["parent", *params[1:]], caller.__name__
 
 
+# RLOO's hooks, run by the group trainers' code as GRPO's are: the same parameters but for generation's.
+RLOO_HOOKS = [(RLOOTrainer, TreeRLOOTrainer, hook, params) for _, _, hook, params in HOOKS[:3]] + [
+    (RLOOTrainer, TreeRLOOTrainer, "_generate_single_turn", ["self", "prompt_ids", "images", "multimodal_fields"]),
+]
+
+
+@pytest.mark.parametrize("trl_class, tree_class, hook, params", RLOO_HOOKS, ids=[h[2] for h in RLOO_HOOKS])
+def test_rloo_hooks_keep_trl_signatures(trl_class, tree_class, hook, params):
+    assert hook in vars(trl_class), f"trl.RLOOTrainer has no {hook} (the tree trainer overrides it)"
+    assert _unwrapped_params(getattr(trl_class, hook)) == params, f"trl.RLOOTrainer.{hook} was re-signed"
+    assert hook in vars(tree_class), f"TreeRLOOTrainer no longer overrides {hook}"
+    assert _unwrapped_params(getattr(tree_class, hook)) == params, f"TreeRLOOTrainer.{hook} differs from TRL's"
+    caller = trl_compat.rloo_generate_single_turn if hook == "_generate_single_turn" else CALLERS[hook]
+    assert hook in caller.__code__.co_names
+    fixed = _params(caller)
+    if "args" not in fixed:
+        assert fixed == ["parent", *params[1:]], caller.__name__
+
+
+def test_rloo_hooks_the_group_trainers_share_are_grpos():
+    """The group trainers' `_prepare_inputs` mirrors TRL's for both (RLOO's is GRPO's, word for word), and RLOO
+    tokenizes, generates-and-scores and returns one generation's completion ids as the seam says."""
+    assert inspect.getsource(RLOOTrainer._prepare_inputs) == inspect.getsource(GRPOTrainer._prepare_inputs)
+    assert _unwrapped_params(RLOOTrainer._generate_and_score_completions) == ["self", "inputs"]
+    assert _unwrapped_params(RLOOTrainer._tokenize_prompts) == ["self", "prompts"]
+    assert "return prompt_ids, images, multimodal_fields" in inspect.getsource(RLOOTrainer._tokenize_prompts)
+    generate = inspect.getsource(RLOOTrainer._generate)
+    assert "completion_ids = self._generate_single_turn(prompt_ids, images, multimodal_fields)" in generate
+    assert "return completion_ids\n" in inspect.getsource(RLOOTrainer._generate_single_turn)
+    assert trl_compat.trainer_name(RLOOTrainer) == "RLOO"
+
+
 def test_trl_hooks_the_seam_calls_exist_with_their_parameters():
     assert _unwrapped_params(GRPOTrainer._generate_and_score_completions) == ["self", "inputs"]
     assert _unwrapped_params(GRPOTrainer._tokenize_prompts) == ["self", "prompts"]
@@ -179,6 +211,7 @@ def test_trl_hooks_the_seam_calls_exist_with_their_parameters():
         (SFTTrainer, {"_metrics", "_is_vision_dataset"}),
         (DPOTrainer, {"_metrics", "_is_vision_dataset"}),
         (RewardTrainer, {"_metrics"}),
+        (RLOOTrainer, {"_metrics", "_step", "_buffered_inputs", "_is_vlm", "_tokenizer"}),
     ],
     ids=lambda v: getattr(v, "__name__", ""),
 )
@@ -401,7 +434,7 @@ def test_experimental_names_load_on_first_use():
 
 def _trl_private_names() -> set[str]:
     """Private names TRL's own classes define or assign (not transformers' `Trainer`'s)."""
-    classes = [GRPOTrainer, SFTTrainer, DPOTrainer, RewardTrainer]
+    classes = [GRPOTrainer, RLOOTrainer, SFTTrainer, DPOTrainer, RewardTrainer]
     try:
         module = _async()
         classes += [module.AsyncGRPOTrainer, module.DataCollatorForRollout]

@@ -13,6 +13,8 @@ from .grpo_config import TreeGRPOConfig
 from .grpo_trainer import TreeGRPOTrainer
 from .reward_config import TreeRewardConfig
 from .reward_trainer import TreeRewardTrainer
+from .rloo_config import TreeRLOOConfig
+from .rloo_trainer import TreeRLOOTrainer
 from .sft_config import TreeSFTConfig
 from .sft_trainer import TreeSFTTrainer
 
@@ -39,6 +41,8 @@ __all__ = [
     "TreeGRPOTrainer",
     "TreeRewardConfig",
     "TreeRewardTrainer",
+    "TreeRLOOConfig",
+    "TreeRLOOTrainer",
     "TreeSFTConfig",
     "TreeSFTTrainer",
 ]

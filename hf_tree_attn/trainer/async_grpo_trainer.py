@@ -37,6 +37,7 @@ from ..tree import PackedForest
 from . import trl_compat
 from .async_grpo_config import TreeAsyncGRPOConfig
 from .compile_setting import apply_compile, decide_compile
+from .core import tree_args
 from .forest_step import recompute_plan, score_forests
 from .rollout_forest import TreeDataCollatorForRollout, rank_forest
 
@@ -193,13 +194,7 @@ class TreeAsyncGRPOTrainer(AsyncGRPOTrainer):
                 f"model is a {type(model).__name__}; TreeAsyncGRPOTrainer, like TRL's AsyncGRPOTrainer, loads the "
                 "model itself: pass its Hub id or local path (save_pretrained a model built in code)."
             )
-        if args is None:
-            args = TreeAsyncGRPOConfig(f"{model.split('/')[-1]}-TreeAsyncGRPO")
-        if not isinstance(args, TreeAsyncGRPOConfig):
-            raise TypeError(
-                f"args is a {type(args).__name__}; TreeAsyncGRPOTrainer needs a TreeAsyncGRPOConfig (the fields of "
-                "AsyncGRPOConfig plus tree_recompute, tree_activation_budget_gib): `TreeAsyncGRPOConfig(**kwargs)`."
-            )
+        args = tree_args(type(self).__name__, model, args, TreeAsyncGRPOConfig)
         impl = (args.model_init_kwargs or {}).get("attn_implementation")
         if impl is not None:
             raise ValueError(

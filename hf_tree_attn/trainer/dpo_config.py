@@ -1,4 +1,4 @@
-"""`TreeDPOConfig`: `trl.DPOConfig` plus the tree-packing fields (only the new fields live here)."""
+"""`TreeDPOConfig`: `trl.DPOConfig` plus the tree-packing fields (`core.TreeOptions`)."""
 
 from __future__ import annotations
 
@@ -6,26 +6,11 @@ from dataclasses import dataclass
 
 from trl import DPOConfig
 
-from .tree_options import (
-    check_tree_options,
-    max_tokens_per_mb_field,
-    tree_compile_field,
-    tree_max_token_ratio_field,
-    tree_packing_field,
-)
+from .core import TreeOptions
 
 __all__ = ["TreeDPOConfig"]
 
 
 @dataclass
-class TreeDPOConfig(DPOConfig):
+class TreeDPOConfig(TreeOptions, DPOConfig):
     """`trl.DPOConfig` plus the tree-packing knobs (all other fields, defaults and checks are TRL's)."""
-
-    tree_packing: str = tree_packing_field("DPOTrainer")
-    max_tokens_per_mb: int | None = max_tokens_per_mb_field()
-    tree_max_token_ratio: float = tree_max_token_ratio_field()
-    tree_compile: str = tree_compile_field()
-
-    def __post_init__(self):
-        super().__post_init__()
-        check_tree_options(self)

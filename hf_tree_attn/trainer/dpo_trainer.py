@@ -19,8 +19,8 @@ import logging
 from trl import DPOTrainer
 
 from . import trl_compat
+from .core import tree_args
 from .dpo_config import TreeDPOConfig
-from .grpo_trainer import _select_tree_attention
 from .head_trainer import TreeHeadTrainerMixin
 
 __all__ = ["TreeDPOTrainer"]
@@ -37,17 +37,8 @@ class TreeDPOTrainer(TreeHeadTrainerMixin, DPOTrainer):
     """
 
     def __init__(self, model, ref_model=None, args: TreeDPOConfig | None = None, *pos, **kwargs):
-        if args is None:
-            name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "") or "model"
-            args = TreeDPOConfig(f"{name.split('/')[-1]}-TreeDPO")
-        if not isinstance(args, TreeDPOConfig):
-            raise TypeError(
-                f"args is a {type(args).__name__}; TreeDPOTrainer needs a TreeDPOConfig (DPOConfig's fields plus "
-                "tree_packing, max_tokens_per_mb, tree_max_token_ratio): `TreeDPOConfig(**your_kwargs)`."
-            )
-        model = self._tree_before_init(model, args)
-        if ref_model is not None and args.tree_packing is not False and self._tree_reason is None:
-            ref_model, self._tree_reason = _select_tree_attention(ref_model, args)
+        args = tree_args(type(self).__name__, model, args, TreeDPOConfig)
+        model, ref_model = self._tree_before_init(args, model, ref_model)
         super().__init__(model, ref_model, args, *pos, **kwargs)
         self._tree_setup()
 

@@ -1,9 +1,11 @@
-"""The step the GRPO trainers share: forests in, per-row log-probabilities (and entropies, MoE aux loss) out.
+"""The step the policy trainers share: forests in, per-row log-probabilities (and entropies, MoE aux loss) out.
 
-`TreeGRPOTrainer` scatters the per-row tables into TRL's `(B, C)` completion layout; `TreeAsyncGRPOTrainer` gathers
-them at TRL's loss terms. Both decide recompute the same way (`recompute_plan`) and score the same way
-(`score_forests`): one forward per forest under the trainer's autocast, the checkpointed layers limited to what
-memory needs, the MoE load-balancing loss weighted per sequence as in a flat forward.
+The group trainers (`group_trainer.py`: GRPO, RLOO) scatter the per-row tables into TRL's `(B, C)` completion
+layout; `TreeAsyncGRPOTrainer` gathers them at TRL's loss terms. All decide recompute the same way, from the same
+config fields (`PolicyForwardOptions`): `plan_recompute` returns the plan and what to log of it, `recompute_plan`
+runs it for a trainer and records that in TRL's metrics table. All score the same way (`score_forests`): one forward
+per forest under the trainer's autocast, the checkpointed layers limited to what memory needs, the MoE
+load-balancing loss weighted per sequence as in a flat forward.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,7 +30,7 @@ from ..recompute import (
 from ..tree import PackedForest
 from . import trl_compat
 
-__all__ = ["recompute_plan", "score_forests"]
+__all__ = ["PolicyForwardOptions", "plan_recompute", "recompute_plan", "score_forests", "unpriced_layers"]
 
 logger = logging.getLogger(__name__)
 
@@ -38,43 +41,106 @@ def _log_once(level: int, message: str, name: str = __name__) -> None:
     logging.getLogger(name).log(level, message)
 
 
-def recompute_plan(
-    trainer, forests: Sequence[PackedForest], bound_tokens: int, keep_within_bound: bool = False
-) -> tuple[int | None, bool]:
-    """`(count, keep_attention)`: how many checkpointed decoder layers the policy forward of `forests` recomputes,
-    and whether those keep the shared-prefix kernels' outputs.
+@dataclass
+class PolicyForwardOptions:
+    """The fields of every config whose trainer runs the policy forward on trees (with gradients): how it
+    recomputes activations. Placed before TRL's config in the bases; the temperature TRL samples with must divide
+    the logits, as TRL's own forward divides them."""
 
-    `trainer` is the tree trainer (`args.tree_recompute`, `args.tree_activation_budget_gib`, `model`, `accelerator`,
-    TRL's metrics table (`trl_compat.metrics`), and `_unpriced`: None until the layers were priced once).
+    tree_recompute: str = field(
+        default="auto",
+        metadata={
+            "help": "Activation recompute of tree policy forwards, with gradient_checkpointing on. 'all': every "
+            "checkpointed layer recomputes (TRL's behaviour). 'auto': recompute only as many layers (evenly spaced) "
+            "as keep the forests' estimated activations within what TRL's own trainer holds for the same sequences "
+            "with every layer checkpointed: a tree shares its prefixes, so most layers need no recompute. Where the "
+            "shared-prefix kernels serve a forest, the layers that do recompute keep their attention output "
+            "(selective checkpointing; needs use_reentrant=False, TRL's default) and recompute only the rest, "
+            "within the same memory bound. Layers whose activations the estimate does not bound (experts, latent "
+            "attention, recurrent mixers, four norms) recompute every layer under 'auto' too.",
+            "choices": ["auto", "all"],
+        },
+    )
+    tree_activation_budget_gib: float | None = field(
+        default=None,
+        metadata={
+            "help": "With tree_recompute='auto': GiB per device the layer activations of one tree policy forward "
+            "may take (the same estimate, an upper bound), where that is more than TRL's trainer would hold. None "
+            "(default) = TRL's, every layer checkpointed. A larger budget trades memory for speed: fewer layers "
+            "recompute (logged as tree_checkpointed_layers); one that fits every layer recomputes none."
+        },
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.tree_recompute not in ("auto", "all"):
+            raise ValueError(f"tree_recompute={self.tree_recompute!r} must be 'auto' or 'all'.")
+        budget = self.tree_activation_budget_gib
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int | float) or not budget > 0):
+            raise ValueError(
+                f"tree_activation_budget_gib={budget!r} must be a number of GiB > 0 (e.g. 40), or None for the "
+                "activations of TRL's trainer with every layer checkpointed."
+            )
+        if budget is not None and self.tree_recompute != "auto":
+            raise ValueError(
+                f"tree_activation_budget_gib={budget} bounds tree_recompute='auto', but tree_recompute="
+                f"{self.tree_recompute!r} recomputes every layer: set tree_recompute='auto' or leave the budget None."
+            )
+        if getattr(self, "tree_packing", True) and not 0 < self.temperature < float("inf"):  # async: always trees
+            raise ValueError(
+                f"temperature={self.temperature}: the tree log-probabilities divide the logits by the sampling "
+                "temperature (as TRL does), so it must be a finite number > 0, e.g. temperature=1.0."
+            )
+
+
+def _plans(args, model: torch.nn.Module) -> bool:
+    """Whether a policy forward of `model` gets a recompute plan: `tree_recompute="auto"` with gradient
+    checkpointing, in training mode under grad (else the model's checkpointing is left as it is)."""
+    return args.tree_recompute == "auto" and args.gradient_checkpointing and model.training and torch.is_grad_enabled()
+
+
+def unpriced_layers(model: torch.nn.Module) -> str:
+    """Why `tree_recompute="auto"` cannot bound `model`'s checkpointed layers' activations ("" when it can)."""
+    config = model.config.get_text_config()
+    layers = {type(m): m for m in _checkpointed_layers(model)}.values()
+    reasons = [r for r in (unpriced_reason(config, m) for m in layers or [None]) if r is not None]
+    if reasons:
+        _log_once(
+            logging.INFO,
+            f"tree_recompute='auto' cannot bound this model's activations ({reasons[0]}): every checkpointed "
+            "layer recomputes, as with tree_recompute='all' (logged as tree_checkpointed_layers=1).",
+        )
+    return reasons[0] if reasons else ""
+
+
+def plan_recompute(
+    args,
+    model: torch.nn.Module,
+    device_type: str,
+    forests: Sequence[PackedForest],
+    bound_tokens: int,
+    *,
+    unpriced: str,
+    keep_within_bound: bool = False,
+) -> tuple[int | None, bool, dict[str, float]]:
+    """`(count, keep_attention, metrics)`: how many checkpointed decoder layers the policy forward of `forests`
+    recomputes, whether those keep the shared-prefix kernels' outputs, and what to log of it.
+
+    `args` holds `tree_recompute`, `tree_activation_budget_gib` and `gradient_checkpointing`; `model` is the
+    unwrapped policy, `unpriced` its `unpriced_layers`.
     `tree_recompute="auto"`: as few layers as keep the forests' estimated activations within those of `bound_tokens`
     tokens with every layer checkpointed, or within `tree_activation_budget_gib` where that is more, and attention
     kept where the kernels serve a forest and the model's checkpoint allows it (`hf_tree_attn.recompute`) — with
-    `keep_within_bound`, only where the kept outputs fit in the bound too. `(None, False)` = leave the model's
-    checkpointing as it is ("all", or a forward without gradients). Logs `tree_checkpointed_layers` and
-    `tree_kept_attention`.
+    `keep_within_bound`, only where the kept outputs fit in the bound too. `(None, False, {})` = leave the model's
+    checkpointing as it is ("all", or a forward without gradients). `metrics`: `tree_checkpointed_layers` (the
+    fraction of layers that recompute) and `tree_kept_attention`.
     """
-    args = trainer.args
-    if args.tree_recompute == "all" or not args.gradient_checkpointing:
-        return None, False
-    if not (trainer.model.training and torch.is_grad_enabled()):
-        return None, False
-    model = trainer.accelerator.unwrap_model(trainer.model)
+    if not _plans(args, model):
+        return None, False, {}
+    if unpriced:
+        return None, False, {"tree_checkpointed_layers": 1.0}
     config = model.config.get_text_config()
-    if trainer._unpriced is None:  # once per run: the layers do not change
-        layers = {type(m): m for m in _checkpointed_layers(model)}.values()
-        reasons = [r for r in (unpriced_reason(config, m) for m in layers or [None]) if r is not None]
-        trainer._unpriced = reasons[0] if reasons else ""
-        if reasons:
-            _log_once(
-                logging.INFO,
-                f"tree_recompute='auto' cannot bound this model's activations ({reasons[0]}): every checkpointed "
-                "layer recomputes, as with tree_recompute='all' (logged as tree_checkpointed_layers=1).",
-            )
-    if trainer._unpriced:
-        trl_compat.metrics(trainer)["train"]["tree_checkpointed_layers"].append(1.0)
-        return None, False
-    device = trainer.accelerator.device.type
-    keep = any(serves(forest, device) for forest in forests) and keeps_attention(model)
+    keep = any(serves(forest, device_type) for forest in forests) and keeps_attention(model)
     # The residual stream and the checkpoints' inputs keep the weights' dtype; autocast lowers only the matmuls'
     # outputs (fp32 weights with TRL's bf16=True: 4 bytes, an upper bound for the bf16 parts).
     weights = next((p for p in model.parameters() if p.is_floating_point()), None)
@@ -89,9 +155,26 @@ def recompute_plan(
     ):
         keep = False
         count = checkpoint_count(config, tree_tokens, bound_tokens, **sizing)
+    metrics = {"tree_checkpointed_layers": count / config.num_hidden_layers, "tree_kept_attention": float(keep)}
+    return count, keep, metrics
+
+
+def recompute_plan(
+    trainer, forests: Sequence[PackedForest], bound_tokens: int, keep_within_bound: bool = False
+) -> tuple[int | None, bool]:
+    """`plan_recompute` for `trainer`'s policy forward: `(count, keep_attention)`, its metrics recorded in TRL's
+    table (`trl_compat.metrics`). `trainer` gives `args`, `model`, `accelerator` and keeps the model's pricing in
+    `_unpriced` (None until the layers were priced once: they do not change within a run)."""
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    if trainer._unpriced is None and _plans(trainer.args, model):
+        trainer._unpriced = unpriced_layers(model)
+    count, keep, metrics = plan_recompute(
+        trainer.args, model, trainer.accelerator.device.type, forests, bound_tokens,
+        unpriced=trainer._unpriced or "", keep_within_bound=keep_within_bound,
+    )  # fmt: skip
     logged = trl_compat.metrics(trainer)["train"]
-    logged["tree_checkpointed_layers"].append(count / config.num_hidden_layers)
-    logged["tree_kept_attention"].append(float(keep))
+    for name, value in metrics.items():
+        logged[name].append(value)
     return count, keep
 
 

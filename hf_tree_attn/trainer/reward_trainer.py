@@ -16,22 +16,19 @@ forward (`tree_fallback` logged).
 
 from __future__ import annotations
 
-import warnings
-
 from trl import RewardTrainer
 
 from ..attention import ATTN_IMPLEMENTATION
 from ..support import rope_split_lengths
 from . import trl_compat
-from .compile_setting import apply_compile, decide_compile
-from .grpo_trainer import _select_tree_attention, restore_stock_attention
+from .core import TreeTrainerMixin, select_tree_attention, tree_args
 from .reward import forest_scoring, reward_model_error, scoring_model
 from .reward_config import TreeRewardConfig
 
 __all__ = ["TreeRewardTrainer"]
 
 
-class TreeRewardTrainer(RewardTrainer):
+class TreeRewardTrainer(TreeTrainerMixin, RewardTrainer):
     """`trl.RewardTrainer` whose chosen and rejected scores come from packed prefix trees (see the module docstring).
 
     Takes exactly `trl.RewardTrainer`'s arguments; `args` must be a `TreeRewardConfig`. A model given on `sdpa` /
@@ -41,20 +38,21 @@ class TreeRewardTrainer(RewardTrainer):
     logged.
     """
 
+    _TREE_CARD_SCORED = (
+        "each batch's chosen and rejected scores computed on packed prefix trees, so a prompt its pairs share is "
+        "computed once. The scores and gradients are those of TRL's forward"
+    )
+
     def __init__(self, model, args: TreeRewardConfig | None = None, *pos, **kwargs):
-        if args is None:
-            name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "") or "model"
-            args = TreeRewardConfig(f"{name.split('/')[-1]}-TreeReward")
-        if not isinstance(args, TreeRewardConfig):
-            raise TypeError(
-                f"args is a {type(args).__name__}; TreeRewardTrainer needs a TreeRewardConfig (RewardConfig's fields "
-                "plus tree_packing, max_tokens_per_mb, tree_max_token_ratio): `TreeRewardConfig(**your_kwargs)`."
-            )
+        args = tree_args(type(self).__name__, model, args, TreeRewardConfig)
         self.tree_packing, self.tree_compile, self._tree_reason = False, None, None
         if args.tree_packing is not False:
             model, self._tree_reason = _select_reward_attention(model, args)
         super().__init__(model, args, *pos, **kwargs)
         self._tree_setup()
+
+    def _tree_model_error(self, models) -> str | None:
+        return reward_model_error(self.model, fallback="")
 
     def _tree_refusal(self) -> str | None:
         """Why this run cannot score on trees beyond the model gate, or None."""
@@ -76,30 +74,17 @@ class TreeRewardTrainer(RewardTrainer):
 
     def _tree_setup(self) -> None:
         """Decide trees or TRL's path on the model as TRL built it (loaded, PEFT-wrapped), once."""
-        args, reason = self.args, self._tree_reason
-        if args.tree_packing is not False and reason is None:
-            reason = reward_model_error(self.model, fallback="") or self._tree_refusal()
-        if reason is not None and args.tree_packing is True:
-            raise ValueError(
-                f"tree_packing=True, but this run cannot score on packed trees exactly: {reason} Set "
-                "tree_packing='auto' (TRL's path with a warning) or False."
-            )
-        if reason is not None and args.tree_packing == "auto":
-            restore_stock_attention([self.model], reason)
-            warnings.warn(f"tree_packing='auto': {reason} Training on TRL's path instead.", stacklevel=3)
-        self.tree_packing = args.tree_packing is not False and reason is None
+        self._tree_decide(stacklevel=4)
         if not self.tree_packing:
             return
-        if args.max_tokens_per_mb is not None and self._sharded_ranks():
+        if self.args.max_tokens_per_mb is not None and self._sharded_ranks():
             raise ValueError(
-                f"max_tokens_per_mb={args.max_tokens_per_mb} with sharded weights (FSDP / DeepSpeed) on "
+                f"max_tokens_per_mb={self.args.max_tokens_per_mb} with sharded weights (FSDP / DeepSpeed) on "
                 f"{self.accelerator.num_processes} processes: ranks could pack a batch into different numbers of "
                 "forests, and every forward gathers the weights on all ranks together. Leave max_tokens_per_mb=None "
                 "(one forest per batch, as TRL runs one forward)."
             )
-        # Compiled decoder layers: the user's dynamo settings, or the CUDA default (`compile_setting.py`).
-        self.tree_compile = decide_compile(args, self.accelerator, self.model)
-        apply_compile(self.accelerator, self.tree_compile, [self.model])
+        self._tree_compile_layers()
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """TRL's loss and metrics, on scores the model computes from packed forests (see the module docstring)."""
@@ -121,7 +106,7 @@ def _select_reward_attention(model, args: TreeRewardConfig):
     """`(model, None)` with the reward model on `tree_flex` (a path: loaded so, through `args.model_init_kwargs`,
     when its config passes), or `(model, reason)` untouched when it cannot score on trees exactly."""
     if isinstance(model, str):
-        return _select_tree_attention(model, args)
+        return select_tree_attention(model, args)
     reason = reward_model_error(model, fallback="")
     if reason is None and scoring_model(model).config._attn_implementation != ATTN_IMPLEMENTATION:
         scoring_model(model).set_attn_implementation(ATTN_IMPLEMENTATION)

@@ -1,4 +1,4 @@
-"""`TreeSFTConfig`: `trl.SFTConfig` plus the tree-packing fields (only the new fields live here)."""
+"""`TreeSFTConfig`: `trl.SFTConfig` plus the tree-packing fields (`core.TreeOptions`)."""
 
 from __future__ import annotations
 
@@ -6,31 +6,16 @@ from dataclasses import dataclass
 
 from trl import SFTConfig
 
-from .tree_options import (
-    check_tree_options,
-    max_tokens_per_mb_field,
-    tree_compile_field,
-    tree_max_token_ratio_field,
-    tree_packing_field,
-)
+from .core import TreeOptions
 
 __all__ = ["TreeSFTConfig"]
 
 
 @dataclass
-class TreeSFTConfig(SFTConfig):
+class TreeSFTConfig(TreeOptions, SFTConfig):
     """`trl.SFTConfig` plus the tree-packing knobs (all other fields, defaults and checks are TRL's).
 
     What a batch shares is what TRL's sampler puts in it: samples that open with one system prompt share it in any
     batch; per-turn samples of one conversation share its history when they land in one batch
     (`train_sampling_strategy="sequential"` keeps a dataset's order).
     """
-
-    tree_packing: str = tree_packing_field("SFTTrainer")
-    max_tokens_per_mb: int | None = max_tokens_per_mb_field()
-    tree_max_token_ratio: float = tree_max_token_ratio_field()
-    tree_compile: str = tree_compile_field()
-
-    def __post_init__(self):
-        super().__post_init__()
-        check_tree_options(self)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from trl import SFTTrainer
 
+from .core import tree_args
 from .head_trainer import TreeHeadTrainerMixin
 from .sft_config import TreeSFTConfig
 
@@ -31,15 +32,8 @@ class TreeSFTTrainer(TreeHeadTrainerMixin, SFTTrainer):
     """
 
     def __init__(self, model, args: TreeSFTConfig | None = None, *pos, **kwargs):
-        if args is None:
-            name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "") or "model"
-            args = TreeSFTConfig(f"{name.split('/')[-1]}-TreeSFT")
-        if not isinstance(args, TreeSFTConfig):
-            raise TypeError(
-                f"args is a {type(args).__name__}; TreeSFTTrainer needs a TreeSFTConfig (SFTConfig's fields plus "
-                "tree_packing, max_tokens_per_mb, tree_max_token_ratio): `TreeSFTConfig(**your_kwargs)`."
-            )
-        model = self._tree_before_init(model, args)
+        args = tree_args(type(self).__name__, model, args, TreeSFTConfig)
+        model, _ = self._tree_before_init(args, model)
         super().__init__(model, args, *pos, **kwargs)
         self._tree_setup()
 

@@ -11,8 +11,9 @@ AsyncGRPOTrainer`, ...) are imported where they are used.
 The hooks the trainers override keep TRL's names and parameters (an override must); each is reached from here as
 `<hook>(super(), ...)`, which calls TRL's implementation through the caller's MRO:
 
-- `trl.GRPOTrainer`: `_get_per_token_logps_and_entropies`, `_prepare_inputs`, `_calculate_rewards`,
-  `_generate_single_turn`;
+- `trl.GRPOTrainer` and `trl.RLOOTrainer`, alike: `_get_per_token_logps_and_entropies`, `_prepare_inputs`,
+  `_calculate_rewards`, and `_generate_single_turn`, whose parameters and result differ between the two
+  (`generate_single_turn`, `rloo_generate_single_turn`);
 - `trl.DPOTrainer`: `_precompute_ref_logps`;
 - `trl.experimental.async_grpo.AsyncGRPOTrainer`: `_log_step_metrics`.
 
@@ -64,6 +65,7 @@ __all__ = [
     "precompute_ref_logps",
     "prepare_inputs",
     "profiling_decorator",
+    "rloo_generate_single_turn",
     "set_buffered_inputs",
     "shuffle_permutation",
     "split_pixel_values_by_grid",
@@ -109,7 +111,7 @@ from trl.trainer.utils import (  # each as of 1.16.0
     unsplit_pixel_values_by_grid,
 )
 
-# ------------------------------------------------------------------ trl.GRPOTrainer, trl.SFTTrainer, trl.DPOTrainer
+# ------------------------------------------------------------ trl.GRPOTrainer, RLOOTrainer, SFTTrainer, DPOTrainer
 
 
 def metrics(trainer) -> dict:
@@ -119,14 +121,14 @@ def metrics(trainer) -> dict:
 
 
 def generation_step(trainer) -> int:
-    """`GRPOTrainer._step`: micro-batches trained so far, which `_prepare_inputs` reads to decide when to generate
-    and which buffered micro-batch to return (1.16.0)."""
+    """`GRPOTrainer._step` / `RLOOTrainer._step`: micro-batches trained so far, which `_prepare_inputs` reads to decide
+    when to generate and which buffered micro-batch to return (1.16.0)."""
     return trainer._step
 
 
 def buffered_inputs(trainer) -> list[dict] | None:
-    """`GRPOTrainer._buffered_inputs`: the micro-batches of the current generation batch (None before the first,
-    or after resuming from a checkpoint) (1.16.0)."""
+    """`GRPOTrainer._buffered_inputs` / `RLOOTrainer._buffered_inputs`: the micro-batches of the current generation
+    batch (None before the first, or after resuming from a checkpoint) (1.16.0)."""
     return trainer._buffered_inputs
 
 
@@ -136,31 +138,32 @@ def set_buffered_inputs(trainer, micro_batches: list[dict]) -> None:
 
 
 def shuffle_permutation(batch: dict) -> torch.Tensor:
-    """The permutation `trl.trainer.utils.shuffle_sequence_dict` draws for `batch` in `GRPOTrainer._prepare_inputs`:
-    one `torch.randperm` of the rows of its first entry that is not None (1.16.0)."""
+    """The permutation `trl.trainer.utils.shuffle_sequence_dict` draws for `batch` in `GRPOTrainer._prepare_inputs`
+    (and RLOO's): one `torch.randperm` of the rows of its first entry that is not None (1.16.0)."""
     rows = len(next(v for v in batch.values() if v is not None))
     return torch.randperm(rows)
 
 
 def generate_and_score_completions(trainer, batch: list[dict]) -> dict:
-    """`GRPOTrainer._generate_and_score_completions(batch)`: generation, rewards and advantages of a generation
-    batch, as `(rows, ...)` tensors (1.16.0)."""
+    """`GRPOTrainer._generate_and_score_completions(batch)` (RLOO's alike): generation, rewards and advantages of a
+    generation batch, as `(rows, ...)` tensors (1.16.0)."""
     return trainer._generate_and_score_completions(batch)
 
 
 def tokenize_prompts(trainer, prompts: list) -> tuple[list[list[int]], object, object]:
-    """`GRPOTrainer._tokenize_prompts(prompts)`: `(prompt_ids, images, multimodal_fields)`, token ids unpadded
-    (1.16.0)."""
+    """`GRPOTrainer._tokenize_prompts(prompts)` (RLOO's alike): `(prompt_ids, images, multimodal_fields)`, token ids
+    unpadded (1.16.0)."""
     return trainer._tokenize_prompts(prompts)
 
 
 def is_vlm(trainer) -> bool:
-    """`GRPOTrainer._is_vlm`: whether the policy is a vision-language model (1.16.0)."""
+    """`GRPOTrainer._is_vlm` / `RLOOTrainer._is_vlm`: whether the policy is a vision-language model (1.16.0)."""
     return trainer._is_vlm
 
 
 def tokenizer(trainer):
-    """`GRPOTrainer._tokenizer`: the text tokenizer of `processing_class` (a processor's inner one) (1.16.0)."""
+    """`GRPOTrainer._tokenizer` / `RLOOTrainer._tokenizer`: the text tokenizer of `processing_class` (a processor's
+    inner one) (1.16.0)."""
     return trainer._tokenizer
 
 
@@ -171,24 +174,25 @@ def is_vision_dataset(trainer) -> bool:
 
 
 def trainer_name(trainer) -> str:
-    """`_name` of TRL's trainer classes ("SFT", "DPO", "GRPO"), as TRL's model cards name the method (1.16.0)."""
+    """`_name` of TRL's trainer classes ("SFT", "DPO", "GRPO", "RLOO"), as TRL's model cards name the method
+    (1.16.0)."""
     return trainer._name
 
 
 def get_per_token_logps_and_entropies(parent, *args, **kwargs):
-    """TRL's `GRPOTrainer._get_per_token_logps_and_entropies` through `parent` (`super()`): `(logps (B, C),
-    entropies | None, aux_loss | None)` of padded rows (1.16.0)."""
+    """TRL's `GRPOTrainer._get_per_token_logps_and_entropies` (RLOO's: the same parameters) through `parent`
+    (`super()`): `(logps (B, C), entropies | None, aux_loss | None)` of padded rows (1.16.0)."""
     return parent._get_per_token_logps_and_entropies(*args, **kwargs)
 
 
 def prepare_inputs(parent, generation_batch):
-    """TRL's `GRPOTrainer._prepare_inputs(generation_batch)` through `parent` (`super()`) (1.16.0)."""
+    """TRL's `GRPOTrainer._prepare_inputs(generation_batch)` (RLOO's alike) through `parent` (`super()`) (1.16.0)."""
     return parent._prepare_inputs(generation_batch)
 
 
 def calculate_rewards(parent, inputs, prompts, completions, completion_ids_list):
-    """TRL's `GRPOTrainer._calculate_rewards` through `parent` (`super()`): `(rows, reward_funcs)` rewards
-    (1.16.0)."""
+    """TRL's `GRPOTrainer._calculate_rewards` (RLOO's alike) through `parent` (`super()`): `(rows, reward_funcs)`
+    rewards (1.16.0)."""
     return parent._calculate_rewards(inputs, prompts, completions, completion_ids_list)
 
 
@@ -196,6 +200,12 @@ def generate_single_turn(parent, prompt_ids, images, multimodal_fields, num_gene
     """TRL's `GRPOTrainer._generate_single_turn` through `parent` (`super()`): `(completion_ids, logprobs)`
     (1.16.0)."""
     return parent._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+
+
+def rloo_generate_single_turn(parent, prompt_ids, images, multimodal_fields) -> list[list[int]]:
+    """TRL's `RLOOTrainer._generate_single_turn` through `parent` (`super()`): the completion ids alone (GRPO's
+    returns sampling log-probabilities too, and takes the group size) (1.16.0)."""
+    return parent._generate_single_turn(prompt_ids, images, multimodal_fields)
 
 
 def precompute_ref_logps(parent, dataset, name: str, batch_size: int):

@@ -1,0 +1,379 @@
+"""What every tree trainer adds to the TRL trainer it subclasses: trees or TRL's own path, decided once.
+
+A tree trainer is TRL's trainer with some forwards run on packed prefix trees. Whatever those forwards are, the
+trainer decides the same way whether it may run them, and this module is that decision:
+
+- the options every tree config adds (`CompileOptions`, `TreeOptions`: `tree_packing`, `max_tokens_per_mb`,
+  `tree_max_token_ratio`, `tree_compile`), each normalised and checked with an error naming the value and the fix;
+- the model's attention: a model path is loaded on `tree_flex` (through `model_init_kwargs`), a model given on
+  `sdpa` / `eager` is switched to it (`select_tree_attention`), and a model that falls back to TRL's path goes back
+  to the stock implementation `tree_flex` stood in for (`restore_stock_attention`, `stock_attention`);
+- the decision itself (`TreeTrainerMixin`): the gate (`hf_tree_attn.support`) on the loaded policy and reference
+  model plus the trainer's own refusals; under `tree_packing="auto"` a refusal trains on TRL's path with one warning
+  naming the reason, under `tree_packing=True` it is an error; `self.tree_packing` and `self.tree_reason` hold it;
+- the model card: TRL's, with a *Tree training* section listing the trainer's tree settings.
+
+A new tree trainer subclasses `(TreeTrainerMixin, <TRL trainer>)` with a config `(TreeOptions, <TRL config>)`,
+calls `_tree_before_init` before TRL's `__init__` and `_tree_decide` after it, and adds only its forwards: the
+fused-head trainers (`head_trainer.py`) install the tree LM head, the group trainers (`group_trainer.py`) override
+TRL's log-probability hook.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import warnings
+from dataclasses import dataclass, field, fields
+
+from transformers import AutoConfig
+
+from ..attention import ATTN_IMPLEMENTATION
+from ..support import check_tree_model, config_support_error, tree_support_error, unwrap_model
+from . import trl_compat
+from .compile_setting import apply_compile, decide_compile
+
+__all__ = [
+    "CompileOptions",
+    "TreeOptions",
+    "TreeTrainerMixin",
+    "block_budget",
+    "restore_stock_attention",
+    "select_tree_attention",
+    "stock_attention",
+    "tree_args",
+]
+
+logger = logging.getLogger(__name__)
+
+# FlexAttention's block: a packed row is padded to a multiple of it, so a token budget must be one.
+BLOCK = 128
+_CHOICES = {"auto": "auto", "true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+# Attention implementations whose non-tree behaviour `tree_flex` reproduces, so switching them is invisible.
+_SWITCHABLE_ATTN = (None, "sdpa", "eager")
+
+
+def block_budget(tokens: int) -> int:
+    """The smallest token budget that holds `tokens` tokens: a positive multiple of FlexAttention's block."""
+    return max(BLOCK, -(-tokens // BLOCK) * BLOCK)
+
+
+def _choice(config, name: str, fix: str) -> None:
+    """Normalise the "auto" / true / false field `name` of `config` (a str, as the command line gives it)."""
+    choice = str(getattr(config, name)).strip().lower()
+    if choice not in _CHOICES:
+        raise ValueError(f"{name}={getattr(config, name)!r}; use {fix}")
+    setattr(config, name, _CHOICES[choice])
+
+
+# ------------------------------------------------------------------ the options
+
+
+@dataclass
+class CompileOptions:
+    """`tree_compile`, which every tree config has (`compile_setting.py`). Placed before TRL's config in the bases,
+    so TRL's fields keep their positions and its checks run first."""
+
+    # A str field (not `bool | str`, which HfArgumentParser reads as a bool), normalised in __post_init__.
+    tree_compile: str = field(
+        default="auto",
+        metadata={
+            "help": "Compile the decoder layers the trees run (regional torch.compile in place: inductor, dynamic "
+            "shapes, one graph for every forest length). 'auto': on CUDA, for models whose layers are attention and "
+            "a dense MLP, unless accelerate's dynamo settings or torch_compile ask for a compile (then that one "
+            "applies, to the decoder layers). 'true': on any device and model. 'false': only what accelerate or "
+            "torch_compile ask for. A compile that fails falls back to eager with one warning naming why. Under "
+            "FSDP / DeepSpeed accelerate's own settings decide.",
+        },
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        _choice(
+            self,
+            "tree_compile",
+            "'auto' (compiled decoder layers on CUDA, the default), 'true' (on any device) or 'false' (only a "
+            "compile accelerate or torch_compile asks for).",
+        )
+
+
+@dataclass
+class TreeOptions(CompileOptions):
+    """The fields of every tree config whose trainer can also run TRL's own path: whether to pack, how much one
+    forward may hold, and when a batch shares too little to be worth a tree."""
+
+    # A str field (not `bool | str`, which HfArgumentParser reads as a bool), normalised in __post_init__ to
+    # "auto" / True / False, so `--tree_packing auto|true|false` works through TrlParser.
+    tree_packing: str = field(
+        default="auto",
+        metadata={
+            "help": "Run the trainer's log-probability forwards on packed prefix trees (one forward per forest; "
+            "tokens the batch's sequences share, such as a group's prompt, are computed once). 'auto': trees when "
+            "the model can run them exactly (hf_tree_attn.support), else TRL's path with one warning naming the "
+            "reason. 'true': trees, and an error at init if the model cannot run them. 'false': exactly TRL's "
+            "trainer."
+        },
+    )
+    max_tokens_per_mb: int | None = field(
+        default=None,
+        metadata={
+            "help": "Token budget of one packed forward (a multiple of 128, at least the longest sequence): a batch "
+            "whose forest is larger runs as several forests. None = one forest per batch (per TRL chunk)."
+        },
+    )
+    tree_max_token_ratio: float = field(
+        default=0.9,
+        metadata={
+            "help": "A batch whose forests would hold more than this fraction of the tokens TRL's forward computes "
+            "(rows x padded width, or the padding-free packed row) runs TRL's own forward: where almost nothing is "
+            "shared, a plain forward costs less than a tree. Logged per batch as tree_fallback (and "
+            "tree_compute_ratio). 1.0 = always the tree."
+        },
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        _choice(
+            self,
+            "tree_packing",
+            "'auto' (trees when the model supports them, the default), 'true' (trees or an error) or 'false' "
+            "(exactly TRL's trainer).",
+        )
+        ratio = self.tree_max_token_ratio
+        if isinstance(ratio, bool) or not isinstance(ratio, int | float) or not 0.0 < ratio <= 1.0:
+            raise ValueError(f"tree_max_token_ratio={ratio!r} must be in (0, 1]; use 1.0 to always pack trees.")
+        budget = self.max_tokens_per_mb
+        if budget is None:
+            return
+        if isinstance(budget, bool) or not isinstance(budget, int):
+            raise TypeError(
+                f"max_tokens_per_mb={budget!r} is a {type(budget).__name__}; pass an int multiple of {BLOCK} (e.g. "
+                "8192) or None."
+            )
+        if budget <= 0 or budget % BLOCK:
+            raise ValueError(
+                f"max_tokens_per_mb={budget} must be a positive multiple of {BLOCK} (FlexAttention's block size); use "
+                f"e.g. max_tokens_per_mb={block_budget(budget)}, or None for one forest per batch."
+            )
+        max_length = getattr(self, "max_length", None)  # SFT's and DPO's longest sequence
+        if max_length is not None and max_length > budget:
+            raise ValueError(
+                f"max_tokens_per_mb={budget} cannot hold one sequence of max_length={max_length} tokens; use "
+                f"max_tokens_per_mb={block_budget(max_length)} (or more), or None."
+            )
+
+
+def tree_args(trainer: str, model, args, config_cls):
+    """`args`, checked to be a `config_cls`, or (None) `config_cls`'s defaults with TRL's output directory for
+    `model` (`<model name>-<config name without "Config">`); `trainer` is the class name the error gives."""
+    if args is None:
+        name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "") or "model"
+        return config_cls(f"{name.split('/')[-1]}-{config_cls.__name__.removesuffix('Config')}")
+    if not isinstance(args, config_cls):
+        added = [f.name for f in fields(config_cls) if f.name.startswith("tree_") or f.name == "max_tokens_per_mb"]
+        raise TypeError(
+            f"args is a {type(args).__name__}; {trainer} needs a {config_cls.__name__} (the fields of TRL's config "
+            f"plus {', '.join(added)}): `{config_cls.__name__}(**your_kwargs)`."
+        )
+    return args
+
+
+# ------------------------------------------------------------------ the model's attention
+
+
+def select_tree_attention(model, args):
+    """`(model, None)` with `model` set to `tree_flex` (so is TRL's reference model, built with the policy's
+    implementation), or `(model, reason)` untouched when it cannot run trees exactly: checked before loading for a
+    model path (its config; `args.model_init_kwargs` then asks for `tree_flex`), on the whole model for an
+    instance (one on `sdpa` / `eager` is switched)."""
+    if isinstance(model, str):
+        model_init_kwargs = dict(args.model_init_kwargs or {})
+        impl = model_init_kwargs.get("attn_implementation")
+        if impl not in (None, ATTN_IMPLEMENTATION):
+            return model, (
+                f"model_init_kwargs['attn_implementation']={impl!r}, but tree packing needs {ATTN_IMPLEMENTATION!r} "
+                "(it runs ordinary forwards and generate like SDPA). Drop --attn_implementation / the "
+                "model_init_kwargs entry to get it automatically, or set tree_packing=False."
+            )
+        config = AutoConfig.from_pretrained(
+            model,
+            revision=model_init_kwargs.get("revision"),
+            # As TRL loads it: `trust_remote_code` from model_init_kwargs, else the config's own field.
+            trust_remote_code=model_init_kwargs.get("trust_remote_code", getattr(args, "trust_remote_code", False)),
+        )
+        reason = config_support_error(config)
+        if reason is not None:
+            return model, reason
+        model_init_kwargs["attn_implementation"] = ATTN_IMPLEMENTATION
+        args.model_init_kwargs = model_init_kwargs
+        return model, None
+    impl = getattr(model.config, "_attn_implementation", None)
+    if impl not in _SWITCHABLE_ATTN + (ATTN_IMPLEMENTATION,):
+        return model, (
+            f"The model uses attn_implementation={impl!r}, but tree packing needs {ATTN_IMPLEMENTATION!r}. Load it "
+            f"with attn_implementation={ATTN_IMPLEMENTATION!r} (after `import hf_tree_attn`), or set "
+            "tree_packing=False."
+        )
+    reason = tree_support_error(model)
+    if reason is not None:
+        return model, reason
+    if impl != ATTN_IMPLEMENTATION:
+        logger.info(
+            "Switching the model from attn_implementation=%r to %r for tree packing.", impl, ATTN_IMPLEMENTATION
+        )
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    return model, None
+
+
+def loaded_model_error(*models) -> str | None:
+    """Why a loaded model (the policy first; None entries skipped) cannot run trees (`check_tree_model`'s message),
+    or None."""
+    for loaded in models:
+        if loaded is None:
+            continue
+        try:
+            check_tree_model(loaded)
+        except (ValueError, NotImplementedError) as error:
+            return str(error)
+    # The attention modules copy the config's rate at init; TRL's disable_dropout zeroes nn.Dropout modules only.
+    rates = {
+        float(m.attention_dropout)
+        for m in unwrap_model(models[0]).modules()
+        if isinstance(getattr(m, "attention_dropout", None), (int, float)) and m.attention_dropout > 0
+    }
+    if rates:
+        return (
+            f"The model's attention layers have attention_dropout={max(rates)}: tree attention has no dropout (one "
+            "mask per shared token would not be the flat forward's distribution anyway). Load the model with "
+            "attention_dropout=0.0 (a from_pretrained / model_init_kwargs argument) to train on trees, or train "
+            "with tree_packing=False."
+        )
+    return None
+
+
+def _stock_implementation(model) -> str:
+    """The stock implementation `tree_flex` computes as outside a tree: `eager` where SDPA would drop the attention
+    logit softcap (Gemma 2) or is not supported, else `sdpa`."""
+    softcap = getattr(model.config.get_text_config(), "attn_logit_softcapping", None) is not None
+    return "eager" if softcap or not getattr(model, "_supports_sdpa", False) else "sdpa"
+
+
+@contextlib.contextmanager
+def stock_attention(model):
+    """Run `model` with the stock attention `tree_flex` behaves as outside a tree, then restore `tree_flex`."""
+    model.set_attn_implementation(_stock_implementation(model))
+    try:
+        yield model
+    finally:
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+
+
+def restore_stock_attention(models, reason: str) -> None:
+    """Back to the stock implementation `tree_flex` stood in for, on every model loaded on it (loaded by path, or
+    given already on tree_flex), before TRL's own path runs them: a model whose attention bypasses the interface
+    refuses ordinary forwards on `tree_flex`."""
+    for loaded in models:
+        inner = unwrap_model(loaded) if loaded is not None else None
+        if inner is None or inner.config._attn_implementation != ATTN_IMPLEMENTATION:
+            continue
+        loaded.set_attn_implementation(_stock_implementation(inner))
+        if inner.config._attn_implementation == ATTN_IMPLEMENTATION:  # transformers refused the switch
+            raise ValueError(
+                f"tree_packing='auto': {reason} The model was given on attn_implementation={ATTN_IMPLEMENTATION!r}, "
+                f"and {type(inner).__name__} cannot switch implementation after loading, so TRL's path cannot run it "
+                "either. Load it with attn_implementation='eager' (or 'sdpa')."
+            )
+
+
+# ------------------------------------------------------------------ the decision
+
+
+class TreeTrainerMixin:
+    """The decision every tree trainer makes (see the module docstring); placed before TRL's trainer in the bases.
+
+    A subclass calls `_tree_before_init(args, model, ref_model)` before TRL's `__init__`, `_tree_decide()` once
+    after it, then installs its tree forwards and calls `_tree_compile_layers()`. It overrides `_tree_refusal` for
+    what else keeps its run off trees and `_tree_card_rows` for its own settings, and sets `_TREE_FALLBACK` (what
+    the warning says runs instead) and `_TREE_CARD_SCORED` (what the card says runs on trees).
+    """
+
+    _TREE_FALLBACK = "TRL's path instead"
+    _TREE_CARD_SCORED = (
+        "each batch's log-probabilities computed on packed prefix trees, so tokens its sequences share are computed "
+        "once. The log-probabilities and gradients are those of TRL's forward"
+    )
+
+    def _tree_before_init(self, args, model, ref_model=None):
+        """`(model, ref_model)` switched to `tree_flex` where they can run trees (a path: through
+        `args.model_init_kwargs`); the first refusal is kept for `_tree_decide`."""
+        self._tree_reason = None
+        if args.tree_packing is not False:
+            model, self._tree_reason = select_tree_attention(model, args)
+        if ref_model is not None and args.tree_packing is not False and self._tree_reason is None:
+            ref_model, self._tree_reason = select_tree_attention(ref_model, args)
+        return model, ref_model
+
+    def _tree_model_error(self, models) -> str | None:
+        """Why the loaded models cannot run trees exactly (the gate of `hf_tree_attn.support`), or None; a trainer
+        whose trees run another kind of model (a sequence classifier) overrides it with that model's gate."""
+        return loaded_model_error(*models)
+
+    def _tree_refusal(self) -> str | None:
+        """Why this run cannot use trees beyond the model gate (overridden per trainer), or None."""
+        return None
+
+    def _tree_decide(self, stacklevel: int = 3) -> None:
+        """Trees or TRL's path, after TRL's `__init__` loaded the models: `self.tree_packing` (and
+        `self.tree_reason`, None on trees), logged at INFO. Under `tree_packing="auto"` a refusal puts the models back
+        on their stock attention and warns once, naming the reason; under `tree_packing=True` it is an error."""
+        args, reason = self.args, self._tree_reason
+        models = (self.model, getattr(self, "ref_model", None))
+        if args.tree_packing is not False and reason is None:
+            reason = self._tree_model_error(models) or self._tree_refusal()
+        if reason is not None and args.tree_packing is True:
+            raise ValueError(f"tree_packing=True, but this run cannot use packed trees exactly: {reason}")
+        if reason is not None and args.tree_packing == "auto":
+            restore_stock_attention(models, reason)
+            warnings.warn(f"tree_packing='auto': {reason} Training on {self._TREE_FALLBACK}.", stacklevel=stacklevel)
+        self.tree_packing = args.tree_packing is not False and reason is None
+        self.tree_reason = reason
+        path = "packed trees" if self.tree_packing else f"TRL's path: {reason or 'tree_packing=False'}"
+        logger.info("%s trains on %s", type(self).__name__, path)
+
+    def _tree_compile_layers(self) -> None:
+        """Compile the decoder layers the trees run (`self.tree_compile`, None on TRL's path): the user's dynamo
+        settings, or the CUDA default (`compile_setting.py`)."""
+        self.tree_compile = decide_compile(self.args, self.accelerator, self.model) if self.tree_packing else None
+        if self.tree_compile is not None:
+            apply_compile(self.accelerator, self.tree_compile, (self.model, getattr(self, "ref_model", None)))
+
+    def _tree_card_rows(self) -> list[tuple[str, object]]:
+        """The trainer's own settings for the card, after the options every tree trainer has."""
+        return []
+
+    def create_model_card(self, model_name=None, dataset_name=None, tags=None):
+        """TRL's model card (`README.md` in `output_dir`), plus a section with the tree-packing settings."""
+        super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
+        path = os.path.join(self.args.output_dir, "README.md")
+        if self.is_world_process_zero() and os.path.isfile(path):
+            with open(path, "a", encoding="utf-8") as card:
+                card.write(self._tree_card_section())
+
+    def _tree_card_section(self) -> str:
+        from .. import __version__
+
+        args = self.args
+        rows = [
+            ("tree_packing", self.tree_packing),
+            ("max_tokens_per_mb", args.max_tokens_per_mb),
+            ("tree_max_token_ratio", args.tree_max_token_ratio),
+            *self._tree_card_rows(),
+            ("attn_implementation", ATTN_IMPLEMENTATION if self.tree_packing else "unchanged"),
+        ]
+        table = "\n".join(f"| `{name}` | `{value}` |" for name, value in rows)
+        intro = (
+            f"Trained with `hf_tree_attn.{type(self).__name__}` (hf_tree_attn {__version__}): TRL's "
+            f"{trl_compat.trainer_name(self)}, with {self._TREE_CARD_SCORED}; only the cost changes."
+        )
+        return f"\n## Tree training\n\n{intro}\n\n| setting | value |\n| --- | --- |\n{table}\n"
