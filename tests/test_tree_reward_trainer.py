@@ -72,11 +72,14 @@ def _trainer(trainer_cls, tiny, tmp_path, model=None, peft_config=None, rows=16,
     )  # fmt: skip
 
 
-def _step(trainer, batch):
+def _step(trainer, batch, autocast=False):
+    """Loss, gradients and metrics of one batch; the forward under the trainer's autocast where it trains with one
+    (`bf16=True`: accelerate wraps a prepared model's forward in it)."""
     trainer._metrics["train"].clear()
     trainer.model.train()
     trainer.model.zero_grad(set_to_none=True)
-    loss = trainer.compute_loss(trainer.model, dict(batch))
+    with trainer.accelerator.autocast() if autocast else torch.enable_grad():
+        loss = trainer.compute_loss(trainer.model, dict(batch))
     loss.backward()
     grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
     metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
@@ -155,6 +158,34 @@ def test_several_forests_per_batch_equal_trl(pair):
         tree.args.max_tokens_per_mb = None
         hook.remove()
     assert metrics["tree_fallback"] == 0.0 and len(calls) >= 2
+
+
+@pytest.mark.parametrize("weights", [torch.float32, torch.bfloat16], ids=["fp32+bf16autocast", "bf16+bf16autocast"])
+def test_bf16_is_as_close_to_float32_as_trls(tiny, tmp_path, weights):
+    """As TRL trains with `bf16=True` (fp32 or bf16 weights under bf16 autocast), the tree's loss and gradients on a
+    batch are as close to TRL's float32 ones as TRL's own under the same precision: within twice its error plus one
+    bf16 rounding (tests/test_precision.py says why that bound)."""
+    reference = _trainer(RewardTrainer, tiny, tmp_path / "fp32", margins=True)
+    batch = reference.data_collator([reference.train_dataset[i] for i in range(6)])
+    ref_loss, ref_grads, _ = _step(reference, batch)
+    kwargs = dict(bf16=True, model_init_kwargs={"dtype": weights}, margins=True)
+    tree, flat = (_trainer(cls, tiny, tmp_path / "bf16", **kwargs) for cls in (TreeRewardTrainer, RewardTrainer))
+    assert tree.tree_packing and next(tree.model.parameters()).dtype == weights
+    assert tree.accelerator.mixed_precision == "bf16"
+    (tree_loss, tree_grads, tree_metrics), (flat_loss, flat_grads, _) = (
+        _step(t, batch, autocast=True) for t in (tree, flat)
+    )
+    u = torch.finfo(torch.bfloat16).eps / 2
+
+    def grad_error(grads):
+        diff = sum(float((grads[n].float() - g).square().sum()) for n, g in ref_grads.items())
+        return (diff / sum(float(g.square().sum()) for g in ref_grads.values())) ** 0.5
+
+    tree_error, flat_error = float((tree_loss.float() - ref_loss).abs()), float((flat_loss.float() - ref_loss).abs())
+    assert tree_error <= 2 * flat_error + u * float(ref_loss.abs()), (tree_error, flat_error)
+    assert tree_grads.keys() == ref_grads.keys()
+    assert grad_error(tree_grads) <= 2 * grad_error(flat_grads) + u, (grad_error(tree_grads), grad_error(flat_grads))
+    assert tree_metrics["tree_fallback"] == 0.0
 
 
 def _run(trainer):
