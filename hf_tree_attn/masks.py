@@ -275,28 +275,40 @@ class TreeMaskSource:
         return self.subtree_end.shape[0]
 
     def mask(self, mask_function: Callable, use_vmap: bool = False) -> torch.Tensor | BlockMask:
-        """The tree mask `(1, 1, S, S)` of a layer kind whose flat mask is `mask_function` (tagged "layer")."""
+        """The tree mask `(1, 1, S, S + extra keys)` of a layer kind whose flat mask is `mask_function` (tagged
+        "layer"), built once per layer kind and kept in `cache`."""
         device = self.subtree_end.device
         try:
             key = mask_function_key(mask_function)
         except _NoKey:
             key = None
         causal = key in _CAUSAL_KEYS
-        # Not the entries of `PackedForest.dense_mask()` / `block_mask()`: those are tagged "full" (hand-fed to
-        # every layer), these are built for one layer kind.
-        cache_key = ("layer", self.dense, "causal" if causal else key, device)
+        cache_key = self._cache_key("causal" if causal else key, device)
         if key is not None and cache_key in self.cache:
             return self.cache[cache_key]
-        tree = tree_mask_mod(self.subtree_end)
-        mask_mod = tree if causal else and_masks(tree, at_depth(mask_function, self.depth))
+        mask_mod, kv_size = self._mask_mod(mask_function, causal), self.size + self.context_size
         if self.dense:
-            built = dense_mask(mask_mod, self.size, device, use_vmap=use_vmap).contiguous()
+            built = dense_mask(mask_mod, self.size, device, use_vmap=use_vmap, kv_size=kv_size).contiguous()
         else:
-            built = _block_mask(mask_mod, self.size, device)
+            built = _block_mask(mask_mod, self.size, device, kv_size=kv_size)
         tag_mask(built, MaskTag("layer", self, causal))
         if key is not None:
             self.cache[cache_key] = built
         return built
+
+    @property
+    def context_size(self) -> int:
+        """Keys before the rows' own (none here; a chunk's context rows in `ContextMaskSource`)."""
+        return 0
+
+    def _cache_key(self, kind, device: torch.device) -> tuple:
+        # Not the entries of `PackedForest.dense_mask()` / `block_mask()`: those are tagged "full" (hand-fed to
+        # every layer), these are built for one layer kind.
+        return ("layer", self.dense, kind, device)
+
+    def _mask_mod(self, mask_function: Callable, causal: bool) -> Callable:
+        tree = tree_mask_mod(self.subtree_end)
+        return tree if causal else and_masks(tree, at_depth(mask_function, self.depth))
 
 
 class ContextMaskSource(TreeMaskSource):
@@ -339,27 +351,12 @@ class ContextMaskSource(TreeMaskSource):
     def context_size(self) -> int:
         return self.context_end.shape[0]
 
-    def mask(self, mask_function: Callable, use_vmap: bool = False) -> torch.Tensor | BlockMask:
-        """The mask `(1, 1, S, P + S)` of a layer kind whose flat mask is `mask_function` (tagged "layer")."""
-        device = self.subtree_end.device
-        try:
-            key = mask_function_key(mask_function)
-        except _NoKey:
-            key = None
-        causal = key in _CAUSAL_KEYS
-        cache_key = ("causal" if causal else key,)
-        if key is not None and cache_key in self.cache:
-            return self.cache[cache_key]
+    def _cache_key(self, kind, device: torch.device) -> tuple:
+        return (kind,)  # a chunk's own cache: one dense flag, one device
+
+    def _mask_mod(self, mask_function: Callable, causal: bool) -> Callable:
         tree = context_tree_mask_mod(self.subtree_end, self.context_end, self.query_rows)
-        if not causal:
-            kv_depth = torch.cat([self.context_depth, self.depth])
-            tree = and_masks(tree, at_depths(mask_function, self.depth, kv_depth))
-        kv_size = self.context_size + self.size
-        if self.dense:
-            built = dense_mask(tree, self.size, device, use_vmap=use_vmap, kv_size=kv_size).contiguous()
-        else:
-            built = _block_mask(tree, self.size, device, kv_size=kv_size)
-        tag_mask(built, MaskTag("layer", self, causal))
-        if key is not None:
-            self.cache[cache_key] = built
-        return built
+        if causal:
+            return tree
+        kv_depth = torch.cat([self.context_depth, self.depth])
+        return and_masks(tree, at_depths(mask_function, self.depth, kv_depth))
