@@ -417,7 +417,7 @@ def main():
 
 def _pair(row: dict, dtype: str) -> None:
     """`row["paired"]` and `row["agreement"]` for every pair of `PAIRS` whose two sides ran."""
-    from harness import paired
+    from harness import paired, sides_agreement
 
     sides = row["sides"]
     row["spec"] = next((r["spec"] for r in sides.values() if "spec" in r), None)
@@ -428,7 +428,7 @@ def _pair(row: dict, dtype: str) -> None:
         key = f"{candidate} vs {reference}"
         keys = ("samples_per_step", "trained_tokens_per_step")
         same = all(a[k] == b[k] for k in keys)
-        check = _agreement(a, b, sides.get("reference"), dtype)
+        check = sides_agreement(a, b, sides.get("reference"), dtype)
         check["passed"] = check["passed"] and check["same_targets"] and same
         row["agreement"][key] = check
         try:
@@ -438,23 +438,6 @@ def _pair(row: dict, dtype: str) -> None:
             row["paired"][key] = {"error": str(error)}
         if a.get("peak_gib") and b.get("peak_gib"):
             row["paired"][key]["peak_ratio"] = a["peak_gib"] / b["peak_gib"]
-
-
-def _agreement(candidate: dict, baseline: dict, reference: dict | None, dtype: str) -> dict:
-    """`harness.agreement` of two sides' first scores: against the float32 `reference` side where it ran (and scored
-    the same tokens), else directly within `LOGPROB_BOUND[dtype]`."""
-    from harness import LOGPROB_BOUND, agreement
-
-    a, b = candidate["first_scores"], baseline["first_scores"]
-    exact = (reference or {}).get("first_scores", {})
-    same = a["targets"] == b["targets"] and (not exact or exact["targets"] == a["targets"])
-    if exact:
-        check = agreement(a["log_probs"], b["log_probs"], exact["log_probs"])
-    else:
-        check = agreement(a["log_probs"], b["log_probs"], bound=LOGPROB_BOUND.get(dtype, LOGPROB_BOUND["float32"]))
-    check["same_targets"] = same
-    check["passed"] = check["passed"] and same
-    return check
 
 
 def _summary(row: dict) -> str:

@@ -40,10 +40,10 @@ from transformers import AutoModelForCausalLM
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
-from bench_async_grpo import SIDES, _agreement, _summary, model_config  # noqa: E402
+from bench_async_grpo import SIDES, _summary, model_config  # noqa: E402
 from bench_balance_fsdp import length_reward, stub_rollout  # noqa: E402
 from bench_tree_vs_flat import MODELS, PEAK_FLOPS  # noqa: E402
-from harness import StepClock, paired, provenance, resume, run_rows, write_side  # noqa: E402
+from harness import StepClock, paired, provenance, resume, run_rows, sides_agreement, write_side  # noqa: E402
 
 from hf_tree_attn.metrics import estimate_flops  # noqa: E402
 from trainers import toy_task  # noqa: E402
@@ -205,7 +205,7 @@ def _pair(row: dict) -> None:
             continue
         key = f"{candidate} vs {reference}"
         same = a["completion_tokens_per_step"] == b["completion_tokens_per_step"]
-        check = _agreement(a, b, sides.get("reference"), "bfloat16")
+        check = sides_agreement(a, b, sides.get("reference"), "bfloat16")
         fallbacks = [f for side in (a, b) for f in (side["tree_fallback"] or []) if f]
         check["tree_fallback"] = len(fallbacks)
         check["passed"] = check["passed"] and check["same_targets"] and same and not fallbacks

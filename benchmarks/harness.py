@@ -13,9 +13,9 @@ ratios and agreement checks that can fail.
 - `paired(reference, candidate)`: per measured step, reference seconds / candidate seconds on the same step
   index (both sides trained the same data in the same order), at least `MIN_MEASURED_STEPS`, with min / median /
   max — never a ratio of two medians.
-- `agreement(candidate, baseline, exact)`: whether one side's per-token values are as close to a float32 run's on
-  the same tokens as the other's (at most twice its error plus one bf16 rounding); a row that fails is recorded as
-  failed.
+- `agreement(candidate, baseline, exact)` (`sides_agreement` for two sides' result dicts): whether one side's
+  per-token values are as close to a float32 run's on the same tokens as the other's (at most twice its error plus
+  one bf16 rounding); a row that fails is recorded as failed.
 """
 
 from __future__ import annotations
@@ -246,3 +246,19 @@ def run_rows(
             args["pair"](row)
             out.write_text(json.dumps(results, indent=1))
         print(args["summary"](row), flush=True)
+
+
+def sides_agreement(candidate: dict, baseline: dict, reference: dict | None, dtype: str) -> dict:
+    """`agreement` of two sides' first scores (`first_scores`: the first micro-batch's `targets` and `log_probs`):
+    against the float32 `reference` side where it ran (and scored the same tokens), else directly within
+    `LOGPROB_BOUND[dtype]`."""
+    a, b = candidate["first_scores"], baseline["first_scores"]
+    exact = (reference or {}).get("first_scores", {})
+    same = a["targets"] == b["targets"] and (not exact or exact["targets"] == a["targets"])
+    if exact:
+        check = agreement(a["log_probs"], b["log_probs"], exact["log_probs"])
+    else:
+        check = agreement(a["log_probs"], b["log_probs"], bound=LOGPROB_BOUND.get(dtype, LOGPROB_BOUND["float32"]))
+    check["same_targets"] = same
+    check["passed"] = check["passed"] and same
+    return check
