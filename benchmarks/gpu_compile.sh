@@ -24,6 +24,17 @@ if ! python3 -c "import trl, datasets" 2>/dev/null; then
     .whl/async/multiprocess-0.70.19-*.whl || exit 1
 fi
 export PYTHONPATH=/tmp/site:$PWD
+# .whl/common (when carried): the transformers release CI tests with (and its tokenizers / safetensors), ahead of the
+# image's; .whl/hub the huggingface_hub it needs, where the image's is too old for it.
+if compgen -G ".whl/common/*.whl" >/dev/null && [ ! -d /tmp/common/transformers ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/common \
+    .whl/common/*.whl || exit 1
+  if ! PYTHONPATH=/tmp/common python3 -c "import transformers" 2>/dev/null && compgen -G ".whl/hub/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/common \
+      .whl/hub/*.whl || exit 1
+  fi
+fi
+[ -d /tmp/common/transformers ] && export PYTHONPATH=/tmp/common:$PYTHONPATH
 LOG="$KEEP/gpu_compile.log"
 {
   nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
@@ -47,6 +58,10 @@ for phase in ${PHASES:-tests}; do
     tests)  # every GPU test of a trainer on the default fast path, against TRL (log: h200_gpu_tests_compile.log)
       LOG="$KEEP/h200_gpu_tests_compile.log" step 300 tests python3 -m pytest -q -rf -m gpu -p no:cacheprovider \
         tests/test_gpu_async_grpo.py tests/test_gpu_trees.py tests/test_grpo_trainer.py ;;
+    gpu-tests)  # every gpu-marked test but the hybrid kernels' and DeepSpeed's (their own scripts), 8 workers on one
+      # GPU, each test's outcome listed (log: h200_gpu_tests_all.log)
+      LOG="$KEEP/h200_gpu_tests_all.log" step 540 "$phase" python3 -m pytest -v -rfEs -m gpu -p no:cacheprovider -n 8 \
+        --timeout 300 tests --ignore tests/test_gpu_recurrent.py --ignore tests/test_gpu_deepspeed.py ;;
     async-1.7b-grpo)  # the float32 reference first (agreement), TRL's defaults, the tree, then the compiled sides
       step 300 "$phase" "${ASYNC[@]}" --models qwen3-1.7b --workloads grpo_mixed \
         --sides reference trl tree trl_compiled tree_eager --out "$KEEP/async_grpo_h200_qwen3-1.7b_paired.json" ;;
