@@ -65,6 +65,11 @@ for phase in ${PHASES:-tests}; do
     async-1.7b-grpo)  # the float32 reference first (agreement), TRL's defaults, the tree, then the compiled sides
       step 300 "$phase" "${ASYNC[@]}" --models qwen3-1.7b --workloads grpo_mixed \
         --sides reference trl tree trl_compiled tree_eager --out "$KEEP/async_grpo_h200_qwen3-1.7b_paired.json" ;;
+    async-1.7b-profiled)  # both 1.7B rows, one more step per side under the torch profiler (where its time goes)
+      step 270 "$phase-grpo" "${ASYNC[@]}" --profile --models qwen3-1.7b --workloads grpo_mixed \
+        --sides reference trl tree trl_compiled --out "$KEEP/async_grpo_h200_qwen3-1.7b_paired.json"
+      step 240 "$phase-tau2" "${ASYNC[@]}" --profile --models qwen3-1.7b --workloads tau2_like \
+        --sides reference trl tree --out "$KEEP/async_grpo_h200_qwen3-1.7b_paired.json" ;;
     async-1.7b-tau2)
       step 250 "$phase" "${ASYNC[@]}" --models qwen3-1.7b --workloads tau2_like \
         --sides reference trl tree trl_compiled --out "$KEEP/async_grpo_h200_qwen3-1.7b_paired.json" ;;
