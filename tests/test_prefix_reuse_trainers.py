@@ -1,0 +1,157 @@
+"""`tree_prefix_reuse=True` in the trainers that split a step: one forest scored in chunks of `max_tokens_per_mb` rows
+(`hf_tree_attn.prefix_reuse`) instead of several forests that repeat their prefix, against the same trainer with one
+forest and TRL's own trainer on the same data, in fp32; a sequence longer than the budget trains; what cannot be
+exact is refused at init.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_grpo_trainer import COMPLETION_LEN, NUM_GENERATIONS, _assert_same, _config, _loss_and_grads, tiny  # noqa: F401
+from trl import GRPOConfig, GRPOTrainer
+
+from hf_tree_attn import pack_forest
+from hf_tree_attn.chunked import plan_chunks
+from hf_tree_attn.trainer import TreeGRPOConfig, TreeGRPOTrainer, forest_step
+from trainers import toy_task
+
+BUDGET = 128  # the smallest budget (a multiple of 128): a step's forest takes several chunks of it
+SYSTEM = "rules: answer with the last letter of the request. be brief; no tools. think first, then answer.\n"
+# Two groups of NUM_GENERATIONS completions: duplicates, shared completion prefixes, a fully masked one.
+COMPLETIONS = [
+    ("aaa", True, False),
+    ("aabab", False, False),
+    ("aaa", True, False),
+    ("b", True, False),
+    ("bbbbbb", False, False),
+    ("ba", True, False),
+    ("cccccc", False, True),
+    ("bbbbb", True, False),
+]
+
+
+@pytest.fixture
+def chunked_calls(monkeypatch):
+    """The forests the group trainers scored in chunks, and each one's chunk count."""
+    calls = []
+    chunked = forest_step.chunked_forest_logprobs
+
+    def spy(model, forest, max_tokens_per_mb, **kwargs):
+        calls.append(plan_chunks(forest, max_tokens_per_mb).num_chunks)
+        return chunked(model, forest, max_tokens_per_mb, **kwargs)
+
+    monkeypatch.setattr(forest_step, "chunked_forest_logprobs", spy)
+    return calls
+
+
+def _prompts(system: str) -> list[str]:
+    return [system + "id 1. letter: a", system + "id 22. letter: b"]
+
+
+def _group_inputs(trainer, tokenizer, prompts, beta: float = 0.04):
+    """TRL's padded layout (left-padded prompts, right-padded completions) with advantages and reference log-probs."""
+    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    rows = [tokenizer(p)["input_ids"] for p in prompts for _ in range(NUM_GENERATIONS)]
+    width = max(map(len, rows))
+    prompt_ids = torch.tensor([[pad] * (width - len(p)) + p for p in rows])
+    prompt_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in rows])
+    completion_ids = torch.full((len(COMPLETIONS), COMPLETION_LEN), pad)
+    completion_mask = torch.zeros_like(completion_ids)
+    for b, (text, ends, masked) in enumerate(COMPLETIONS):
+        ids = tokenizer(text)["input_ids"] + ([eos] if ends else [])
+        completion_ids[b, : len(ids)] = torch.tensor(ids)
+        completion_mask[b, : len(ids)] = 0 if masked else 1
+    gen = torch.Generator().manual_seed(0)
+    inputs = {
+        "prompt_ids": prompt_ids,
+        "prompt_mask": prompt_mask,
+        "completion_ids": completion_ids,
+        "completion_mask": completion_mask,
+        "advantages": torch.tensor([1.0, -0.5, 0.3, -0.8, 0.9, -1.2, 0.0, 0.4]),
+        "num_items_in_batch": completion_mask.sum(),
+        "old_per_token_logps": -2.0 + 0.3 * torch.randn(completion_ids.shape, generator=gen),
+    }
+    if beta:
+        inputs["ref_per_token_logps"] = -2.0 + 0.3 * torch.randn(completion_ids.shape, generator=gen)
+    sequences = [
+        torch.cat([p[m.bool()], c[cm.bool()]]).tolist()
+        for p, m, c, cm in zip(prompt_ids, prompt_mask, completion_ids, completion_mask)
+    ]
+    return inputs, sequences
+
+
+def _grpo(tiny, tmp_path, trainer_cls=TreeGRPOTrainer, config_cls=TreeGRPOConfig, **overrides):  # noqa: F811
+    path, tokenizer = tiny
+    options = dict(loss_type="dapo", beta=0.04, num_iterations=2)
+    args = _config(config_cls, tmp_path, **{**options, **overrides})
+    trainer = trainer_cls(
+        path, toy_task.copy_letter_reward, args, train_dataset=toy_task.build_dataset(8), processing_class=tokenizer
+    )
+    model = trainer.model
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.19
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    return trainer
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# GRPO
+
+
+@pytest.mark.parametrize("system", [SYSTEM, SYSTEM * 2], ids=["within-budget", "longer-than-budget"])
+def test_grpo_chunked_equals_one_forest_and_trl(tiny, tmp_path, chunked_calls, system):  # noqa: F811
+    """Loss and every parameter gradient of the chunked forest equal the one-forest trainer's and TRL's. The first
+    case's sequences fit the budget (without prefix reuse they would be two forests); the second's prompts are longer
+    than the budget (refused without prefix reuse, see below)."""
+    reuse = _grpo(tiny, tmp_path, tree_prefix_reuse=True, max_tokens_per_mb=BUDGET)
+    whole = _grpo(tiny, tmp_path / "whole")
+    trl = _grpo(tiny, tmp_path, GRPOTrainer, GRPOConfig)
+    inputs, sequences = _group_inputs(reuse, tiny[1], _prompts(system))
+    (forest,) = pack_forest(sequences, two_level=False)
+    assert forest.num_tree_tokens > BUDGET and (max(map(len, sequences)) > BUDGET) == (system != SYSTEM)
+
+    got = _loss_and_grads(reuse, inputs)
+    assert chunked_calls == [plan_chunks(forest, BUDGET).num_chunks] and chunked_calls[0] >= 2
+    _assert_same(got, _loss_and_grads(whole, inputs))
+    _assert_same(got, _loss_and_grads(trl, inputs))
+    assert reuse._metrics["train"]["tree_fallback"] == [0.0]
+
+
+def test_grpo_chunked_entropy_matches_trl(tiny, tmp_path, chunked_calls):  # noqa: F811
+    """TRL's entropy-masked loss (top_entropy_quantile < 1) reads the chunked entropies: same loss and gradients."""
+    options = dict(top_entropy_quantile=0.5, loss_type="grpo", beta=0.0, num_iterations=1)
+    reuse = _grpo(tiny, tmp_path, tree_prefix_reuse=True, max_tokens_per_mb=BUDGET, **options)
+    trl = _grpo(tiny, tmp_path, GRPOTrainer, GRPOConfig, **options)
+    inputs, _ = _group_inputs(reuse, tiny[1], _prompts(SYSTEM), beta=0.0)
+    del inputs["old_per_token_logps"]
+    _assert_same(_loss_and_grads(reuse, inputs), _loss_and_grads(trl, inputs))
+    assert chunked_calls
+
+
+def test_grpo_long_sequence_refused_without_prefix_reuse(tiny, tmp_path):  # noqa: F811
+    """A completion as long as the budget: refused at config time without prefix reuse, accepted with it."""
+    with pytest.raises(ValueError, match=r"max_tokens_per_mb=128 cannot hold one sequence.*tree_prefix_reuse=True"):
+        _config(TreeGRPOConfig, tmp_path, max_tokens_per_mb=BUDGET, max_completion_length=BUDGET)
+    args = _config(
+        TreeGRPOConfig, tmp_path, max_tokens_per_mb=BUDGET, max_completion_length=BUDGET, tree_prefix_reuse=True
+    )
+    assert args.tree_prefix_reuse is True
+    path, tokenizer = tiny
+    long_prompt = [{"prompt": SYSTEM * 3 + "id 1. letter: a"}] * 8
+    from datasets import Dataset
+
+    with pytest.raises(ValueError, match=r"max_tokens_per_mb=128 cannot hold one sequence: the longest"):
+        TreeGRPOTrainer(
+            path, toy_task.copy_letter_reward, _config(TreeGRPOConfig, tmp_path, max_tokens_per_mb=BUDGET),
+            train_dataset=Dataset.from_list(long_prompt), processing_class=tokenizer,
+        )  # fmt: skip
+    trainer = TreeGRPOTrainer(
+        path, toy_task.copy_letter_reward,
+        _config(TreeGRPOConfig, tmp_path, max_tokens_per_mb=BUDGET, tree_prefix_reuse=True),
+        train_dataset=Dataset.from_list(long_prompt), processing_class=tokenizer,
+    )  # fmt: skip
+    assert trainer.tree_packing and trainer._prefix_reuse_rows == BUDGET
