@@ -6,14 +6,26 @@ exact is refused at init.
 
 from __future__ import annotations
 
+import math
+
 import pytest
+import test_tree_sft
 import torch
+from datasets import Dataset
+from helpers import TOLERANCES
 from test_grpo_trainer import COMPLETION_LEN, NUM_GENERATIONS, _assert_same, _config, _loss_and_grads, tiny  # noqa: F401
-from trl import GRPOConfig, GRPOTrainer
+from trl import GRPOConfig, GRPOTrainer, SFTTrainer
 
 from hf_tree_attn import pack_forest
 from hf_tree_attn.chunked import plan_chunks
-from hf_tree_attn.trainer import TreeGRPOConfig, TreeGRPOTrainer, forest_step
+from hf_tree_attn.trainer import (
+    TreeGRPOConfig,
+    TreeGRPOTrainer,
+    TreeSFTConfig,
+    TreeSFTTrainer,
+    forest_step,
+    fused_head,
+)
 from trainers import toy_task
 
 BUDGET = 128  # the smallest budget (a multiple of 128): a step's forest takes several chunks of it
@@ -142,8 +154,6 @@ def test_grpo_long_sequence_refused_without_prefix_reuse(tiny, tmp_path):  # noq
     assert args.tree_prefix_reuse is True
     path, tokenizer = tiny
     long_prompt = [{"prompt": SYSTEM * 3 + "id 1. letter: a"}] * 8
-    from datasets import Dataset
-
     with pytest.raises(ValueError, match=r"max_tokens_per_mb=128 cannot hold one sequence: the longest"):
         TreeGRPOTrainer(
             path, toy_task.copy_letter_reward, _config(TreeGRPOConfig, tmp_path, max_tokens_per_mb=BUDGET),
@@ -155,3 +165,81 @@ def test_grpo_long_sequence_refused_without_prefix_reuse(tiny, tmp_path):  # noq
         train_dataset=Dataset.from_list(long_prompt), processing_class=tokenizer,
     )  # fmt: skip
     assert trainer.tree_packing and trainer._prefix_reuse_rows == BUDGET
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# SFT (the fused-head path)
+
+
+@pytest.fixture(scope="module")
+def sft_tiny(tmp_path_factory):
+    tokenizer = toy_task.build_tokenizer()
+    tokenizer.chat_template = test_tree_sft.CHAT_TEMPLATE
+    path = tmp_path_factory.mktemp("tiny_qwen3_sft")
+    toy_task.build_model(tokenizer, seed=0).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path), tokenizer
+
+
+@pytest.fixture
+def scored_chunks(monkeypatch):
+    """The chunk count of every forest the fused head scored in chunks."""
+    calls = []
+    chunked = fused_head.chunked_forest_scores
+
+    def spy(model, forest, max_tokens_per_mb, *args, **kwargs):
+        calls.append(plan_chunks(forest, max_tokens_per_mb).num_chunks)
+        return chunked(model, forest, max_tokens_per_mb, *args, **kwargs)
+
+    monkeypatch.setattr(fused_head, "chunked_forest_scores", spy)
+    return calls
+
+
+def _assert_same_logs_and_weights(got, want) -> None:
+    (_, got_logs, got_params), (_, want_logs, want_params) = got, want
+    assert len(got_logs) == len(want_logs) == 2
+    for step, (a, b) in enumerate(zip(got_logs, want_logs)):
+        for key in test_tree_sft.LOGGED:
+            assert math.isclose(a[key], b[key], abs_tol=TOLERANCES["logps_atol"]), f"step {step}: {key}"
+    for name, want_param in want_params.items():
+        torch.testing.assert_close(got_params[name], want_param, atol=TOLERANCES["logps_atol"], rtol=0, msg=name)
+
+
+def test_sft_chunked_equals_one_forest_and_trl(sft_tiny, tmp_path, scored_chunks):
+    """Per-turn agent samples (each prompt the whole history, longer than the budget by the last turns), completion-
+    only loss: two SGD steps of the chunked trainer log the losses and metrics (entropy, token accuracy: TRL's
+    kernel's outputs, from the chunks) and reach the weights of the one-forest trainer and of TRL's."""
+    dataset = Dataset.from_list(test_tree_sft._per_turn(test_tree_sft._conversations(6, seed=1)))
+    options = dict(train_sampling_strategy="sequential")
+    reuse = test_tree_sft._run(
+        TreeSFTTrainer, sft_tiny, tmp_path / "reuse", dataset, tree_prefix_reuse=True, max_tokens_per_mb=BUDGET,
+        **options,
+    )  # fmt: skip
+    assert reuse[0].tree_packing and [e["tree_fallback"] for e in reuse[1]] == [0.0, 0.0]
+    assert scored_chunks and max(scored_chunks) >= 2
+    _assert_same_logs_and_weights(
+        reuse, test_tree_sft._run(TreeSFTTrainer, sft_tiny, tmp_path / "one", dataset, **options)
+    )
+    _assert_same_logs_and_weights(
+        reuse, test_tree_sft._run(SFTTrainer, sft_tiny, tmp_path / "trl", dataset, **options)
+    )
+
+
+def test_sft_sequence_longer_than_the_budget(sft_tiny, tmp_path, scored_chunks):
+    """A dataset whose samples are longer than max_tokens_per_mb: refused at config time without prefix reuse (through
+    max_length), and without max_length a batch would fall back to TRL's forward; with prefix reuse it trains on trees
+    and matches TRL."""
+    texts = [test_tree_sft.SYSTEM * 2 + f"note {i}: " + "xyz " * (i % 5) + "done." for i in range(8)]
+    dataset = Dataset.from_dict({"text": texts})
+    assert min(len(sft_tiny[1](t)["input_ids"]) for t in texts) > BUDGET
+    with pytest.raises(ValueError, match=r"cannot hold one sequence of max_length=1024.*tree_prefix_reuse=True"):
+        TreeSFTConfig(output_dir=str(tmp_path), use_cpu=True, max_tokens_per_mb=BUDGET, max_length=1024)
+    options = dict(max_length=1024, per_device_train_batch_size=2)
+    reuse = test_tree_sft._run(
+        TreeSFTTrainer, sft_tiny, tmp_path / "reuse", dataset, tree_prefix_reuse=True, max_tokens_per_mb=BUDGET,
+        **options,
+    )  # fmt: skip
+    assert [e["tree_fallback"] for e in reuse[1]] == [0.0, 0.0] and scored_chunks
+    _assert_same_logs_and_weights(
+        reuse, test_tree_sft._run(SFTTrainer, sft_tiny, tmp_path / "trl", dataset, **options)
+    )
