@@ -7,16 +7,20 @@ exact is refused at init.
 from __future__ import annotations
 
 import math
+import re
+from types import SimpleNamespace
 
 import pytest
 import test_tree_sft
 import torch
 from datasets import Dataset
-from helpers import TOLERANCES
+from helpers import TOLERANCES, hybrid_twin_models, twin_models
+from test_coverage import tiny_config as coverage_config
 from test_grpo_trainer import COMPLETION_LEN, NUM_GENERATIONS, _assert_same, _config, _loss_and_grads, tiny  # noqa: F401
+from transformers import AutoModelForCausalLM
 from trl import GRPOConfig, GRPOTrainer, SFTTrainer
 
-from hf_tree_attn import pack_forest
+from hf_tree_attn import pack_forest, prefix_reuse
 from hf_tree_attn.chunked import plan_chunks
 from hf_tree_attn.trainer import (
     TreeGRPOConfig,
@@ -26,6 +30,7 @@ from hf_tree_attn.trainer import (
     forest_step,
     fused_head,
 )
+from hf_tree_attn.trainer.core import prefix_reuse_refusal
 from trainers import toy_task
 
 BUDGET = 128  # the smallest budget (a multiple of 128): a step's forest takes several chunks of it
@@ -243,3 +248,93 @@ def test_sft_sequence_longer_than_the_budget(sft_tiny, tmp_path, scored_chunks):
     _assert_same_logs_and_weights(
         reuse, test_tree_sft._run(SFTTrainer, sft_tiny, tmp_path / "trl", dataset, **options)
     )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# What is refused
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (dict(tree_prefix_reuse=True), r"tree_prefix_reuse=True scores a forest in chunks.*max_tokens_per_mb=None"),
+        (dict(tree_prefix_reuse=1, max_tokens_per_mb=BUDGET), r"tree_prefix_reuse=1 must be True or False"),
+        (
+            dict(tree_prefix_reuse=True, max_tokens_per_mb=BUDGET, tree_activation_budget_gib=4.0),
+            r"tree_activation_budget_gib=4.0 .*tree_prefix_reuse=True.*tree_prefix_reuse=False",
+        ),
+    ],
+)
+def test_config_refusals(tmp_path, overrides, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        _config(TreeGRPOConfig, tmp_path, **overrides)
+
+
+def _reuse_grpo(model, tmp_path, tokenizer, **overrides):
+    args = _config(TreeGRPOConfig, tmp_path, tree_prefix_reuse=True, max_tokens_per_mb=BUDGET, **overrides)
+    return TreeGRPOTrainer(
+        model, toy_task.copy_letter_reward, args, train_dataset=toy_task.build_dataset(8), processing_class=tokenizer
+    )
+
+
+def test_hybrid_refused(tiny, tmp_path):  # noqa: F811
+    """A state-carrying model trains on trees, but not in chunks (its state at a chunk's first row is not kept)."""
+    model, _ = hybrid_twin_models("qwen3_5")
+    with pytest.raises(
+        ValueError, match=r"tree_prefix_reuse=True, but .*Qwen3_5GatedDeltaNet.*tree_prefix_reuse=False"
+    ):
+        _reuse_grpo(model, tmp_path, tiny[1])
+
+
+def test_moe_aux_loss_refused(tiny, tmp_path):  # noqa: F811
+    config = coverage_config("qwen3_moe")
+    config.output_router_logits = True
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="tree_flex")
+    with pytest.raises(ValueError, match=r"tree_prefix_reuse=True, but the MoE load-balancing loss.*=False"):
+        _reuse_grpo(model, tmp_path, tiny[1])
+
+
+def test_reentrant_checkpointing_refused(tiny, tmp_path):  # noqa: F811
+    with pytest.raises(ValueError, match=r"tree_prefix_reuse=True, but .*'use_reentrant': True.*=False"):
+        _reuse_grpo(tiny[0], tmp_path, tiny[1], gradient_checkpointing_kwargs={"use_reentrant": True})
+
+
+def test_sft_refusal_goes_through_the_head_trainer(sft_tiny, tmp_path):
+    model, _ = hybrid_twin_models("qwen3_5")
+    args = TreeSFTConfig(
+        output_dir=str(tmp_path), use_cpu=True, report_to="none", max_length=None, tree_prefix_reuse=True,
+        max_tokens_per_mb=BUDGET,
+    )  # fmt: skip
+    dataset = Dataset.from_dict({"text": [test_tree_sft.SYSTEM + "a."] * 4})
+    with pytest.raises(ValueError, match=r"tree_prefix_reuse=True, but .*Qwen3_5GatedDeltaNet"):
+        TreeSFTTrainer(model, args, train_dataset=dataset, processing_class=sft_tiny[1])
+
+
+@pytest.mark.parametrize(
+    "setting, match",
+    [
+        (dict(num_processes=2), r"2 processes"),
+        (dict(is_deepspeed_enabled=True), r"FSDP / DeepSpeed"),
+        (dict(is_fsdp_enabled=True), r"FSDP / DeepSpeed"),
+        (dict(device="cuda"), r"CUDA.*HF_TREE_ATTN_PREFIX_REUSE_CUDA=None"),
+    ],
+)
+def test_run_refusals(setting, match, monkeypatch):
+    """What the trainers ask `prefix_reuse_refusal` at init, for settings a CPU test cannot start: several processes,
+    FSDP / DeepSpeed, CUDA without a chosen path (with one: accepted)."""
+    monkeypatch.setattr(prefix_reuse, "CUDA_PATH", None)
+    model, _ = twin_models("qwen3")
+    accelerator = SimpleNamespace(
+        num_processes=setting.get("num_processes", 1), device=torch.device(setting.get("device", "cpu"))
+    )
+    trainer = SimpleNamespace(
+        args=SimpleNamespace(gradient_checkpointing=True, gradient_checkpointing_kwargs=None),
+        accelerator=accelerator,
+        is_fsdp_enabled=setting.get("is_fsdp_enabled", False),
+        is_deepspeed_enabled=setting.get("is_deepspeed_enabled", False),
+    )
+    assert re.search(match, prefix_reuse_refusal(trainer, (model, None)))
+    if "device" in setting:
+        monkeypatch.setattr(prefix_reuse, "CUDA_PATH", "flex")
+        assert prefix_reuse_refusal(trainer, (model, None)) is None
