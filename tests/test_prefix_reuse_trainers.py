@@ -17,7 +17,7 @@ from datasets import Dataset
 from helpers import TOLERANCES, hybrid_twin_models, twin_models
 from test_coverage import tiny_config as coverage_config
 from test_grpo_trainer import COMPLETION_LEN, NUM_GENERATIONS, _assert_same, _config, _loss_and_grads, tiny  # noqa: F401
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 from trl import GRPOConfig, GRPOTrainer, SFTTrainer
 
 from hf_tree_attn import pack_forest, prefix_reuse
@@ -25,6 +25,8 @@ from hf_tree_attn.chunked import plan_chunks
 from hf_tree_attn.trainer import (
     TreeGRPOConfig,
     TreeGRPOTrainer,
+    TreeRewardConfig,
+    TreeRewardTrainer,
     TreeSFTConfig,
     TreeSFTTrainer,
     forest_step,
@@ -338,3 +340,16 @@ def test_run_refusals(setting, match, monkeypatch):
     if "device" in setting:
         monkeypatch.setattr(prefix_reuse, "CUDA_PATH", "flex")
         assert prefix_reuse_refusal(trainer, (model, None)) is None
+
+
+def test_reward_trainer_refuses_it(tmp_path):
+    """The reward trainer shares the config field but scores its forests whole: refused, not ignored."""
+    tokenizer = toy_task.build_tokenizer()
+    config = toy_task.model_config(tokenizer, num_labels=1, initializer_range=0.1)
+    model = AutoModelForSequenceClassification.from_config(config)
+    args = TreeRewardConfig(
+        output_dir=str(tmp_path), use_cpu=True, report_to="none", tree_prefix_reuse=True, max_tokens_per_mb=BUDGET
+    )
+    dataset = Dataset.from_list([{"prompt": SYSTEM + "q: 1?", "chosen": " 1.", "rejected": " 2."}] * 4)
+    with pytest.raises(ValueError, match=r"tree_prefix_reuse=True: TreeRewardTrainer.*tree_prefix_reuse=False"):
+        TreeRewardTrainer(model, args=args, train_dataset=dataset, processing_class=tokenizer)
