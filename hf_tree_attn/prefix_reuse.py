@@ -49,7 +49,7 @@ from .model_inputs import check_forest_inputs
 from .support import check_forest, check_tree_model, config_field, unwrap_model
 from .tree import PackedForest
 
-__all__ = ["CUDA_PATH", "chunked_forest_logprobs", "kept_kv_bytes", "prefix_reuse_error"]
+__all__ = ["CUDA_PATH", "chunked_forest_logprobs", "chunked_forest_scores", "kept_kv_bytes", "prefix_reuse_error"]
 
 # How prefix reuse attends on CUDA: "flex", "dense", or None (refused: not yet run on a GPU).
 CUDA_PATH = os.environ.get("HF_TREE_ATTN_PREFIX_REUSE_CUDA") or None
@@ -138,6 +138,48 @@ def chunked_forest_logprobs(
         `(logps, entropy)`, each `(S,)` float32 indexed by the forest's rows (0 at unscored rows); `entropy` is None
         unless requested. Differentiable (through a reentrant backward: call `.backward()` on the loss).
     """
+    dense, pad_multiple = _checked(model, forest, temperature, pad_multiple)
+    plan = plan_chunks(forest, max_tokens_per_mb)
+    step = _Step(model, forest, plan, temperature, return_entropy, chunk_rows, fp32_head, dense, pad_multiple)
+    tables = _run(model, step)
+    return tables[0], (tables[1] if return_entropy else None)
+
+
+def chunked_forest_scores(
+    model: torch.nn.Module,
+    forest: PackedForest,
+    max_tokens_per_mb: int,
+    sources: torch.Tensor,
+    targets: torch.Tensor,
+    head,
+    pad_multiple: int | None = None,
+) -> tuple[torch.Tensor | None, ...]:
+    """`chunked_forest_logprobs` with the caller's LM head on the caller's (row, target) pairs: each pair is scored
+    by `head` in the chunk holding its row, and the chunks that score nothing still run where later chunks read
+    their rows (a prompt no pair is scored in).
+
+    Args:
+        model, forest, max_tokens_per_mb, pad_multiple: as in `chunked_forest_logprobs`.
+        sources: `(U,)` long — the forest row whose final hidden state scores each pair.
+        targets: `(U,)` long — the token each pair scores.
+        head: `head(hidden (E, hidden), targets (E,))` -> a tuple of `(E,)` tensors or None, the same length and
+            dtypes for every call (TRL's fused head kernel: log-probs, entropies, metrics); it runs under the
+            autocast the call runs under, and again in the backward.
+
+    Returns:
+        The head's outputs for every pair, `(U,)` each (None where the head gives None). Differentiable through the
+        float outputs (a reentrant backward: call `.backward()` on the loss).
+    """
+    dense, pad_multiple = _checked(model, forest, 1.0, pad_multiple)
+    plan = plan_chunks(forest, max_tokens_per_mb)
+    pairs = (sources.to(forest.input_ids.device), targets.to(forest.input_ids.device), head)
+    step = _Step(model, forest, plan, 1.0, False, None, False, dense, pad_multiple, pairs=pairs)
+    tables = iter(_run(model, step))
+    return tuple(next(tables) if present else None for present in step.present)
+
+
+def _checked(model, forest: PackedForest, temperature: float, pad_multiple: int | None) -> tuple[bool, int]:
+    """Refuse what prefix reuse cannot run (see the module docstring); `(dense, pad_multiple)` for the device."""
     check_tree_model(model)
     error = prefix_reuse_error(model)
     if error is not None:
@@ -154,16 +196,16 @@ def chunked_forest_logprobs(
     dense = device.type != "cuda" or CUDA_PATH == "dense"
     if pad_multiple is None:
         pad_multiple = 128 if device.type == "cuda" else 1
-    plan = plan_chunks(forest, max_tokens_per_mb)
-    step = _Step(model, forest, plan, temperature, return_entropy, chunk_rows, fp32_head, dense, pad_multiple)
+    return dense, pad_multiple
+
+
+def _run(model, step: _Step) -> tuple[torch.Tensor, ...]:
     params = [p for p in model.parameters() if p.requires_grad]
     if not (torch.is_grad_enabled() and params):
-        tables = step.forward()
-        return tables[0], (tables[1] if return_entropy else None)
+        return step.forward()
     # The parameters are the node's inputs so that `torch.autograd.grad(loss, params)` reaches its backward, which
     # then refuses it, rather than returning no gradient without a word.
-    tables = _PrefixReuse.apply(step, *params)
-    return tables[0], (tables[1] if return_entropy else None)
+    return _PrefixReuse.apply(step, *params)
 
 
 class _PrefixReuse(torch.autograd.Function):
@@ -189,7 +231,9 @@ class _PrefixReuse(torch.autograd.Function):
 class _Step:
     """One forest run as a `ChunkPlan`: its key/value store, the chunks' forwards and their backward."""
 
-    def __init__(self, model, forest, plan, temperature, return_entropy, chunk_rows, fp32_head, dense, pad_multiple):
+    def __init__(
+        self, model, forest, plan, temperature, return_entropy, chunk_rows, fp32_head, dense, pad_multiple, pairs=None
+    ):
         self.model = model
         self.forest = forest
         self.plan = plan
@@ -210,33 +254,61 @@ class _Step:
         self.kv_grad: dict[torch.nn.Module, tuple[torch.Tensor, torch.Tensor]] = {}  # float32, same shapes
         self.states: dict[int, tuple] = {}  # chunk -> RNG states at its forward
         self.autocast = _autocast_state(self.device.type)
+        # What each chunk scores: the rows whose parent it holds (`plan.scored`), or the caller's pairs whose row it
+        # holds; then a chunk that scores nothing may still hold rows later chunks read, and must run.
+        self.pairs = pairs
+        if pairs is None:
+            self.items = [torch.from_numpy(rows).to(self.device) for rows in plan.scored]
+            self.runs = plan.needed
+            self.size = forest.seq_len
+        else:
+            sources = pairs[0].cpu().numpy()
+            chunk = np.searchsorted(plan.bounds, sources, side="right") - 1
+            self.items = [torch.from_numpy(np.flatnonzero(chunk == c)).to(self.device) for c in range(plan.num_chunks)]
+            holds = [bool((plan.slot[plan.bounds[c] : plan.bounds[c + 1]] >= 0).any()) for c in range(plan.num_chunks)]
+            self.runs = np.array([len(i) > 0 or h for i, h in zip(self.items, holds)], dtype=bool)
+            self.size = len(sources)
+        self.present: list[bool] | None = None  # which of the head's outputs are tensors (known after a chunk)
 
     def forward(self) -> tuple[torch.Tensor, ...]:
-        size = self.forest.seq_len
-        logps = torch.zeros(size, dtype=torch.float32, device=self.device)
-        entropy = torch.zeros(size, dtype=torch.float32, device=self.device)
+        tables: list[torch.Tensor | None] | None = None
         with torch.no_grad(), eager_layers(self.model):
-            for c in np.flatnonzero(self.plan.needed).tolist():
+            for c in np.flatnonzero(self.runs).tolist():
                 self.states[c] = _rng_state(self.device)
-                _, rows, values, entropies = self._run(c, backward=False)
-                logps[rows] = values
-                if entropies is not None:
-                    entropy[rows] = entropies
-        return (logps, entropy) if self.head["return_entropy"] else (logps,)
+                _, items, outputs = self._run(c, backward=False)
+                if outputs is None:
+                    continue
+                if tables is None:
+                    tables = [None if o is None else o.new_zeros(self.size) for o in outputs]
+                for table, values in zip(tables, outputs):
+                    if table is not None:
+                        table[items] = values
+        if self.pairs is None:  # log-probs, and entropies where asked for: float32 tables indexed by row
+            zeros = torch.zeros(self.size, dtype=torch.float32, device=self.device)
+            tables = [zeros, zeros.clone()] if tables is None else [t if t is not None else zeros for t in tables]
+            return tuple(tables) if self.head["return_entropy"] else (tables[0],)
+        if tables is None:
+            raise ValueError("No chunk scored a pair: pass at least one (row, target) pair.")
+        self.present = [t is not None for t in tables]
+        return tuple(t for t in tables if t is not None)
 
     def backward(self, grads: tuple[torch.Tensor, ...]) -> None:
         self.kv_grad = {}
-        for c in reversed(np.flatnonzero(self.plan.needed).tolist()):
+        for c in reversed(np.flatnonzero(self.runs).tolist()):
             with contextlib.ExitStack() as stack:
                 stack.enter_context(_restored_rng(self.device, self.states[c]))
                 for autocast in _autocasts(self.autocast):
                     stack.enter_context(autocast)
                 stack.enter_context(eager_layers(self.model))
                 stack.enter_context(torch.enable_grad())
-                context, rows, values, entropies = self._run(c, backward=True)
-                outputs = [(values, grads[0][rows])]
-                if entropies is not None:
-                    outputs.append((entropies, grads[1][rows]))
+                context, items, values = self._run(c, backward=True)
+                # The outputs the loss reads: a zero gradient (an output only metrics read) adds nothing.
+                values = [v for v in values or () if v is not None]
+                outputs = [
+                    (v, g[items])
+                    for v, g in zip(values, grads)
+                    if g is not None and v.is_floating_point() and g[items].any()
+                ]
                 for module, own in context.own.items():
                     if module in self.kv_grad:  # a later chunk read these rows
                         for tensor, grad in zip(own, self.kv_grad[module]):
@@ -255,7 +327,8 @@ class _Step:
         self.kv_grad = {}
 
     def _run(self, c: int, backward: bool):
-        """Chunk `c` through the model and the LM head: `(context, scored rows (E,), logps (E,), entropies)`."""
+        """Chunk `c` through the model and the LM head: `(context, scored items (E,), the head's outputs (E,) each)`,
+        the outputs None where the chunk scores nothing."""
         plan, device, pad = self.plan, self.device, self.pad_multiple
         a, b = int(plan.bounds[c]), int(plan.bounds[c + 1])
         n = b - a
@@ -303,9 +376,15 @@ class _Step:
             "use_cache": False,
         }
         hidden, _ = _final_hidden_states(self.model, inputs)
-        rows = torch.from_numpy(plan.scored[c]).to(device)
-        values, entropies = lm_head_logprobs(self.model, hidden[0], self.parent[rows] - a, self.ids[rows], **self.head)
-        return context, rows, values, entropies
+        items = self.items[c]
+        if len(items) == 0:
+            return context, items, None
+        if self.pairs is None:
+            outputs = lm_head_logprobs(self.model, hidden[0], self.parent[items] - a, self.ids[items], **self.head)
+        else:
+            sources, targets, head = self.pairs
+            outputs = head(hidden[0, sources[items] - a], targets[items])
+        return context, items, tuple(outputs)
 
 
 class ChunkContext:

@@ -4,7 +4,8 @@ A tree trainer is TRL's trainer with some forwards run on packed prefix trees. W
 trainer decides the same way whether it may run them, and this module is that decision:
 
 - the options every tree config adds (`CompileOptions`, `TreeOptions`: `tree_packing`, `max_tokens_per_mb`,
-  `tree_max_token_ratio`, `tree_compile`), each normalised and checked with an error naming the value and the fix;
+  `tree_prefix_reuse`, `tree_max_token_ratio`, `tree_compile`), each normalised and checked with an error naming the
+  value and the fix; what prefix reuse refuses of a run (`prefix_reuse_refusal`);
 - the model's attention: a model path is loaded on `tree_flex` (through `model_init_kwargs`), a model given on
   `sdpa` / `eager` is switched to it (`select_tree_attention`), and a model that falls back to TRL's path goes back
   to the stock implementation `tree_flex` stood in for (`restore_stock_attention`, `stock_attention`);
@@ -39,6 +40,7 @@ __all__ = [
     "TreeOptions",
     "TreeTrainerMixin",
     "block_budget",
+    "prefix_reuse_refusal",
     "restore_stock_attention",
     "select_tree_attention",
     "stock_attention",
@@ -122,6 +124,18 @@ class TreeOptions(CompileOptions):
             "whose forest is larger runs as several forests. None = one forest per batch (per TRL chunk)."
         },
     )
+    tree_prefix_reuse: bool = field(
+        default=False,
+        metadata={
+            "help": "Where a batch's forest is larger than max_tokens_per_mb, score it as one forest in chunks of "
+            "max_tokens_per_mb rows (hf_tree_attn.prefix_reuse) instead of several forests that each repeat the "
+            "prefix they need: every shared prefix is forwarded once, and a sequence longer than max_tokens_per_mb "
+            "trains. Costs one recompute per chunk in the backward (as activation checkpointing does) and holds the "
+            "keys / values of the prefixes later chunks read. Exact; refused at init for state-carrying (hybrid) "
+            "models, an MoE load-balancing loss, several processes, FSDP / DeepSpeed and reentrant gradient "
+            "checkpointing. Needs max_tokens_per_mb."
+        },
+    )
     tree_max_token_ratio: float = field(
         default=0.9,
         metadata={
@@ -144,6 +158,13 @@ class TreeOptions(CompileOptions):
         if isinstance(ratio, bool) or not isinstance(ratio, int | float) or not 0.0 < ratio <= 1.0:
             raise ValueError(f"tree_max_token_ratio={ratio!r} must be in (0, 1]; use 1.0 to always pack trees.")
         budget = self.max_tokens_per_mb
+        if not isinstance(self.tree_prefix_reuse, bool):
+            raise TypeError(f"tree_prefix_reuse={self.tree_prefix_reuse!r} must be True or False.")
+        if self.tree_prefix_reuse and budget is None:
+            raise ValueError(
+                "tree_prefix_reuse=True scores a forest in chunks of max_tokens_per_mb rows, but max_tokens_per_mb="
+                "None (one forest, one forward): set max_tokens_per_mb (e.g. 8192), or leave tree_prefix_reuse=False."
+            )
         if budget is None:
             return
         if isinstance(budget, bool) or not isinstance(budget, int):
@@ -157,10 +178,11 @@ class TreeOptions(CompileOptions):
                 f"e.g. max_tokens_per_mb={block_budget(budget)}, or None for one forest per batch."
             )
         max_length = getattr(self, "max_length", None)  # SFT's and DPO's longest sequence
-        if max_length is not None and max_length > budget:
+        if max_length is not None and max_length > budget and not self.tree_prefix_reuse:
             raise ValueError(
                 f"max_tokens_per_mb={budget} cannot hold one sequence of max_length={max_length} tokens; use "
-                f"max_tokens_per_mb={block_budget(max_length)} (or more), or None."
+                f"max_tokens_per_mb={block_budget(max_length)} (or more), None, or tree_prefix_reuse=True (a "
+                "sequence scored in chunks of the budget)."
             )
 
 
@@ -286,6 +308,55 @@ def restore_stock_attention(models, reason: str) -> None:
             )
 
 
+def prefix_reuse_refusal(trainer, models) -> str | None:
+    """Why `trainer` (on trees, `tree_prefix_reuse=True`) cannot score its forests with prefix reuse exactly, or
+    None. `models`: the loaded models its chunked forwards run (the policy first; None entries skipped).
+
+    Prefix reuse runs each chunk's backward from inside the loss's backward (`hf_tree_attn.prefix_reuse`): one
+    `torch.autograd.backward` per chunk, each accumulating every parameter's gradient. What that cannot honour is
+    refused: DDP's reducer and FSDP / DeepSpeed's gradient hooks expect one gradient per parameter per backward and
+    every rank to run the same forwards (ranks' forests cut into different numbers of chunks); reentrant activation
+    checkpointing keeps no graph for a chunk's backward; a model without exact chunks (`prefix_reuse_error`); the
+    MoE load-balancing loss, whose router statistics the chunked forward does not return; CUDA until a path is
+    chosen (`prefix_reuse.CUDA_PATH`).
+    """
+    from .. import prefix_reuse
+
+    args = trainer.args
+    for loaded in models:
+        if loaded is not None and (error := prefix_reuse.prefix_reuse_error(loaded)) is not None:
+            return error
+    if trainer.accelerator.num_processes > 1:
+        return (
+            f"it runs on {trainer.accelerator.num_processes} processes: the per-chunk backwards would hand each "
+            "parameter's gradient to DDP / FSDP / DeepSpeed several times per step, and ranks cut their forests into "
+            "different numbers of chunks."
+        )
+    if trainer.is_fsdp_enabled or trainer.is_deepspeed_enabled:
+        return (
+            "FSDP / DeepSpeed wrap the model: their gradient hooks and parameter gathering are not verified with a "
+            "backward run per chunk from inside the loss's backward."
+        )
+    if args.gradient_checkpointing and (args.gradient_checkpointing_kwargs or {}).get("use_reentrant"):
+        return (
+            "gradient_checkpointing_kwargs={'use_reentrant': True}: reentrant checkpointing keeps no graph for a "
+            "chunk's backward to start from. Use {'use_reentrant': False} (TRL's default)."
+        )
+    config = unwrap_model(models[0]).config.get_text_config()
+    if getattr(config, "output_router_logits", False):
+        return (
+            f"the MoE load-balancing loss is on (output_router_logits=True, router_aux_loss_coef="
+            f"{getattr(config, 'router_aux_loss_coef', None)}): the chunked forward returns no router logits. Load "
+            "the model with output_router_logits=False to train without it."
+        )
+    if trainer.accelerator.device.type == "cuda" and prefix_reuse.CUDA_PATH not in ("flex", "dense"):
+        return (
+            f"it runs on CUDA, where prefix reuse has not yet run on a GPU (HF_TREE_ATTN_PREFIX_REUSE_CUDA="
+            f"{prefix_reuse.CUDA_PATH!r}). Set HF_TREE_ATTN_PREFIX_REUSE_CUDA=flex or =dense to run it."
+        )
+    return None
+
+
 # ------------------------------------------------------------------ the decision
 
 
@@ -352,6 +423,17 @@ class TreeTrainerMixin:
         """The trainer's own settings for the card, after the options every tree trainer has."""
         return []
 
+    def _tree_check_prefix_reuse(self, models) -> None:
+        """Refuse `tree_prefix_reuse=True` on trees where it cannot be exact (`prefix_reuse_refusal`)."""
+        if not (self.tree_packing and self.args.tree_prefix_reuse):
+            return
+        reason = prefix_reuse_refusal(self, models)
+        if reason is not None:
+            raise ValueError(
+                f"tree_prefix_reuse=True, but {reason} Set tree_prefix_reuse=False (forests of at most "
+                f"max_tokens_per_mb={self.args.max_tokens_per_mb} tokens, each repeating the prefix it needs)."
+            )
+
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
         """TRL's model card (`README.md` in `output_dir`), plus a section with the tree-packing settings."""
         super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
@@ -367,6 +449,7 @@ class TreeTrainerMixin:
         rows = [
             ("tree_packing", self.tree_packing),
             ("max_tokens_per_mb", args.max_tokens_per_mb),
+            ("tree_prefix_reuse", args.tree_prefix_reuse),
             ("tree_max_token_ratio", args.tree_max_token_ratio),
             *self._tree_card_rows(),
             ("attn_implementation", ATTN_IMPLEMENTATION if self.tree_packing else "unchanged"),

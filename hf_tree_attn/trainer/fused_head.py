@@ -18,6 +18,11 @@ loss over `num_items_in_batch`, `completion_only_loss` / `assistant_only_loss` (
 loss types, WPO weights, `ld_alpha`, the entropy, accuracy and logit metrics. A batch the tree cannot reproduce
 (another padding layout, a label after a padding position, extra model inputs such as images) or one where
 sharing saves too little (`max_token_ratio`) runs TRL's own forward unchanged.
+
+With prefix reuse (`TreeLMHead(prefix_reuse=True)`) the batch is one forest (per RoPE length class), every shared
+token once, and a forest larger than `max_tokens_per_mb` runs in chunks of that many rows, each pair scored by TRL's
+kernel in the chunk holding its row (`hf_tree_attn.prefix_reuse.chunked_forest_scores`); a sequence longer than the
+budget is then scored too.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import torch
 
 from ..compile import call_compiled
 from ..logprobs import _decoder, _lm_head_params, forest_forward_kwargs, tree_router_aux_loss
+from ..prefix_reuse import chunked_forest_scores
 from ..support import rope_length_limit, rope_split_lengths, unwrap_model
 from ..tree import PackedForest, pack_forest
 from .mixed_precision_forward import MixedPrecisionLayer, peel, wrap
@@ -173,6 +179,7 @@ def plan_fused_batch(
     max_tokens_per_mb: int | None = None,
     split_lengths: tuple[int, ...] = (),
     max_token_ratio: float = 1.0,
+    prefix_reuse: bool = False,
 ) -> FusedPlan | str:
     """The forests of one flat batch and where its scored positions go, or why it must run flat.
 
@@ -184,6 +191,8 @@ def plan_fused_batch(
         max_tokens_per_mb: token budget of one forest (None: one forest).
         split_lengths: `rope_split_lengths` of the model.
         max_token_ratio: run flat when the forests hold more than this fraction of `B * L`.
+        prefix_reuse: one forest (per length class) as a plain trie, for `max_tokens_per_mb`-row chunks; a sequence
+            longer than the budget is then planned too.
     """
     ids = input_ids.detach().cpu().numpy()
     shape = ids.shape
@@ -208,9 +217,12 @@ def plan_fused_batch(
     entry_row, entry_col = np.nonzero(scored_labels != -100)
     if not real[entry_row, entry_col].all():
         return "a label follows a padding position (the flat forward scores a padding token's hidden state there)"
-    if max_tokens_per_mb is not None and lengths.max() > max_tokens_per_mb:
+    if prefix_reuse:
+        forests = pack_forest(sequences, split_lengths=split_lengths, two_level=False)
+    elif max_tokens_per_mb is not None and lengths.max() > max_tokens_per_mb:
         return f"a sequence of {int(lengths.max())} tokens is longer than max_tokens_per_mb={max_tokens_per_mb}"
-    forests = pack_forest(sequences, max_tokens_per_mb=max_tokens_per_mb, split_lengths=split_lengths)
+    else:
+        forests = pack_forest(sequences, max_tokens_per_mb=max_tokens_per_mb, split_lengths=split_lengths)
     tree_tokens = sum(f.num_tree_tokens for f in forests)
     if tree_tokens > max_token_ratio * ids.size:
         return f"ratio {tree_tokens / ids.size:.3f} > max_token_ratio {max_token_ratio}"
@@ -250,6 +262,7 @@ class TreeLMHead:
             computes (rows x width) runs TRL's forward instead, with one warning the first time.
         record: `record(name, value)` receives the per-call metrics `tree_fallback` (0 / 1), `tree_token_ratio`
             (forest rows / real tokens) and `tree_compute_ratio` (forest rows / tokens TRL's forward computes).
+        prefix_reuse: one forest per call, run in chunks of `max_tokens_per_mb` rows (see the module docstring).
     """
 
     def __init__(
@@ -257,8 +270,10 @@ class TreeLMHead:
         max_tokens_per_mb: int | None = None,
         max_token_ratio: float = 0.9,
         record: Callable[[str, float], None] | None = None,
+        prefix_reuse: bool = False,
     ):
         self.max_tokens_per_mb = max_tokens_per_mb
+        self.prefix_reuse = prefix_reuse and max_tokens_per_mb is not None
         self.max_token_ratio = max_token_ratio
         self.record = record or (lambda name, value: None)
         self._plans: OrderedDict[str, FusedPlan | str] = OrderedDict()
@@ -341,7 +356,9 @@ class TreeLMHead:
             digest.update(t.detach().cpu().numpy().tobytes())
         key = digest.hexdigest()
         if key not in self._plans:
-            plan = plan_fused_batch(input_ids, mask, pos, labels, self.max_tokens_per_mb, split, self.max_token_ratio)
+            plan = plan_fused_batch(
+                input_ids, mask, pos, labels, self.max_tokens_per_mb, split, self.max_token_ratio, self.prefix_reuse
+            )
             if isinstance(plan, FusedPlan) and limit is not None and max(f.max_depth for f in plan.forests) >= limit:
                 plan = f"a sequence is longer than the {limit} tokens this model's dynamic RoPE keeps exact"
             self._plans[key] = plan
@@ -358,32 +375,33 @@ class TreeLMHead:
         outputs = tuple(settings["outputs"])
         embeddings = model.get_input_embeddings().weight.device  # the backbone's first device (device_map)
         pair_values, forests, router_logits = [], [], []
-        for forest, sources, targets in zip(plan.forests, plan.sources, plan.targets):
-            forest = forest.to(embeddings)
-            forests.append(forest)
-            inputs = forest_forward_kwargs(forest, embeddings)
-            router_kwargs = {"output_router_logits": True} if router else {}
-            backbone = call_compiled(decoder, lambda: decoder(**inputs, **router_kwargs))  # noqa: B023
-            if router:
-                router_logits.append(backbone.router_logits)
-            hidden = backbone.last_hidden_state[0, sources.to(forest.input_ids.device)].to(weight.device)
+
+        def head(hidden, targets):
+            hidden = hidden.to(weight.device)
             autocast = contextlib.nullcontext()
             if settings["cast_lm_head_to_fp32"]:
                 hidden = hidden.float()
                 autocast = torch.autocast(hidden.device.type, enabled=False)
             with autocast:
+                return chunked_logprobs(
+                    hidden, weight, bias, targets.to(weight.device), settings["temperature"],
+                    settings["final_logit_softcapping"], settings["logit_scale"], outputs,
+                )  # fmt: skip
+
+        for forest, sources, targets in zip(plan.forests, plan.sources, plan.targets):
+            forest = forest.to(embeddings)
+            forests.append(forest)
+            if self.prefix_reuse and forest.seq_len > self.max_tokens_per_mb:
                 pair_values.append(
-                    chunked_logprobs(
-                        hidden,
-                        weight,
-                        bias,
-                        targets.to(weight.device),
-                        settings["temperature"],
-                        settings["final_logit_softcapping"],
-                        settings["logit_scale"],
-                        outputs,
-                    )  # fmt: skip
+                    chunked_forest_scores(model, forest, self.max_tokens_per_mb, sources, targets, head)
                 )
+                continue
+            inputs = forest_forward_kwargs(forest, embeddings)
+            router_kwargs = {"output_router_logits": True} if router else {}
+            backbone = call_compiled(decoder, lambda: decoder(**inputs, **router_kwargs))  # noqa: B023
+            if router:
+                router_logits.append(backbone.router_logits)
+            pair_values.append(head(backbone.last_hidden_state[0, sources.to(forest.input_ids.device)], targets))
         device = weight.device
         label_mask = labels[:, 1:].to(device) != -100
         rows, cols = plan.entry_row.to(device), plan.entry_col.to(device)

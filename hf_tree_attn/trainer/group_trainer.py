@@ -93,11 +93,19 @@ class GroupTreeOptions(PolicyForwardOptions, TreeOptions):
             if reason:
                 raise ValueError(f"tree_balance=True, but {reason} Set tree_balance=None (auto) or False.")
         budget, completion = self.max_tokens_per_mb, self.max_completion_length
-        if budget is not None and completion is not None and budget <= completion:
+        if budget is not None and completion is not None and budget <= completion and not self.tree_prefix_reuse:
             raise ValueError(
                 f"max_tokens_per_mb={budget} cannot hold one sequence: a completion alone can be "
                 f"max_completion_length={completion} tokens, plus its prompt. Use at least "
-                f"{block_budget(completion + 1)} plus your longest prompt (rounded up to 128), or None."
+                f"{block_budget(completion + 1)} plus your longest prompt (rounded up to 128), None, or "
+                "tree_prefix_reuse=True (a sequence scored in chunks of the budget)."
+            )
+        if self.tree_prefix_reuse and self.tree_activation_budget_gib is not None:
+            raise ValueError(
+                f"tree_activation_budget_gib={self.tree_activation_budget_gib} plans which layers a forest's forward "
+                "recomputes, but with tree_prefix_reuse=True each chunk's backward recomputes the chunk whole (the "
+                "model's own checkpointing applies inside it): leave tree_activation_budget_gib=None, or set "
+                "tree_prefix_reuse=False."
             )
         fsdp_ac = bool(self.fsdp) and str((self.fsdp_config or {}).get("activation_checkpointing")).lower() == "true"
         if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
@@ -146,6 +154,7 @@ class TreeGroupTrainerMixin(TreeTrainerMixin):
         model, _ = self._tree_before_init(args, model)
         super().__init__(model, reward_funcs, args, **kwargs)
         self._tree_decide()
+        self._tree_check_prefix_reuse((self.model, getattr(self, "ref_model", None)))
         if (
             self.tree_packing
             and args.max_tokens_per_mb is not None
@@ -167,10 +176,14 @@ class TreeGroupTrainerMixin(TreeTrainerMixin):
         self._tree_compile_layers()
         self._tree_cache: dict[str, list | None] = {}
         self._unpriced: str | None = None  # the model's pricing for tree_recompute='auto' (`recompute_plan`)
+        # With prefix reuse a chunk of rows is one forest (per length class), every shared token once, run in chunks
+        # of max_tokens_per_mb rows (`_tree_logps`).
+        self._prefix_reuse_rows = args.max_tokens_per_mb if args.tree_prefix_reuse else None
         self._tree_collator = TreeDataCollator(
-            args.max_tokens_per_mb,
+            None if args.tree_prefix_reuse else args.max_tokens_per_mb,
             device=self.accelerator.device,
             split_lengths=rope_split_lengths(unwrap_model(self.model).config),  # longrope: one length class a forest
+            two_level=False if args.tree_prefix_reuse else None,
         )
         if self.tree_packing:
             self._check_sequence_budget()
@@ -186,7 +199,7 @@ class TreeGroupTrainerMixin(TreeTrainerMixin):
 
     def _check_sequence_budget(self) -> None:
         """Fail at start, not mid-run, if `max_tokens_per_mb` cannot hold a prompt plus a full completion."""
-        budget = self.args.max_tokens_per_mb
+        budget = None if self.args.tree_prefix_reuse else self.args.max_tokens_per_mb  # chunks: any length
         dataset = self.train_dataset
         # Tool environments (GRPO's; RLOO has none) grow the prompt during generation: no bound from the dataset.
         if budget is None or trl_compat.is_vlm(self) or getattr(self, "environment_factories", None) is not None:
@@ -592,6 +605,7 @@ class TreeGroupTrainerMixin(TreeTrainerMixin):
             model, [mb.forest for mb, *_ in packed], [rows for _, rows, *_ in packed], temperature=self.temperature,
             autocast=self.accelerator.autocast, compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss,
             recompute=self._layers_to_checkpoint(packed), fp32_head=fp32_head,
+            prefix_reuse_rows=self._prefix_reuse_rows,
         )  # fmt: skip
         for (_, _, row_of, col_of, source_rows), table, entropy_table in zip(packed, tables, entropy_tables):
             logps = logps.index_put((row_of, col_of), table[source_rows])
@@ -602,7 +616,10 @@ class TreeGroupTrainerMixin(TreeTrainerMixin):
     def _layers_to_checkpoint(self, packed: list) -> tuple[int | None, bool]:
         """`(count, keep_attention)` for the policy forward of one chunk's forests (`forest_step.recompute_plan`),
         bounded by the flat forward of the same sequences (unpadded, so stricter than TRL's padded rows) with every
-        layer checkpointed, or by `tree_activation_budget_gib` where that is more."""
+        layer checkpointed, or by `tree_activation_budget_gib` where that is more. With prefix reuse the model's
+        checkpointing stays as it is: a chunk's backward recomputes it anyway, outside any plan's scope."""
+        if self._prefix_reuse_rows is not None:
+            return None, False
         flat_tokens = sum(mb.forest.num_original_tokens for mb, *_ in packed)
         count, keep = recompute_plan(self, [mb.forest for mb, *_ in packed], flat_tokens)
         if count is not None and self._lockstep():  # the same layers recompute on every rank: the most any needs

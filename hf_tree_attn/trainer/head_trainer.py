@@ -72,8 +72,11 @@ class TreeHeadTrainerMixin(TreeTrainerMixin):
                 "forests, and every forward gathers the weights on all ranks together. Leave max_tokens_per_mb=None "
                 "(one forest per batch, as TRL runs one forward)."
             )
+        self._tree_check_prefix_reuse((self.model, getattr(self, "ref_model", None)))
         if self.tree_packing:
-            self.tree_lm_head = TreeLMHead(args.max_tokens_per_mb, args.tree_max_token_ratio, self._record_tree)
+            self.tree_lm_head = TreeLMHead(
+                args.max_tokens_per_mb, args.tree_max_token_ratio, self._record_tree, args.tree_prefix_reuse
+            )
             for target in self._fused_head_models():
                 self.tree_lm_head.install(target)
             self._tree_compile_layers()

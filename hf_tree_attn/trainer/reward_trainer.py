@@ -74,6 +74,11 @@ class TreeRewardTrainer(TreeTrainerMixin, RewardTrainer):
 
     def _tree_setup(self) -> None:
         """Decide trees or TRL's path on the model as TRL built it (loaded, PEFT-wrapped), once."""
+        if self.args.tree_prefix_reuse:  # a shared field of the tree configs, not wired into reward scoring
+            raise ValueError(
+                "tree_prefix_reuse=True: TreeRewardTrainer scores its forests whole (a score reads a sequence's last "
+                "hidden state, not chunked log-probabilities). Set tree_prefix_reuse=False."
+            )
         self._tree_decide(stacklevel=4)
         if not self.tree_packing:
             return

@@ -1,0 +1,207 @@
+"""Prefix reuse on CUDA (`hf_tree_attn.prefix_reuse`): both attention paths, `flex` (a `BlockMask` over the
+concatenated context and own keys) and `dense` (SDPA on dense masks), forward and the reentrant per-chunk backward.
+
+The CPU tests (`tests/test_chunked.py`) prove the plan and the chunked step exact on the dense path; here each CUDA
+path runs the same forests on its real kernels: a trie split 2, 3 and 8 ways, a sequence four times the budget, edge
+cases (identical sequences, a prefix of another, 1-token sequences, several tries), a branch changed inside one
+chunk's context (no leakage into its siblings), and a bf16 model against the float32 reference.
+
+`pytest -m gpu tests/test_gpu_prefix_reuse.py` — skipped without CUDA (CI).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from helpers import TOLERANCES as CPU_TOLERANCES
+from helpers import flat_logprobs, twin_models
+from test_chunked import BUDGET, _edge_cases, _num_chunks, _tokens, _trie
+
+import hf_tree_attn.attention
+from hf_tree_attn import forest_logprobs, gather_sequences, pack_forest, sequence_logprobs
+from hf_tree_attn import prefix_reuse as prefix_reuse_module
+from hf_tree_attn.chunked import plan_chunks
+
+pytestmark = pytest.mark.gpu
+
+# fp32 on CUDA, against per-sequence flat forwards (SDPA, fp32), path -> (log-prob / entropy atol, per-tensor
+# gradient max |diff| / max |flat grad| or None, cosine of each gradient tensor with flat's):
+# - dense: SDPA on both sides, in fp32 arithmetic (TF32 off, torch's default, asserted below): the CPU derivation
+#   holds unchanged (tests/helpers.py: ~sqrt(64) * EPS * |z| for |z| <~ 10, a gradient entry ~sqrt(200) * EPS).
+# - flex: FlexAttention on Hopper runs its fp32 dots at reduced (tf32-like) precision: tests/test_gpu.py's bounds
+#   (log-prob atol, gradient cosine) for the same kernel on an unsplit forest.
+FP32_TOLERANCES = {
+    "dense": (CPU_TOLERANCES["logps_atol"], CPU_TOLERANCES["grad_max_rel"], CPU_TOLERANCES["grad_cosine"]),
+    "flex": (2e-4, None, 0.99999),
+}
+PATHS = list(FP32_TOLERANCES)
+U_BF16 = torch.finfo(torch.bfloat16).eps / 2  # bf16 unit roundoff
+
+
+@pytest.fixture(params=PATHS)
+def cuda_path(request, monkeypatch):
+    """The CUDA path under test, and a count of FlexAttention calls (the flex path must take it, dense must not)."""
+    assert not torch.backends.cuda.matmul.allow_tf32, "the fp32 bounds assume TF32 off (torch's default)"
+    monkeypatch.setattr(prefix_reuse_module, "CUDA_PATH", request.param)
+    calls = []
+    flex = hf_tree_attn.attention._flex_attention
+    monkeypatch.setattr(hf_tree_attn.attention, "_flex_attention", lambda *a, **k: calls.append(1) or flex(*a, **k))
+    torch._dynamo.reset()  # a fresh compile per path: shapes of the other path must not reach the recompile limit
+    return request.param, calls
+
+
+def _cuda_twins(family: str = "qwen3", dtype: torch.dtype = torch.float32):
+    tree, ref = twin_models(family)
+    return tree.to("cuda", dtype), ref.to("cuda")
+
+
+def _weights(sequences, seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return (
+        [torch.randn(len(s) - 1, generator=g).cuda() for s in sequences],
+        [torch.randn(len(s) - 1, generator=g).cuda() for s in sequences],
+    )
+
+
+def _loss(logps, entropies, weights) -> torch.Tensor:
+    return sum((w * lp).sum() + (v * e).sum() for w, v, lp, e in zip(*weights, logps, entropies))
+
+
+def _grads(model) -> dict[str, torch.Tensor]:
+    return {name: p.grad.detach().float().clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def _chunked(tree, sequences):
+    """Chunked log-probs and entropies of `sequences` and the parameter gradients of `_loss` through them."""
+    logps, entropies = sequence_logprobs(tree, sequences, BUDGET, return_entropy=True, prefix_reuse=True)
+    _loss(logps, entropies, _weights(sequences, seed=0)).backward()
+    return [x.detach() for x in logps], [x.detach() for x in entropies], _grads(tree)
+
+
+def _flat(ref, sequences):
+    flat = [flat_logprobs(ref, s) for s in sequences]
+    _loss([f[0] for f in flat], [f[1] for f in flat], _weights(sequences, seed=0)).backward()
+    return [f[0].detach() for f in flat], [f[1].detach() for f in flat], _grads(ref)
+
+
+def _check_against_flat(cuda_path, sequences, family: str = "qwen3") -> None:
+    path, calls = cuda_path
+    atol, grad_rel, min_cos = FP32_TOLERANCES[path]
+    tree, ref = _cuda_twins(family)
+    logps, entropies, grads = _chunked(tree, sequences)
+    want_logps, want_entropies, want_grads = _flat(ref, sequences)
+    assert (len(calls) > 0) == (path == "flex"), f"{path}: FlexAttention called {len(calls)} times"
+    for i in range(len(sequences)):
+        torch.testing.assert_close(logps[i], want_logps[i], atol=atol, rtol=0, msg=lambda m, i=i: f"logps {i}: {m}")
+        torch.testing.assert_close(
+            entropies[i], want_entropies[i], atol=atol, rtol=0, msg=lambda m, i=i: f"entropy {i}: {m}"
+        )
+    assert grads.keys() == want_grads.keys() and grads
+    for name, want in want_grads.items():
+        got = grads[name]
+        if grad_rel is not None:
+            worst = (got - want).abs().max().item()
+            assert worst <= grad_rel * want.abs().max().item() + 1e-9, f"{name}: max |diff| {worst}"
+        if want.any():
+            cos = torch.nn.functional.cosine_similarity(got.flatten(), want.flatten(), dim=0).item()
+            assert cos >= min_cos, f"{name}: gradient cosine {cos}"
+
+
+@pytest.mark.parametrize("num_chunks", [2, 3, 8])
+def test_split_trie_matches_flat(cuda_path, num_chunks):
+    sequences = _trie(num_chunks, seed=num_chunks)
+    assert _num_chunks(sequences) == num_chunks
+    _check_against_flat(cuda_path, sequences)
+
+
+def test_sequence_four_times_the_budget_matches_flat(cuda_path):
+    sequence = _tokens(random.Random(4), 4 * BUDGET)
+    assert _num_chunks([sequence]) == 4
+    _check_against_flat(cuda_path, [sequence, sequence[:200]], family="llama")
+
+
+def test_edge_cases_match_flat(cuda_path):
+    """Identical sequences, a prefix of another, 1-token sequences, several tries, over four chunks; MQA."""
+    sequences = _edge_cases()
+    assert _num_chunks(sequences) == 4 and any(len(s) == 1 for s in sequences)
+    _check_against_flat(cuda_path, sequences, family="gemma")
+
+
+def test_changing_one_branch_moves_only_its_subtree(cuda_path):
+    """A token changed inside one branch whose subtree spans chunks (a context row of the last chunk): every
+    log-prob and entropy outside that subtree is bit-identical, its siblings' included; the branch's did move."""
+    tree, _ = _cuda_twins("llama")
+    sequences = _trie(3, seed=80)
+    (forest,) = pack_forest(sequences, two_level=False)
+    plan = plan_chunks(forest, BUDGET)
+    end = forest.subtree_end
+    rows = [r for r in range(1, int(plan.bounds[2])) if plan.bounds[2] < end[r] < plan.bounds[3]]
+    row = min(rows, key=lambda r: (int((forest.parent == r).sum()) < 2, r))  # branching rows first
+    assert row in plan.context[2]
+    token = int(forest.input_ids[0, row])
+    changed = None
+    for new in (token + 1, token - 1, token + 2, token - 2):
+        if not 3 <= new < 128:
+            continue
+        trial = [list(s) for s in sequences]
+        for k, sid in enumerate(forest.seq_ids):
+            positions = forest.positions(k).tolist()
+            if row in positions:
+                trial[sid][positions.index(row)] = new
+        (after,) = pack_forest(trial, two_level=False)
+        if torch.equal(after.subtree_end, end) and torch.equal(after.seq_positions, forest.seq_positions):
+            changed = trial
+            break
+    assert changed is not None, "no change keeps the layout"
+    with torch.no_grad():
+        before, ent_before = sequence_logprobs(tree, sequences, BUDGET, return_entropy=True, prefix_reuse=True)
+        after, ent_after = sequence_logprobs(tree, changed, BUDGET, return_entropy=True, prefix_reuse=True)
+    moved = 0
+    for k, sid in enumerate(forest.seq_ids):
+        scored = forest.positions(k)[1:]
+        inside = (scored >= row) & (scored < end[row])
+        assert torch.equal(before[sid][~inside.cuda()], after[sid][~inside.cuda()]), f"sequence {sid} saw it"
+        parents = forest.parent[scored]
+        outside = ((parents < row) | (parents >= end[row])).cuda()
+        assert torch.equal(ent_before[sid][outside], ent_after[sid][outside])
+        moved += int((before[sid][inside.cuda()] != after[sid][inside.cuda()]).sum())
+    assert moved > 0, "the change must move the log-probs of its subtree"
+
+
+def _relative_error(got: dict, want: dict) -> float:
+    """|got - want| / |want| over all parameters as one vector."""
+    diff = sum(float((got[n] - w).square().sum()) for n, w in want.items())
+    return (diff / sum(float(w.square().sum()) for w in want.values())) ** 0.5
+
+
+def test_bf16_is_as_close_to_fp32_as_the_unsplit_forest(cuda_path):
+    """A bf16 model, chunked over three budgets, against the float32 flat reference: its log-probs, entropies and
+    gradients are no farther from it than twice the unsplit bf16 forest's (one forward, the path every other
+    test establishes), plus one bf16 unit roundoff of the values' scale — chunking adds no error of its own beyond
+    a reordering."""
+    sequences = _trie(3, seed=3)
+    tree, ref = _cuda_twins("qwen3", torch.bfloat16)
+    logps, entropies, grads = _chunked(tree, sequences)
+    want_logps, want_entropies, want_grads = _flat(ref, sequences)
+
+    tree.zero_grad()
+    (forest,) = pack_forest(sequences, two_level=False)
+    forest = forest.to("cuda")
+    table, entropy_table = forest_logprobs(tree, forest, return_entropy=True)
+    one_logps = [None] * len(sequences)
+    one_entropies = [None] * len(sequences)
+    for sid, lp, ent in zip(
+        forest.seq_ids, gather_sequences(forest, table), gather_sequences(forest, entropy_table), strict=True
+    ):
+        one_logps[sid], one_entropies[sid] = lp, ent
+    _loss(one_logps, one_entropies, _weights(sequences, seed=0)).backward()
+    one_grads = _grads(tree)
+
+    for got, one, want in ((logps, one_logps, want_logps), (entropies, one_entropies, want_entropies)):
+        got, one, want = (torch.cat(x).detach() for x in (got, one, want))
+        error, one_error = (got - want).abs().max().item(), (one - want).abs().max().item()
+        assert error <= 2 * one_error + U_BF16 * want.abs().max().item(), (error, one_error)
+    error, one_error = _relative_error(grads, want_grads), _relative_error(one_grads, want_grads)
+    assert error <= 2 * one_error + U_BF16, (error, one_error)
