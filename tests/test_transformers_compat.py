@@ -94,6 +94,11 @@ def test_the_table_is_the_pinned_set():
 
 
 def test_every_target_exists_in_the_installed_transformers_and_is_replaced():
+    read_in = {version for entry in WRAPPED_FUNCTIONS for version in entry.checked_on}
+    assert transformers.__version__ in read_in, (
+        f"transformers {transformers.__version__}: the table was read in {sorted(read_in)} only. Read each target "
+        "in this release (module, function, the layer's call with the model kwargs) and add it to `checked_on`."
+    )
     transformers_compat.install()
     served = _served()
     if transformers.__version__ == TRANSFORMERS_CHECKED:
