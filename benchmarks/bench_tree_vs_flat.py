@@ -74,6 +74,7 @@ from hf_tree_attn.recompute import (
     unpriced_reason,
 )
 from hf_tree_attn.recurrent import _use_varlen, tree_layer_types
+from hf_tree_attn.transformers_compat import install as install_transformers_wrappers
 from hf_tree_attn.tree import PackedForest
 
 # H200 SXM dense bf16 tensor-core peak (NVIDIA's datasheet gives 1,979 TFLOPS with 2:4 sparsity; dense is half).
@@ -444,6 +445,7 @@ def time_method(fn, model, wl, budget, device, repeats: int) -> dict:
 
 def gdn_varlen(model) -> bool:
     """Whether the model's Gated DeltaNet layers run varlen kernel calls (one per level, no padding)."""
+    install_transformers_wrappers()
     modules = {type(m).__module__ for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")}
     kernels = [sys.modules[name].torch_chunk_gated_delta_rule.tree_original for name in modules]
     return any(_use_varlen(kernel, torch.device("cuda")) for kernel in kernels)

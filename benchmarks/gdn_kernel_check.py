@@ -29,7 +29,9 @@ import torch
 import torch.nn.functional as F
 import transformers.models.qwen3_5.modeling_qwen3_5 as qwen3_5
 
-import hf_tree_attn  # noqa: F401  (wraps the modeling module's kernel functions)
+from hf_tree_attn import transformers_compat
+
+transformers_compat.install()  # the tree's dispatchers in the modeling module: each keeps the kernel it calls
 
 SEGMENTS = (4096, 257, 1, 64, 700)
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}

@@ -43,7 +43,7 @@ from unittest import mock
 
 import torch
 
-from hf_tree_attn import recurrent
+from hf_tree_attn import recurrent, transformers_compat
 
 __all__ = [
     "FLA_ROUTES",
@@ -90,6 +90,7 @@ def _wrap(module, attr: str, name: str) -> None:
 
 def _gdn_modules() -> list:
     """The imported Gated DeltaNet modeling modules that carry the tree's wrapper."""
+    transformers_compat.install()
     modules = (sys.modules.get(name) for name in _GDN_MODULES)
     return [m for m in modules if m is not None and hasattr(getattr(m, _GDN_FUNCTION, None), "tree_original")]
 
@@ -314,7 +315,7 @@ def select(route: str, lift_guard: bool = False):
                 torch_fn = _torch_reference(module)
                 stack.enter_context(
                     mock.patch.object(
-                        module, _GDN_FUNCTION, recurrent._tree_dispatch(torch_fn, recurrent.tree_delta_rule)
+                        module, _GDN_FUNCTION, transformers_compat._tree_dispatch(torch_fn, recurrent.tree_delta_rule)
                     )
                 )
         if route == "fla_triton" and lift_guard and _fla_guard():

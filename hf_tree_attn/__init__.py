@@ -1,8 +1,9 @@
 """Tree training for HuggingFace Transformers: pack prefix-sharing sequences into tries and score them at once.
 
-`import hf_tree_attn` registers `attn_implementation="tree_flex"` with transformers and the segment-wise tree
-versions of the state-carrying layers' kernels (`hf_tree_attn.recurrent`); both idempotent. A `tree_flex` another
-package registered first is not replaced: the import raises, naming it (`attention.register`).
+`import hf_tree_attn` registers `attn_implementation="tree_flex"` with transformers (idempotent). A `tree_flex`
+another package registered first is not replaced: the import raises, naming it (`attention.register`). The import
+replaces no function of transformers: the state-carrying layers' kernels get their segment-wise tree versions
+(`hf_tree_attn.transformers_compat`) when a model is checked for trees or a forest is packed.
 """
 
 from .attention import ATTN_IMPLEMENTATION, register, tree_flex_attention
@@ -10,12 +11,10 @@ from .collator import TreeDataCollator, TreeMicroBatch
 from .hidden_states import forest_hidden_states, gather_hidden_states
 from .logprobs import forest_logprobs, gather_sequences, pad_sequences, sequence_logprobs
 from .metrics import estimate_flops
-from .recurrent import register as _register_recurrent
 from .support import check_tree_model, tree_support_error
 from .tree import PackedForest, pack_forest, tree_token_ratio
 
 register()
-_register_recurrent()
 
 __version__ = "0.1.0"
 

@@ -17,15 +17,12 @@ The convolution runs over the whole DFS row, and only rows whose `K - 1` DFS pre
 gradients back through the handed-down states.
 
 **How it is hooked in.** transformers routes these layers' sequence mixing through module-level kernel functions
-(`causal_conv1d_fn`, `torch_chunk_gated_delta_rule`, `chunk_kimi_delta_attention`, `mamba2_chunk_scan`, …) that it
-already swaps for flash-linear-attention, causal-conv1d, mamba-ssm or Hub kernels
-(`use_kernel_func_from_hub_with_fallback`), and it forwards every model kwarg to them — `tree_forest` included.
-`register()` wraps those functions in the modeling module of each layer class of `TREE_LAYERS`: without
-`tree_forest` the wrapper calls the function transformers resolved, with the same arguments (ordinary forwards and
-`generate` stay bit-identical); with it, the tree version runs and calls that same function per level (varlen
-`cu_seqlens` with flash-linear-attention on CUDA, a zero-padded batch otherwise). No module forward is replaced.
-It also makes `create_recurrent_attention_mask` return None for a FlexAttention `BlockMask` (transformers reads
-`.ndim` from it and fails; a tree mask holds no padding for the recurrent layers to zero).
+(`causal_conv1d_fn`, `torch_chunk_gated_delta_rule`, `chunk_kimi_delta_attention`, `mamba2_chunk_scan`, …) and
+forwards every model kwarg to them — `tree_forest` included. `hf_tree_attn.transformers_compat` replaces those
+functions (the one table of what is replaced, and when) by dispatchers: without `tree_forest` they call the function
+transformers resolved, with the same arguments; with it, the tree versions below run and call that same function
+per level (varlen `cu_seqlens` with flash-linear-attention on CUDA, a zero-padded batch otherwise). No module
+forward is replaced. `_TREE_KERNELS` says which functions each kind of layer runs through.
 
 Kernel-level Hub swaps (`use_kernel_forward_from_hub`, `kernelize`) replace a whole layer forward for every call
 and need the `kernels` package; they cannot tell a tree forward from an ordinary one, so they are not used here.
@@ -37,7 +34,6 @@ gate (`hf_tree_attn.support`) reads through `STATE_LAYER_TYPES` and `unsupported
 from __future__ import annotations
 
 import functools
-import importlib
 import inspect
 import re
 from dataclasses import dataclass
@@ -45,14 +41,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import BlockMask
 
 __all__ = [
     "REFUSED_LAYERS",
     "STATE_LAYER_TYPES",
     "TREE_LAYERS",
     "kwargs_breaks",
-    "register",
     "tree_causal_conv1d",
     "tree_delta_rule",
     "tree_layer_types",
@@ -410,38 +404,11 @@ _TREE_KERNELS = {
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Registration and the gate's questions.
+# The gate's questions.
 
 
-def _tree_dispatch(original, tree_version):
-    """`original` unless the call carries `tree_forest`; then `tree_version(original, forest, *args, **kwargs)`."""
-
-    @functools.wraps(original)
-    def dispatch(*args, **kwargs):
-        forest = kwargs.pop("tree_forest", None)
-        if forest is None:
-            return original(*args, **kwargs)
-        return tree_version(original, forest, *args, **kwargs)
-
-    dispatch.tree_original = original
-    return dispatch
-
-
-def _recurrent_mask_dispatch(original):
-    """`create_recurrent_attention_mask` that returns None for a `BlockMask` (a tree: no padding to zero)."""
-
-    @functools.wraps(original)
-    def dispatch(*args, **kwargs):
-        mask = kwargs.get("attention_mask", args[2] if len(args) > 2 else None)
-        if isinstance(mask, BlockMask):
-            return None
-        return original(*args, **kwargs)
-
-    dispatch.tree_original = original
-    return dispatch
-
-
-_UNAVAILABLE: dict[str, str] = {}  # TREE_LAYERS entries this transformers cannot serve → why
+# TREE_LAYERS entries this transformers cannot serve → why (filled by `transformers_compat.install`).
+_UNAVAILABLE: dict[str, str] = {}
 
 
 @functools.cache
@@ -461,36 +428,6 @@ def _passes_kwargs(cls: type, name: str) -> bool:
     """Whether `cls.forward` calls `name(...)` with the model's `**kwargs` (so `tree_forest` reaches it): a
     transformers version that stops forwarding them must make the gate refuse the layer, not run it silently."""
     return _calls_with_kwargs(_forward_source(cls), rf"\b{name}")
-
-
-def register() -> None:
-    """Wrap the kernel functions of every `TREE_LAYERS` class's modeling module (idempotent; on import)."""
-    for path, kind in TREE_LAYERS.items():
-        module_name = path.rsplit(".", 1)[0]
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError as err:
-            _UNAVAILABLE[path] = f"{module_name} cannot be imported ({err})"
-            continue
-        cls = getattr(module, path.rsplit(".", 1)[1], None)
-        wanted = {**_TREE_KERNELS[kind], "create_recurrent_attention_mask": None}
-        for name, tree_version in wanted.items():
-            current = getattr(module, name, None)
-            if current is None:
-                if tree_version is not None:
-                    _UNAVAILABLE[path] = f"this transformers' {module_name} has no `{name}` to run per segment"
-                continue
-            if tree_version is not None and (cls is None or not _passes_kwargs(cls, name)):
-                _UNAVAILABLE[path] = (
-                    f"this transformers' {path.rsplit('.', 1)[1]}.forward does not pass the model kwargs to `{name}`, "
-                    "so the tree cannot reach it"
-                )
-            if hasattr(current, "tree_original"):
-                continue
-            if tree_version is None:
-                setattr(module, name, _recurrent_mask_dispatch(current))
-            else:
-                setattr(module, name, _tree_dispatch(current, tree_version))
 
 
 def _owns_state(module: torch.nn.Module) -> bool:

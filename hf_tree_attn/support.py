@@ -27,6 +27,7 @@ import torch
 
 from .attention import registration_error
 from .recurrent import STATE_LAYER_TYPES, kwargs_breaks, unsupported_recurrent_layers
+from .transformers_compat import install as install_transformers_wrappers
 
 __all__ = [
     "EXACT_FAMILIES",
@@ -475,6 +476,7 @@ def tree_support_error(model: torch.nn.Module) -> str | None:
     Does not look at the attention implementation (`check_tree_model` does): the trainer asks before switching a
     model to `tree_flex`.
     """
+    install_transformers_wrappers()  # a model checked for trees gets them; the state-layer check reads what it found
     model = unwrap_model(model)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     family = _family_of(base)

@@ -21,7 +21,7 @@ import torch
 from transformers import AutoModelForCausalLM, Lfm2Config, NemotronHConfig, Qwen3_5TextConfig, Qwen3NextConfig
 
 import hf_tree_attn
-from hf_tree_attn import recurrent
+from hf_tree_attn import recurrent, transformers_compat
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import gdn_kernels  # noqa: E402
@@ -180,6 +180,7 @@ def _assert_gradients_close(model, ref_grads, min_cos, kernel_cosines=None):
 def test_gated_deltanet_uses_the_varlen_kernel_when_fla_is_installed():
     if (reason := gdn_kernels.unavailable("fla_triton", 128, lift_guard=True)) is not None:
         pytest.skip(reason)
+    transformers_compat.install()
     module = sys.modules["transformers.models.qwen3_5.modeling_qwen3_5"]
     assert recurrent._use_varlen(module.torch_chunk_gated_delta_rule.tree_original, torch.device("cuda"))
 

@@ -30,7 +30,7 @@ from helpers import (
 from transformers import AutoModelForCausalLM
 
 import hf_tree_attn
-from hf_tree_attn import check_tree_model, pack_forest, recurrent, sequence_logprobs
+from hf_tree_attn import check_tree_model, pack_forest, recurrent, sequence_logprobs, transformers_compat
 
 ATOL = TOLERANCES["logps_atol"]
 # One family per kind of state-carrying layer, for the tests that need not run on every family.
@@ -41,12 +41,15 @@ KERNEL_TOL = {torch.float64: dict(atol=1e-12, rtol=0), torch.float32: dict(atol=
 
 
 def _modeling(name: str):
+    """The modeling module of `name`, its kernel functions replaced by the tree dispatchers."""
+    transformers_compat.install()
     return sys.modules[f"transformers.models.{name}.modeling_{name}"]
 
 
 @contextlib.contextmanager
 def stock_kernels(model):
     """`model`'s modeling module with transformers' own kernel functions (the tree dispatchers taken out)."""
+    transformers_compat.install()
     module = sys.modules[type(model).__module__]
     wrapped = {name: fn for name, fn in vars(module).items() if hasattr(fn, "tree_original")}
     assert wrapped, f"{module.__name__} has no tree dispatchers"
@@ -579,13 +582,3 @@ def test_a_model_whose_forwards_drop_the_kwargs_before_the_layer_is_refused(monk
         leaked = sequence_logprobs(tree, sequences)
         worst = max((leaked[i] - flat_logprobs(ref, s)[0]).abs().max().item() for i, s in enumerate(sequences))
     assert worst > 100 * ATOL
-
-
-def test_register_is_idempotent_and_wraps_once():
-    before = {
-        name: getattr(_modeling("qwen3_5"), name) for name in ("causal_conv1d_fn", "torch_chunk_gated_delta_rule")
-    }
-    recurrent.register()
-    for name, fn in before.items():
-        after = getattr(_modeling("qwen3_5"), name)
-        assert after is fn and not hasattr(after.tree_original, "tree_original")

@@ -1,0 +1,167 @@
+"""The seam to transformers' modeling modules: every function of theirs hf_tree_attn replaces, named once.
+
+**What is replaced, and why.** transformers routes the sequence mixing of each state-carrying layer (gated delta
+rule, Kimi delta rule, short convolution, Mamba-2) through module-level kernel functions of its modeling module,
+which it resolves to flash-linear-attention, causal-conv1d, mamba-ssm or its own torch code
+(`use_kernel_func_from_hub_with_fallback`), and it passes every model kwarg on to them, `tree_forest` included.
+`install()` replaces those functions, in the modeling module of each layer class of `recurrent.TREE_LAYERS`, by a
+dispatcher: without `tree_forest` it calls the function it replaced with the same arguments (ordinary forwards and
+`generate` stay bit-identical, tested), with it the tree version runs (`hf_tree_attn.recurrent`). Per module:
+
+- `causal_conv1d_fn` (every kind) → `recurrent.tree_causal_conv1d`;
+- `torch_chunk_gated_delta_rule` (gated delta rule) and `chunk_kimi_delta_attention` (Kimi delta rule) →
+  `recurrent.tree_delta_rule`;
+- `mamba2_chunk_scan` (Mamba-2) → `recurrent.tree_mamba2_chunk_scan`, and `mamba2_split_conv1d_scan_combined` →
+  None in a tree, which makes the mixer take its unfused path (the conv, then the scan);
+- `create_recurrent_attention_mask` (imported there from `transformers.masking_utils`) → None for a FlexAttention
+  `BlockMask`, from which transformers would read `.ndim` and fail (a tree holds no padding to zero).
+
+`WRAPPED_FUNCTIONS` lists every target with the transformers versions its module and function were read in;
+`tests/test_transformers_compat.py` pins the set against the installed transformers. The targets are explicit
+names, not found by a pattern: a new family is a new `TREE_LAYERS` entry. The patterns of `hf_tree_attn.recurrent`
+(a layer class's name, the source of a forward) belong to the gate; `install()` also records there
+(`recurrent._UNAVAILABLE`) a layer whose forward does not pass the model kwargs to a function it would wrap, so
+that the gate refuses the model rather than run that layer over the DFS row.
+
+**When.** Not at `import hf_tree_attn`: `install()` (idempotent) runs when a model is checked for trees
+(`support.tree_support_error`: `check_tree_model`, `sequence_logprobs`, every tree trainer) and when a
+`PackedForest` is built. The second one is what makes every tree forward safe: the dispatchers act only on calls
+that carry `tree_forest`, which is a `PackedForest`, so no such call can reach a function not yet replaced. And
+none must: transformers' kernel wrapper passes on only the kwargs its implementation takes, so it would drop
+`tree_forest` silently and the layer's state would run across branches. Neither the gate nor the attention code
+alone would do: a forward of `TreeDataCollator`'s micro-batches need not pass the gate, a forest's ready-made
+`dense_mask()` / `block_mask()` skips `tree_flex`'s mask function, and `tree_flex_attention` first runs after the
+state-carrying layers placed before the first attention layer. Replacing the functions after a model is built is
+enough because the layers look their kernels up as module globals at every call (no layer class keeps one on
+`self`, in 5.17.0 and 5.24.0).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from torch.nn.attention.flex_attention import BlockMask
+
+from . import recurrent
+
+__all__ = ["TRANSFORMERS_CHECKED", "WRAPPED_FUNCTIONS", "WrappedFunction", "install"]
+
+TRANSFORMERS_CHECKED = "5.24.0"  # the release every target below was read in
+_GPU_IMAGE = "5.17.0"  # also read in, for the modules it has (from its wheel's source)
+_NEWER_THAN_GPU_IMAGE = ("lfm3", "lara_mini", "bailing_hybrid")  # families added after 5.17.0
+
+_RECURRENT_MASK = "create_recurrent_attention_mask"
+
+# Function name → what its replacement does in a tree forward.
+_DOES = {
+    "causal_conv1d_fn": "the convolution over the DFS row, rows whose window crosses a branch redone from ancestors",
+    "torch_chunk_gated_delta_rule": "the scan level by level, each segment from its parent segment's final state",
+    "chunk_kimi_delta_attention": "the scan level by level, each segment from its parent segment's final state",
+    "mamba2_chunk_scan": "the SSD scan level by level on zero-padded segments, each from its parent's final state",
+    "mamba2_split_conv1d_scan_combined": "None, so that the mixer takes its unfused path (conv, then the scan)",
+    _RECURRENT_MASK: "None for a BlockMask (a tree holds no padding to zero); the original otherwise",
+}
+
+
+@dataclass(frozen=True)
+class WrappedFunction:
+    """One transformers function `install()` replaces.
+
+    module: the modeling module holding it (`transformers.models.<family>.modeling_<family>`).
+    attribute: its module-level name there.
+    layer: the layer class whose forward calls it with the model kwargs.
+    does: what the replacement does when the call carries `tree_forest`.
+    checked_on: the transformers releases in which the module and the function were read.
+    tree_version: `tree_version(original, forest, *args, **kwargs)`, or None for `create_recurrent_attention_mask`.
+    """
+
+    module: str
+    attribute: str
+    layer: str
+    does: str
+    checked_on: tuple[str, ...]
+    tree_version: Callable | None = field(default=None, repr=False, compare=False)
+
+
+def _wrapped_functions() -> tuple[WrappedFunction, ...]:
+    rows = []
+    for path, kind in recurrent.TREE_LAYERS.items():
+        module, layer = path.rsplit(".", 1)
+        family = module.split(".")[2]
+        checked = (TRANSFORMERS_CHECKED,) if family in _NEWER_THAN_GPU_IMAGE else (_GPU_IMAGE, TRANSFORMERS_CHECKED)
+        for attribute, tree_version in {**recurrent._TREE_KERNELS[kind], _RECURRENT_MASK: None}.items():
+            rows.append(WrappedFunction(module, attribute, layer, _DOES[attribute], checked, tree_version))
+    return tuple(rows)
+
+
+WRAPPED_FUNCTIONS: tuple[WrappedFunction, ...] = _wrapped_functions()
+
+
+def _tree_dispatch(original, tree_version):
+    """`original` unless the call carries `tree_forest`; then `tree_version(original, forest, *args, **kwargs)`."""
+
+    @functools.wraps(original)
+    def dispatch(*args, **kwargs):
+        forest = kwargs.pop("tree_forest", None)
+        if forest is None:
+            return original(*args, **kwargs)
+        return tree_version(original, forest, *args, **kwargs)
+
+    dispatch.tree_original = original
+    return dispatch
+
+
+def _recurrent_mask_dispatch(original):
+    """`create_recurrent_attention_mask` that returns None for a `BlockMask` (a tree: no padding to zero)."""
+
+    @functools.wraps(original)
+    def dispatch(*args, **kwargs):
+        mask = kwargs.get("attention_mask", args[2] if len(args) > 2 else None)
+        if isinstance(mask, BlockMask):
+            return None
+        return original(*args, **kwargs)
+
+    dispatch.tree_original = original
+    return dispatch
+
+
+_installed = False
+
+
+def install() -> None:
+    """Replace every function of `WRAPPED_FUNCTIONS` by its dispatcher (idempotent; see the module docstring for
+    when it runs). A module this transformers lacks, or a function its layer does not reach with the model kwargs,
+    is recorded for the gate (`recurrent._UNAVAILABLE`) instead."""
+    global _installed
+    if _installed:
+        return
+    for entry in WRAPPED_FUNCTIONS:
+        path = f"{entry.module}.{entry.layer}"
+        try:
+            module = importlib.import_module(entry.module)
+        except ImportError as err:
+            recurrent._UNAVAILABLE[path] = f"{entry.module} cannot be imported ({err})"
+            continue
+        current = getattr(module, entry.attribute, None)
+        if current is None:
+            if entry.tree_version is not None:
+                recurrent._UNAVAILABLE[path] = (
+                    f"this transformers' {entry.module} has no `{entry.attribute}` to run per segment"
+                )
+            continue
+        cls = getattr(module, entry.layer, None)
+        if entry.tree_version is not None and (cls is None or not recurrent._passes_kwargs(cls, entry.attribute)):
+            recurrent._UNAVAILABLE[path] = (
+                f"this transformers' {entry.layer}.forward does not pass the model kwargs to `{entry.attribute}`, so "
+                "the tree cannot reach it"
+            )
+        if hasattr(current, "tree_original"):
+            continue
+        if entry.tree_version is None:
+            setattr(module, entry.attribute, _recurrent_mask_dispatch(current))
+        else:
+            setattr(module, entry.attribute, _tree_dispatch(current, entry.tree_version))
+    _installed = True
