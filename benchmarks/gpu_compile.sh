@@ -67,9 +67,15 @@ for phase in ${PHASES:-tests}; do
         --sides reference trl tree trl_compiled tree_eager --out "$KEEP/async_grpo_h200_qwen3-1.7b_paired.json" ;;
     async-1.7b-profiled)  # both 1.7B rows, one more step per side under the torch profiler (where its time goes)
       step 270 "$phase-grpo" "${ASYNC[@]}" --profile --models qwen3-1.7b --workloads grpo_mixed \
-        --sides reference trl tree trl_compiled --out "$KEEP/async_grpo_h200_qwen3-1.7b_paired.json"
+        --sides reference trl tree trl_compiled --out "$KEEP/async_grpo_h200_qwen3-1.7b_profiled.json"
       step 240 "$phase-tau2" "${ASYNC[@]}" --profile --models qwen3-1.7b --workloads tau2_like \
-        --sides reference trl tree --out "$KEEP/async_grpo_h200_qwen3-1.7b_paired.json" ;;
+        --sides reference trl tree --out "$KEEP/async_grpo_h200_qwen3-1.7b_profiled.json" ;;
+    prefix-reuse-tests)  # prefix reuse on CUDA, both attention paths (log: h200_gpu_tests_prefix_reuse.log)
+      LOG="$KEEP/h200_gpu_tests_prefix_reuse.log" step 300 "$phase" python3 -m pytest -v -rfEs -m gpu \
+        -p no:cacheprovider tests/test_gpu_prefix_reuse.py ;;
+    tau2-tree)  # resumes async-1.7b-profiled's file: the tau2_like row's sides not measured yet
+      step 240 "$phase" "${ASYNC[@]}" --profile --models qwen3-1.7b --workloads tau2_like \
+        --sides reference trl tree --out "$KEEP/async_grpo_h200_qwen3-1.7b_profiled.json" ;;
     async-1.7b-tau2)
       step 250 "$phase" "${ASYNC[@]}" --models qwen3-1.7b --workloads tau2_like \
         --sides reference trl tree trl_compiled --out "$KEEP/async_grpo_h200_qwen3-1.7b_paired.json" ;;

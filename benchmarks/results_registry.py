@@ -61,6 +61,9 @@ SOURCES = {
     "fsdp2_2gpu_h200.log": "fsdp2-main-job",
     "sync_grpo_h200_qwen3-1.7b.json": "async-grpo",
     "async_grpo_h200_qwen3-1.7b_paired.json": "compile-async-1.7b",
+    "async_grpo_h200_qwen3-1.7b_profiled.json": "compile-async-1.7b-profiled",
+    "h200_gpu_tests_all.log": "gpu-tests-all",
+    "h200_gpu_tests_prefix_reuse.log": "gpu-tests-prefix-reuse",
     "async_grpo_h200_qwen3-1.7b.json": "async-grpo",
     "async_grpo_h200_qwen3-8b.json": "async-grpo",
     "async_grpo_h200_qwen3-1.7b_prefix_kernels.json": "async-grpo-prefix-kernels",
@@ -216,6 +219,7 @@ ASYNC_ROWS = [
 ]
 # The same, each side in its own process, paired per step (bench_async_grpo.py with the harness): (file, workload).
 ASYNC_PAIRED = [
+    ("async_grpo_h200_qwen3-1.7b_profiled.json", "grpo_mixed"),
     ("async_grpo_h200_qwen3-1.7b_paired.json", "grpo_mixed"),
     ("async_grpo_h200_qwen3-1.7b_paired.json", "tau2_like"),
 ]
@@ -240,6 +244,13 @@ BEYOND_GRPO = [
 # DeepSpeed ZeRO on one H200 (gpu_deepspeed.sh): the tests' per-stage measurements and the main job's log.
 DEEPSPEED_RUNS = ["deepspeed_zero2_bf16_h200.json", "deepspeed_zero3_bf16_h200.json"]
 DEEPSPEED_MAIN_JOB = "deepspeed_main_job_zero3_h200.log"
+
+# One more step per side under the torch profiler, through trainer.train() (bench_async_grpo.py --profile):
+# (file, workload); the sides that carry a profile are shown.
+TRAINER_PROFILES = [
+    ("async_grpo_h200_qwen3-1.7b_profiled.json", "grpo_mixed"),
+    ("async_grpo_h200_qwen3-1.7b_profiled.json", "tau2_like"),
+]
 
 PROFILES = [name for name in SOURCES if name.startswith("profile_") and "_flex-" not in name]
 FLEX_OPTIONS = [name for name in SOURCES if name.startswith("profile_") and "_flex-" in name]
@@ -266,6 +277,13 @@ PREFIX_RUNS = ["prefix_attention_h200.json", "prefix_attention_h200_repeat.json"
 PREFIX_PARTS = "prefix_attention_parts_h200.json"
 GRAD_CHECKS = [name for name in SOURCES if name.startswith("grad_check_")]
 GPU_TEST_LOGS = {  # log: the tests it ran
+    "h200_gpu_tests_all.log": "every `gpu`-marked test but `test_gpu_recurrent.py` (the hybrid kernels, their own "
+    "scripts below) and `test_gpu_deepspeed.py` (DeepSpeed is not in the image): `test_precision.py` (144 cases), "
+    "`test_gpu_coverage.py`, `test_gpu.py`, `test_gpu_async_grpo.py`, `test_gpu_trees.py`, `test_grpo_trainer.py` "
+    "(the trainers on their default compiled layers), `test_prefix_attention.py`, `test_kernels.py`, "
+    "`test_recompute.py`; 8 pytest workers on one GPU, transformers 5.24",
+    "h200_gpu_tests_prefix_reuse.log": "`test_gpu_prefix_reuse.py`: prefix reuse on CUDA (dense masks and "
+    "FlexAttention) against per-sequence fp32 forwards",
     "h200_gpu_tests_kernels.log": "`test_prefix_attention.py`, `test_kernels.py`, `test_gpu.py`, "
     "`test_grpo_trainer.py`: the shared-prefix kernels where the CUDA rule picks them",
     "h200_gpu_tests_kernels_always.log": "the same with the kernels on every two-level forest "
@@ -346,6 +364,23 @@ NOTES = {
     "accelerate compiles a copy of the model whose forward TRL's fused-head patch does not call (see "
     "`hf_tree_attn/compile.py`). The tree's layers were compiled throughout (28 / 28 after the run). The git "
     "commit was corrected by hand (the GPU machine's copy named an older one); the tree sent was that commit, clean.",
+    "async_grpo_h200_qwen3-1.7b_profiled.json": "two calls (commits 214005a and 9d622e1, the second's tree one "
+    "uncommitted script change off it): the tree's side of `tau2_like` did not finish within either call's limit, "
+    "and `trl_compiled` did not start, before the GPU time ran out; the `tau2_like` row is TRL's profile alone. The "
+    "tree's first step, 94.3 s, compiled on a fresh machine with no inductor cache (29.7 s in the earlier file's "
+    "run); no step compiled after it (2 graphs, none in the measured steps).",
+    "h200_gpu_tests_all.log": "7 of 316 failed. Five `test_precision.py` cells, GPT-OSS with bf16 weights on the "
+    "two-level forest in training mode (checkpointing `all` / `auto`, and bf16 autocast): the tree's log-prob error "
+    "against float32 is 0.122, flat's 0.038, over the bound 0.103; the same model in eval mode, on the deep forest, "
+    "and on CPU passes. Not yet explained (GPT-OSS's experts take another code path in training; a top-2 routing "
+    "flip would move one token by this much). `test_hybrid_log_probs_on_cuda` hit its 300 s limit in the float32 "
+    "CPU reference beside seven other workers. `test_default_compile_on_cuda_compiles_once_for_all_lengths` saw "
+    "one forest length only (its budget filled every row to the same 128-token blocks), so it could not check what "
+    "it claims: its budget was changed so rows fill 15 or 16 blocks, not re-run on a GPU since.",
+    "h200_gpu_tests_prefix_reuse.log": "the call's 90 s limit stopped it after 5 of 14 tests, all passed: the dense "
+    "path split 2, 3 and 8 ways, FlexAttention split 2 and 3 ways; the 4x-budget sequence, the bf16 bound and the "
+    "sibling-leakage cases did not run. Prefix reuse stays refused on CUDA unless `HF_TREE_ATTN_PREFIX_REUSE_CUDA` "
+    "picks a path.",
     "async_grpo_h200_qwen3-1.7b.json": "peak memory counted from zero while TRL's trainer, run first in the same "
     "process, still held its weights and optimizer state: the tree's peak includes them. The tree alone on these "
     "rows (`async_grpo_h200_qwen3-1.7b_flex_only.json`, same forests and recompute) peaked at 18.1 GiB against "
@@ -413,10 +448,9 @@ PENDING = {
         "ran older code: eager layers, two to four steps, a ratio of medians)",
     ],
     "gpu_tests": [
-        "`test_gpu_async_grpo.py`, `test_gpu_trees.py`, `test_grpo_trainer.py` with the trainers on their default "
-        "compiled layers (`gpu_compile.sh`, phase `tests`): written, not run on a GPU",
-        "`test_precision.py`: 136 of its 144 GPU cases (fp16 autocast with recompute, bf16 weights, Gemma 2, GPT-OSS, "
-        "the hybrids) have never run on a GPU",
+        "`test_gpu_recurrent.py` and `test_gpu_deepspeed.py` on the present code (their last logs are below)",
+        "`test_gpu_async_grpo.py`'s compile-once test at its corrected budget, and its hybrid test alone",
+        "`test_gpu_prefix_reuse.py`: 9 of its 14 tests",
     ],
     "gradients": [
         "Liger + compiled layers at 36 layers without inductor's mix-order reduction "

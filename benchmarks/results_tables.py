@@ -51,6 +51,7 @@ from results_registry import (
     SOURCES,
     SYNC_ROWS,
     THROUGH_TRAINER,
+    TRAINER_PROFILES,
 )
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -393,6 +394,45 @@ def profiles() -> list[str]:
         + ["FlexAttention's kernel options, the same step, eager layers, FlexAttention in every layer:", ""]
         + table(flex_headers, flex_rows)
     )
+
+
+def trainer_profiles() -> list[str]:
+    """Each side's profiled step through `trainer.train()` (bench_async_grpo.py --profile): GPU seconds by kind."""
+    notes, rows, gap = Notes(), [], []
+    kinds = {
+        "matmul": ("matmul",),
+        "attention fwd": ("attention_forward",),
+        "attention bwd": ("attention_backward",),
+        "elementwise + copies": ("elementwise_reduce", "copy_fill"),
+        "other Triton": ("triton_other", "liger"),
+    }
+    for name, wl in TRAINER_PROFILES:
+        row = trainer_row(name, wl)
+        for side, data in row["sides"].items():
+            profile = data.get("profile")
+            if not profile:
+                continue
+            seconds = profile["by_kind"]
+            by_kind = {k: sum(seconds.get(n, {}).get("s", 0.0) for n in names) for k, names in kinds.items()}
+            rows.append([
+                MODELS[row["model"]], rollout_workload(row), "tree" if side == "tree" else "TRL",
+                secs(profile["wall_profiled_s"]), pct(profile["busy"]), secs(profile["kernel_s"]),
+                *(f"{secs(v)} ({pct(v / profile['kernel_s'])})" for v in by_kind.values()), notes.source(name),
+            ])  # fmt: skip
+            if side == "tree" and "mfu" in data:
+                attention = by_kind["attention fwd"] + by_kind["attention bwd"]
+                gap.append(
+                    f"`{wl}` at {MODELS[row['model']]}: the tree's median step {secs(data['median_step_s'])} at "
+                    f"{pct(data['mfu'], 1)} MFU; 50% would be a {secs(data['median_step_s'] * data['mfu'] / 0.5)} "
+                    f"step. Of the profiled step's {secs(profile['kernel_s'])} of kernels, matmuls take "
+                    f"{secs(by_kind['matmul'])} (every layer's forward twice: the recompute "
+                    f"`tree_checkpointed_layers` = {data.get('tree_checkpointed_layers')} keeps the peak within "
+                    f"TRL's), FlexAttention {secs(attention)} ({pct(attention / profile['kernel_s'])}), elementwise "
+                    f"and copies {secs(by_kind['elementwise + copies'])}; the GPU is busy {pct(profile['busy'])} of "
+                    "the step."
+                )
+    headers = ["model", "workload", "side", "profiled step", "GPU busy", "kernel time", *kinds, "source"]
+    return table(headers, rows) + notes.lines() + [line + "  " for line in gap] + [""] * bool(gap)
 
 
 def generation_modes() -> list[str]:
@@ -992,6 +1032,10 @@ SECTIONS = [  # (heading level, title, section, what it measures)
     (2, "Where a step's time goes", profiles,
      "One warm trainer-phase step under the torch profiler (`profile_step.py`), Qwen3-1.7B shape, 2 × (P=4,096 + "
      "G=16 × C=512); shares of the GPU kernel time."),
+    (3, "Through trainer.train()", trainer_profiles,
+     "One more optimizer step per side under the torch profiler after the timed ones (`bench_async_grpo.py "
+     "--profile`), each side in its own process: `TreeAsyncGRPOTrainer` at its defaults (compiled layers) and TRL's "
+     "`AsyncGRPOTrainer` at its own; GPU kernel seconds by kind (share of the kernel time)."),
     (2, "Generation modes: the share of a step", generation_modes,
      "Whole GRPO steps through `trainer.train()`, the workload of the [first table](#through-the-trainer-at-trls-"
      "defaults). The tree speeds up the trainer phase only, so its end-to-end gain is bounded by that phase's share."),

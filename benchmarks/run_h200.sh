@@ -224,6 +224,23 @@ for stage in "$@"; do
       PYTHONPATH=/tmp/site:$PWD timeout 370 python3 benchmarks/bench_async_grpo.py --warmup 2 --steps 8 --resume \
         --models qwen3-1.7b --workloads tau2_like --sides reference trl tree trl_compiled \
         --out "$OUT/async_grpo_h200_qwen3-1.7b_paired.json" 2>&1 | grep -E "^qwen|^  |rror:" ;;
+    compile-async-1.7b-profiled)  # the same rows, one more step per side under the torch profiler (gpu_compile.sh's
+      # async-1.7b-profiled phase; transformers 5.24 from .whl/common; carry .whl)
+      python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/async/*.whl
+      PYTHONPATH=/tmp/site:$PWD timeout 270 python3 benchmarks/bench_async_grpo.py --warmup 2 --steps 8 --resume \
+        --profile --models qwen3-1.7b --workloads grpo_mixed --sides reference trl tree trl_compiled \
+        --out "$OUT/async_grpo_h200_qwen3-1.7b_profiled.json" 2>&1 | grep -E "^qwen|^  |rror:"
+      PYTHONPATH=/tmp/site:$PWD timeout 240 python3 benchmarks/bench_async_grpo.py --warmup 2 --steps 8 --resume \
+        --profile --models qwen3-1.7b --workloads tau2_like --sides reference trl tree \
+        --out "$OUT/async_grpo_h200_qwen3-1.7b_profiled.json" 2>&1 | grep -E "^qwen|^  |rror:" ;;
+    gpu-tests-all)  # every gpu-marked test but the hybrid kernels' and DeepSpeed's, 8 workers on one GPU (~9 min;
+      # gpu_compile.sh's gpu-tests phase, transformers 5.24 from .whl/common)
+      timeout 540 python3 -m pytest -v -rfEs -m gpu -p no:cacheprovider -n 8 --timeout 300 tests \
+        --ignore tests/test_gpu_recurrent.py --ignore tests/test_gpu_deepspeed.py 2>&1 | grep -v DEBUG \
+        > "$OUT/h200_gpu_tests_all.log" ;;
+    gpu-tests-prefix-reuse)  # prefix reuse on CUDA, both attention paths
+      timeout 300 python3 -m pytest -v -rfEs -m gpu -p no:cacheprovider tests/test_gpu_prefix_reuse.py 2>&1 \
+        | grep -v DEBUG > "$OUT/h200_gpu_tests_prefix_reuse.log" ;;
     async-grpo-prefix-kernels)  # the tree side of the 1.7B rows on the shared-prefix kernels for every two-level
       # forest (the committed file ran before the CUDA rule waited for recurring shapes: the size rule alone)
       python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/async/*.whl
