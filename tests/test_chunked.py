@@ -368,11 +368,17 @@ def test_changing_one_branch_moves_only_its_subtree():
     """A token changed inside one branch whose subtree spans chunks: every log-prob and entropy of a token outside
     that subtree is bit-identical, the rows after it in the last chunk included (they hold it as context)."""
     tree, _ = twin_models("llama")
+    check_branch_change_moves_only_its_subtree(tree)
+
+
+def check_branch_change_moves_only_its_subtree(tree) -> None:
+    """Change one token of a row of an earlier chunk whose subtree ends inside the last chunk (branching rows first,
+    the layout kept) and score both tries with prefix reuse on `tree`'s device: outside that subtree every log-prob
+    and entropy is bit-identical; inside, some log-prob moved."""
     sequences = _trie(3, seed=80)
     (forest,) = pack_forest(sequences, two_level=False)
     plan = plan_chunks(forest, BUDGET)
     end = forest.subtree_end
-    # A row of an earlier chunk whose subtree ends inside the last chunk, branching ones first.
     rows = [r for r in range(1, int(plan.bounds[2])) if plan.bounds[2] < end[r] < plan.bounds[3]]
     row = min(rows, key=lambda r: (int((forest.parent == r).sum()) < 2, r))
     assert row in plan.context[2]
@@ -396,11 +402,12 @@ def test_changing_one_branch_moves_only_its_subtree():
         after, ent_after = sequence_logprobs(tree, changed, BUDGET, return_entropy=True, prefix_reuse=True)
     moved = 0
     for k, sid in enumerate(forest.seq_ids):
-        rows = forest.positions(k)[1:]
-        inside = (rows >= row) & (rows < end[row])  # the changed token and the tokens its subtree predicts
+        scored = forest.positions(k)[1:]
+        device = before[sid].device
+        inside = ((scored >= row) & (scored < end[row])).to(device)  # the changed token and what its subtree predicts
         assert torch.equal(before[sid][~inside], after[sid][~inside]), f"sequence {sid} saw the change"
-        parents = forest.parent[rows]  # an entropy is of the distribution its parent row predicts
-        outside = (parents < row) | (parents >= end[row])
+        parents = forest.parent[scored]  # an entropy is of the distribution its parent row predicts
+        outside = ((parents < row) | (parents >= end[row])).to(device)
         assert torch.equal(ent_before[sid][outside], ent_after[sid][outside])
         moved += int((before[sid][inside] != after[sid][inside]).sum())
     assert moved > 0, "the change must move the log-probs of its subtree"

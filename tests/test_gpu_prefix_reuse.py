@@ -17,12 +17,11 @@ import pytest
 import torch
 from helpers import TOLERANCES as CPU_TOLERANCES
 from helpers import flat_logprobs, twin_models
-from test_chunked import BUDGET, _edge_cases, _num_chunks, _tokens, _trie
+from test_chunked import BUDGET, _edge_cases, _num_chunks, _tokens, _trie, check_branch_change_moves_only_its_subtree
 
 import hf_tree_attn.attention
 from hf_tree_attn import forest_logprobs, gather_sequences, pack_forest, sequence_logprobs
 from hf_tree_attn import prefix_reuse as prefix_reuse_module
-from hf_tree_attn.chunked import plan_chunks
 
 pytestmark = pytest.mark.gpu
 
@@ -133,41 +132,7 @@ def test_changing_one_branch_moves_only_its_subtree(cuda_path):
     """A token changed inside one branch whose subtree spans chunks (a context row of the last chunk): every
     log-prob and entropy outside that subtree is bit-identical, its siblings' included; the branch's did move."""
     tree, _ = _cuda_twins("llama")
-    sequences = _trie(3, seed=80)
-    (forest,) = pack_forest(sequences, two_level=False)
-    plan = plan_chunks(forest, BUDGET)
-    end = forest.subtree_end
-    rows = [r for r in range(1, int(plan.bounds[2])) if plan.bounds[2] < end[r] < plan.bounds[3]]
-    row = min(rows, key=lambda r: (int((forest.parent == r).sum()) < 2, r))  # branching rows first
-    assert row in plan.context[2]
-    token = int(forest.input_ids[0, row])
-    changed = None
-    for new in (token + 1, token - 1, token + 2, token - 2):
-        if not 3 <= new < 128:
-            continue
-        trial = [list(s) for s in sequences]
-        for k, sid in enumerate(forest.seq_ids):
-            positions = forest.positions(k).tolist()
-            if row in positions:
-                trial[sid][positions.index(row)] = new
-        (after,) = pack_forest(trial, two_level=False)
-        if torch.equal(after.subtree_end, end) and torch.equal(after.seq_positions, forest.seq_positions):
-            changed = trial
-            break
-    assert changed is not None, "no change keeps the layout"
-    with torch.no_grad():
-        before, ent_before = sequence_logprobs(tree, sequences, BUDGET, return_entropy=True, prefix_reuse=True)
-        after, ent_after = sequence_logprobs(tree, changed, BUDGET, return_entropy=True, prefix_reuse=True)
-    moved = 0
-    for k, sid in enumerate(forest.seq_ids):
-        scored = forest.positions(k)[1:]
-        inside = (scored >= row) & (scored < end[row])
-        assert torch.equal(before[sid][~inside.cuda()], after[sid][~inside.cuda()]), f"sequence {sid} saw it"
-        parents = forest.parent[scored]
-        outside = ((parents < row) | (parents >= end[row])).cuda()
-        assert torch.equal(ent_before[sid][outside], ent_after[sid][outside])
-        moved += int((before[sid][inside.cuda()] != after[sid][inside.cuda()]).sum())
-    assert moved > 0, "the change must move the log-probs of its subtree"
+    check_branch_change_moves_only_its_subtree(tree)
 
 
 def _relative_error(got: dict, want: dict) -> float:
