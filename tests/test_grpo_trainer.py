@@ -67,6 +67,19 @@ def _config(cls, tmp_path, **overrides):
     return cls(**kwargs)
 
 
+def ready_for_loss(trainer):
+    """`trainer` as TRL's training step leaves it before `compute_loss`: its model checkpointed (non-reentrant) in
+    train mode, one micro-batch per step."""
+    model = trainer.model
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.19
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    trainer.current_gradient_accumulation_steps = 1
+    return trainer
+
+
 def _pair(tiny, tmp_path, **overrides):
     """(tree trainer, flat trainer) on two loads of the same weights, gradient checkpointing on, train mode."""
     path, tokenizer = tiny
@@ -78,23 +91,17 @@ def _pair(tiny, tmp_path, **overrides):
         trainer = trainer_cls(
             path, toy_task.copy_letter_reward, args, train_dataset=dataset, processing_class=tokenizer
         )  # fmt: skip
-        model = trainer.model
-        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.19
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.train()
-        trainer.current_gradient_accumulation_steps = 1
-        trainers.append(trainer)
+        trainers.append(ready_for_loss(trainer))
     assert trainers[0].model.config._attn_implementation == "tree_flex"
     assert trainers[1].model.config._attn_implementation == "sdpa"
     return trainers
 
 
-def _batch(tokenizer):
-    """TRL's padded layout: left-padded prompts `(B, P)`, right-padded completions `(B, C)`."""
+def _batch(tokenizer, texts=PROMPTS):
+    """TRL's padded layout: left-padded prompts `(B, P)` (each of `texts` NUM_GENERATIONS times), right-padded
+    completions `(B, C)`."""
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
-    prompts = [tokenizer(p)["input_ids"] for p in PROMPTS for _ in range(NUM_GENERATIONS)]
+    prompts = [tokenizer(p)["input_ids"] for p in texts for _ in range(NUM_GENERATIONS)]
     width = max(map(len, prompts))
     prompt_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
     prompt_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])

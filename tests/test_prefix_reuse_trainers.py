@@ -16,7 +16,14 @@ import torch
 from datasets import Dataset
 from helpers import TOLERANCES, hybrid_twin_models, twin_models
 from test_coverage import tiny_config as coverage_config
-from test_grpo_trainer import COMPLETION_LEN, NUM_GENERATIONS, _assert_same, _config, _loss_and_grads, tiny  # noqa: F401
+from test_grpo_trainer import (
+    _assert_same,
+    _batch,
+    _config,
+    _loss_and_grads,
+    ready_for_loss,
+    tiny,  # noqa: F401  (the fixture)
+)
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 from trl import GRPOConfig, GRPOTrainer, SFTTrainer
 
@@ -37,17 +44,6 @@ from trainers import toy_task
 
 BUDGET = 128  # the smallest budget (a multiple of 128): a step's forest takes several chunks of it
 SYSTEM = "rules: answer with the last letter of the request. be brief; no tools. think first, then answer.\n"
-# Two groups of NUM_GENERATIONS completions: duplicates, shared completion prefixes, a fully masked one.
-COMPLETIONS = [
-    ("aaa", True, False),
-    ("aabab", False, False),
-    ("aaa", True, False),
-    ("b", True, False),
-    ("bbbbbb", False, False),
-    ("ba", True, False),
-    ("cccccc", False, True),
-    ("bbbbb", True, False),
-]
 
 
 @pytest.fixture
@@ -70,17 +66,7 @@ def _prompts(system: str) -> list[str]:
 
 def _group_inputs(trainer, tokenizer, prompts, beta: float = 0.04):
     """TRL's padded layout (left-padded prompts, right-padded completions) with advantages and reference log-probs."""
-    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
-    rows = [tokenizer(p)["input_ids"] for p in prompts for _ in range(NUM_GENERATIONS)]
-    width = max(map(len, rows))
-    prompt_ids = torch.tensor([[pad] * (width - len(p)) + p for p in rows])
-    prompt_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in rows])
-    completion_ids = torch.full((len(COMPLETIONS), COMPLETION_LEN), pad)
-    completion_mask = torch.zeros_like(completion_ids)
-    for b, (text, ends, masked) in enumerate(COMPLETIONS):
-        ids = tokenizer(text)["input_ids"] + ([eos] if ends else [])
-        completion_ids[b, : len(ids)] = torch.tensor(ids)
-        completion_mask[b, : len(ids)] = 0 if masked else 1
+    prompt_ids, prompt_mask, completion_ids, completion_mask = _batch(tokenizer, prompts)
     gen = torch.Generator().manual_seed(0)
     inputs = {
         "prompt_ids": prompt_ids,
@@ -107,14 +93,7 @@ def _grpo(tiny, tmp_path, trainer_cls=TreeGRPOTrainer, config_cls=TreeGRPOConfig
     trainer = trainer_cls(
         path, toy_task.copy_letter_reward, args, train_dataset=toy_task.build_dataset(8), processing_class=tokenizer
     )
-    model = trainer.model
-    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.19
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.train()
-    trainer.current_gradient_accumulation_steps = 1
-    return trainer
+    return ready_for_loss(trainer)
 
 
 # ----------------------------------------------------------------------------------------------------------------
