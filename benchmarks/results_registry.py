@@ -368,7 +368,14 @@ NOTES = {
     "uncommitted script change off it): the tree's side of `tau2_like` did not finish within either call's limit, "
     "and `trl_compiled` did not start, before the GPU time ran out; the `tau2_like` row is TRL's profile alone. The "
     "tree's first step, 94.3 s, compiled on a fresh machine with no inductor cache (29.7 s in the earlier file's "
-    "run); no step compiled after it (2 graphs, none in the measured steps).",
+    "run); no step compiled after it (2 graphs, none in the measured steps). Kernel by kernel, the tree's profiled "
+    "step against the FLOPs `estimate_flops` counts for a step of this workload (~32k forest rows: 68% of the forward "
+    "FLOPs in the layers' linear maps, 22% in attention over ancestor pairs, the rest the LM head): the matmuls, "
+    "every layer's forward twice (the recompute) and its backward, run at roughly 790 TFLOP/s, the H200's attainable "
+    "bf16 rate; FlexAttention at roughly 290 TFLOP/s forward and 230 backward on the tree mask (its 128-row blocks "
+    "straddle branch ends, and those blocks are computed whole). So the step is at the matmul roofline but for "
+    "attention and the recompute: 50% MFU (a 0.73 s step) needs both attention about twice as fast and no recompute "
+    "forward (~0.25 s), which the memory bound (TRL's own peak) does not allow here.",
     "h200_gpu_tests_all.log": "7 of 316 failed. Five `test_precision.py` cells, GPT-OSS with bf16 weights on the "
     "two-level forest in training mode (checkpointing `all` / `auto`, and bf16 autocast): the tree's log-prob error "
     "against float32 is 0.122, flat's 0.038, over the bound 0.103; the same model in eval mode, on the deep forest, "
