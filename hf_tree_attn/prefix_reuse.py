@@ -49,7 +49,14 @@ from .model_inputs import check_forest_inputs
 from .support import check_forest, check_tree_model, config_field, unwrap_model
 from .tree import PackedForest
 
-__all__ = ["CUDA_PATH", "chunked_forest_logprobs", "chunked_forest_scores", "kept_kv_bytes", "prefix_reuse_error"]
+__all__ = [
+    "CUDA_PATH",
+    "chunked_forest_logprobs",
+    "chunked_forest_scores",
+    "kept_kv_bytes",
+    "kv_row_bytes",
+    "prefix_reuse_error",
+]
 
 # How prefix reuse attends on CUDA: "flex", "dense", or None (refused: not yet run on a GPU).
 CUDA_PATH = os.environ.get("HF_TREE_ATTN_PREFIX_REUSE_CUDA") or None
@@ -96,9 +103,15 @@ def prefix_reuse_error(model: torch.nn.Module) -> str | None:
 
 
 def kept_kv_bytes(model: torch.nn.Module, plan: ChunkPlan, dtype: torch.dtype | None = None) -> int:
-    """`plan.kept_kv_bytes` for `model`'s attention layers, read from its config: layers of an attention kind (all
-    when the config has no `layer_types`), `num_key_value_heads`, `head_dim` (or hidden size / heads), in `dtype`
-    (default: the model's parameters'). Multi-head latent attention counts its key and value widths."""
+    """`plan.kept_kv_bytes` for `model`'s attention layers: `len(plan.kept_rows) * kv_row_bytes(model, dtype)`."""
+    return len(plan.kept_rows) * kv_row_bytes(model, dtype)
+
+
+def kv_row_bytes(model: torch.nn.Module, dtype: torch.dtype | None = None) -> int:
+    """Bytes of one row's keys and values over `model`'s attention layers, read from its config: layers of an
+    attention kind (all when the config has no `layer_types`), `num_key_value_heads`, `head_dim` (or hidden size /
+    heads), in `dtype` (default: the model's parameters'). Multi-head latent attention counts its key and value
+    widths."""
     config = unwrap_model(model).config.get_text_config()
     dtype = dtype or next(model.parameters()).dtype
     kinds = config_field(config, "layer_types")
@@ -106,10 +119,10 @@ def kept_kv_bytes(model: torch.nn.Module, plan: ChunkPlan, dtype: torch.dtype | 
     heads = config.num_attention_heads
     if config_field(config, "kv_lora_rank"):  # keys qk_nope + qk_rope wide, values v_head_dim, one per query head
         width = config.qk_nope_head_dim + config.qk_rope_head_dim + config.v_head_dim
-        return plan.kept_kv_bytes(layers, heads, 1, dtype.itemsize) * width // 2
+        return layers * heads * width * dtype.itemsize
     kv_heads = config_field(config, "num_key_value_heads", default=heads)
     head_dim = config_field(config, "head_dim") or config.hidden_size // heads
-    return plan.kept_kv_bytes(layers, kv_heads, head_dim, dtype.itemsize)
+    return layers * 2 * kv_heads * head_dim * dtype.itemsize
 
 
 def chunked_forest_logprobs(

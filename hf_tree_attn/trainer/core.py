@@ -5,7 +5,8 @@ trainer decides the same way whether it may run them, and this module is that de
 
 - the options every tree config adds (`CompileOptions`, `TreeOptions`: `tree_packing`, `max_tokens_per_mb`,
   `tree_prefix_reuse`, `tree_max_token_ratio`, `tree_compile`), each normalised and checked with an error naming the
-  value and the fix; what prefix reuse refuses of a run (`prefix_reuse_refusal`);
+  value and the fix; what prefix reuse refuses of a run (`prefix_reuse_refusal`) and the rows of its chunks
+  (`prefix_reuse_rows`, sized by `tree_prefix_reuse_budget_gib` where set);
 - the model's attention: a model path is loaded on `tree_flex` (through `model_init_kwargs`), a model given on
   `sdpa` / `eager` is switched to it (`select_tree_attention`), and a model that falls back to TRL's path goes back
   to the stock implementation `tree_flex` stood in for (`restore_stock_attention`, `stock_attention`);
@@ -41,6 +42,7 @@ __all__ = [
     "TreeTrainerMixin",
     "block_budget",
     "prefix_reuse_refusal",
+    "prefix_reuse_rows",
     "restore_stock_attention",
     "select_tree_attention",
     "stock_attention",
@@ -136,6 +138,17 @@ class TreeOptions(CompileOptions):
             "checkpointing. Needs max_tokens_per_mb."
         },
     )
+    tree_prefix_reuse_budget_gib: float | None = field(
+        default=None,
+        metadata={
+            "help": "With tree_prefix_reuse=True: GiB per device the chunked forest's estimated peak may take (one "
+            "chunk's layer activations, priced as tree_recompute prices them, plus the kept keys / values and their "
+            "float32 gradients; hf_tree_attn.reuse_planner). Each forest then runs in the largest chunks of at most "
+            "max_tokens_per_mb rows (a multiple of 128) that fit, possibly smaller ones; an error names the numbers "
+            "where none fits. Logged as tree_prefix_reuse_chunks, tree_prefix_reuse_kept_gib and "
+            "tree_prefix_reuse_peak_gib. None (default) = chunks of max_tokens_per_mb rows, not priced."
+        },
+    )
     tree_max_token_ratio: float = field(
         default=0.9,
         metadata={
@@ -165,6 +178,18 @@ class TreeOptions(CompileOptions):
                 "tree_prefix_reuse=True scores a forest in chunks of max_tokens_per_mb rows, but max_tokens_per_mb="
                 "None (one forest, one forward): set max_tokens_per_mb (e.g. 8192), or leave tree_prefix_reuse=False."
             )
+        reuse_budget = self.tree_prefix_reuse_budget_gib
+        if reuse_budget is not None:
+            if isinstance(reuse_budget, bool) or not isinstance(reuse_budget, int | float) or not reuse_budget > 0:
+                raise ValueError(
+                    f"tree_prefix_reuse_budget_gib={reuse_budget!r} must be a number of GiB > 0 (e.g. 40), or None "
+                    "for chunks of max_tokens_per_mb rows."
+                )
+            if not self.tree_prefix_reuse:
+                raise ValueError(
+                    f"tree_prefix_reuse_budget_gib={reuse_budget} sizes prefix reuse's chunks, but tree_prefix_reuse="
+                    "False: set tree_prefix_reuse=True (with max_tokens_per_mb), or leave the budget None."
+                )
         if budget is None:
             return
         if isinstance(budget, bool) or not isinstance(budget, int):
@@ -357,6 +382,32 @@ def prefix_reuse_refusal(trainer, models) -> str | None:
     return None
 
 
+def prefix_reuse_rows(model, forest, max_tokens_per_mb: int, budget_gib: float | None, record) -> int | None:
+    """The rows of the chunks `forest` runs in with prefix reuse, or None for one forward of the whole forest.
+
+    Without a budget: chunks of `max_tokens_per_mb` rows where the forest is larger. With `budget_gib`
+    (`tree_prefix_reuse_budget_gib`): the largest chunks, a multiple of the block and at most `max_tokens_per_mb`
+    rows, whose estimated peak fits (`hf_tree_attn.reuse_planner.plan_prefix_reuse`, the kept keys and values
+    priced in the weights' dtype: an upper bound under autocast); one chunk is one forward. Under grad the estimate
+    goes to `record(name, value)`: `tree_prefix_reuse_chunks`, `tree_prefix_reuse_kept_gib` (the kept keys and
+    values) and `tree_prefix_reuse_peak_gib`.
+    """
+    if budget_gib is None:
+        return max_tokens_per_mb if forest.seq_len > max_tokens_per_mb else None
+    import torch
+
+    from ..reuse_planner import plan_prefix_reuse
+
+    plan = plan_prefix_reuse(
+        model, forest, max_chunk_rows=max_tokens_per_mb, memory_budget_bytes=int(budget_gib * 2**30), block=BLOCK
+    )
+    if torch.is_grad_enabled():
+        record("tree_prefix_reuse_chunks", float(plan.chunks.num_chunks))
+        record("tree_prefix_reuse_kept_gib", plan.kept_kv / 2**30)
+        record("tree_prefix_reuse_peak_gib", plan.total / 2**30)
+    return plan.chunk_rows if plan.chunks.num_chunks > 1 else None
+
+
 # ------------------------------------------------------------------ the decision
 
 
@@ -428,6 +479,15 @@ class TreeTrainerMixin:
         if not (self.tree_packing and self.args.tree_prefix_reuse):
             return
         reason = prefix_reuse_refusal(self, models)
+        if reason is None and self.args.tree_prefix_reuse_budget_gib is not None:
+            from ..reuse_planner import budget_error
+
+            reason = next((e for m in models if m is not None and (e := budget_error(m)) is not None), None)
+            if reason is not None:
+                raise ValueError(
+                    f"tree_prefix_reuse_budget_gib={self.args.tree_prefix_reuse_budget_gib}, but {reason} (Set "
+                    "tree_prefix_reuse_budget_gib=None.)"
+                )
         if reason is not None:
             raise ValueError(
                 f"tree_prefix_reuse=True, but {reason} Set tree_prefix_reuse=False (forests of at most "
@@ -450,6 +510,7 @@ class TreeTrainerMixin:
             ("tree_packing", self.tree_packing),
             ("max_tokens_per_mb", args.max_tokens_per_mb),
             ("tree_prefix_reuse", args.tree_prefix_reuse),
+            ("tree_prefix_reuse_budget_gib", args.tree_prefix_reuse_budget_gib),
             ("tree_max_token_ratio", args.tree_max_token_ratio),
             *self._tree_card_rows(),
             ("attn_implementation", ATTN_IMPLEMENTATION if self.tree_packing else "unchanged"),

@@ -20,9 +20,9 @@ loss types, WPO weights, `ld_alpha`, the entropy, accuracy and logit metrics. A 
 sharing saves too little (`max_token_ratio`) runs TRL's own forward unchanged.
 
 With prefix reuse (`TreeLMHead(prefix_reuse=True)`) the batch is one forest (per RoPE length class), every shared
-token once, and a forest larger than `max_tokens_per_mb` runs in chunks of that many rows, each pair scored by TRL's
-kernel in the chunk holding its row (`hf_tree_attn.prefix_reuse.chunked_forest_scores`); a sequence longer than the
-budget is then scored too.
+token once, and a forest larger than `max_tokens_per_mb` runs in chunks of that many rows (or the largest that fit a
+memory budget, `hf_tree_attn.reuse_planner`), each pair scored by TRL's kernel in the chunk holding its row
+(`hf_tree_attn.prefix_reuse.chunked_forest_scores`); a sequence longer than the budget is then scored too.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ from ..logprobs import _decoder, _lm_head_params, forest_forward_kwargs, tree_ro
 from ..prefix_reuse import chunked_forest_scores
 from ..support import rope_length_limit, rope_split_lengths, unwrap_model
 from ..tree import PackedForest, pack_forest
+from .core import prefix_reuse_rows
 from .mixed_precision_forward import MixedPrecisionLayer, peel, wrap
 from .trl_compat import (
     CHUNKED_LOGPROB_OUTPUTS,
@@ -263,6 +264,8 @@ class TreeLMHead:
         record: `record(name, value)` receives the per-call metrics `tree_fallback` (0 / 1), `tree_token_ratio`
             (forest rows / real tokens) and `tree_compute_ratio` (forest rows / tokens TRL's forward computes).
         prefix_reuse: one forest per call, run in chunks of `max_tokens_per_mb` rows (see the module docstring).
+        prefix_reuse_budget_gib: with `prefix_reuse`, the chunks are the largest whose estimated peak fits this
+            many GiB (`core.prefix_reuse_rows`, which also records the estimate); None = `max_tokens_per_mb` rows.
     """
 
     def __init__(
@@ -271,9 +274,11 @@ class TreeLMHead:
         max_token_ratio: float = 0.9,
         record: Callable[[str, float], None] | None = None,
         prefix_reuse: bool = False,
+        prefix_reuse_budget_gib: float | None = None,
     ):
         self.max_tokens_per_mb = max_tokens_per_mb
         self.prefix_reuse = prefix_reuse and max_tokens_per_mb is not None
+        self.prefix_reuse_budget_gib = prefix_reuse_budget_gib
         self.max_token_ratio = max_token_ratio
         self.record = record or (lambda name, value: None)
         self._plans: OrderedDict[str, FusedPlan | str] = OrderedDict()
@@ -391,10 +396,13 @@ class TreeLMHead:
         for forest, sources, targets in zip(plan.forests, plan.sources, plan.targets):
             forest = forest.to(embeddings)
             forests.append(forest)
-            if self.prefix_reuse and forest.seq_len > self.max_tokens_per_mb:
-                pair_values.append(
-                    chunked_forest_scores(model, forest, self.max_tokens_per_mb, sources, targets, head)
+            rows = None
+            if self.prefix_reuse:
+                rows = prefix_reuse_rows(
+                    model, forest, self.max_tokens_per_mb, self.prefix_reuse_budget_gib, self.record
                 )
+            if rows is not None:
+                pair_values.append(chunked_forest_scores(model, forest, rows, sources, targets, head))
                 continue
             inputs = forest_forward_kwargs(forest, embeddings)
             router_kwargs = {"output_router_logits": True} if router else {}

@@ -55,7 +55,7 @@ from .balance import (
     split_micro_batches,
     step_imbalance,
 )
-from .core import TreeOptions, TreeTrainerMixin, block_budget, stock_attention, tree_args
+from .core import TreeOptions, TreeTrainerMixin, block_budget, prefix_reuse_rows, stock_attention, tree_args
 from .forest_step import PolicyForwardOptions, _log_once, recompute_plan, score_forests
 from .reward import tree_reward_models
 from .trl_compat import (
@@ -601,11 +601,19 @@ class TreeGroupTrainerMixin(TreeTrainerMixin):
         logps = torch.zeros(num_rows, logits_to_keep, dtype=torch.float32, device=device)
         entropies = torch.zeros_like(logps) if compute_entropy else None
         fp32_head = getattr(self.args, "cast_lm_head_to_fp32", False)  # GRPO's setting; RLOO's head has none
+        reuse_rows = None
+        if self._prefix_reuse_rows is not None:
+            budget = self.args.tree_prefix_reuse_budget_gib
+            record = trl_compat.metrics(self)["train"]
+            reuse_rows = [
+                prefix_reuse_rows(model, mb.forest, self._prefix_reuse_rows, budget, lambda k, v: record[k].append(v))
+                for mb, *_ in packed
+            ]
         tables, entropy_tables, aux_loss = score_forests(
             model, [mb.forest for mb, *_ in packed], [rows for _, rows, *_ in packed], temperature=self.temperature,
             autocast=self.accelerator.autocast, compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss,
             recompute=self._layers_to_checkpoint(packed), fp32_head=fp32_head,
-            prefix_reuse_rows=self._prefix_reuse_rows,
+            prefix_reuse_rows=reuse_rows,
         )  # fmt: skip
         for (_, _, row_of, col_of, source_rows), table, entropy_table in zip(packed, tables, entropy_tables):
             logps = logps.index_put((row_of, col_of), table[source_rows])

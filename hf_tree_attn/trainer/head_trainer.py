@@ -75,8 +75,9 @@ class TreeHeadTrainerMixin(TreeTrainerMixin):
         self._tree_check_prefix_reuse((self.model, getattr(self, "ref_model", None)))
         if self.tree_packing:
             self.tree_lm_head = TreeLMHead(
-                args.max_tokens_per_mb, args.tree_max_token_ratio, self._record_tree, args.tree_prefix_reuse
-            )
+                args.max_tokens_per_mb, args.tree_max_token_ratio, self._record_tree, args.tree_prefix_reuse,
+                args.tree_prefix_reuse_budget_gib,
+            )  # fmt: skip
             for target in self._fused_head_models():
                 self.tree_lm_head.install(target)
             self._tree_compile_layers()
