@@ -500,7 +500,7 @@ class TreeGroupTrainerMixin(TreeTrainerMixin):
         if key in self._tree_cache:
             return self._tree_cache[key]
 
-        num_rows, width = ids.shape
+        width = ids.shape[1]
         prompt_width = width - logits_to_keep
         prompt_mask, completion_mask = mask[:, :prompt_width], mask[:, prompt_width:]
         prompt_lengths, completion_lengths = prompt_mask.sum(1), completion_mask.sum(1)
@@ -587,7 +587,13 @@ class TreeGroupTrainerMixin(TreeTrainerMixin):
         return 0.0 * total
 
     def _tree_logps(
-        self, model, packed: list, num_rows: int, logits_to_keep: int, compute_entropy: bool, compute_aux_loss: bool
+        self,
+        model,
+        packed: list[_ScoredForest],
+        num_rows: int,
+        logits_to_keep: int,
+        compute_entropy: bool,
+        compute_aux_loss: bool,
     ):
         """Score the forests of one chunk: `(logps, entropies | None, aux_loss | None)`, the per-token values
         scattered into `(num_rows, logits_to_keep)` (0 at padding)."""
@@ -607,7 +613,7 @@ class TreeGroupTrainerMixin(TreeTrainerMixin):
                 entropies = entropies.index_put((f.row, f.column), f.plan.read(entropy_table))
         return logps, entropies, aux_loss
 
-    def _layers_to_checkpoint(self, packed: list) -> tuple[int | None, bool]:
+    def _layers_to_checkpoint(self, packed: list[_ScoredForest]) -> tuple[int | None, bool]:
         """`(count, keep_attention)` for the policy forward of one chunk's forests (`forest_step.recompute_plan`),
         bounded by the flat forward of the same sequences (unpadded, so stricter than TRL's padded rows) with every
         layer checkpointed, or by `tree_activation_budget_gib` where that is more. With prefix reuse the model's
