@@ -403,7 +403,7 @@ def tree_flex_mask(**kwargs):
         error = config_support_error(config)
         if error is not None:
             raise NotImplementedError(error)
-        check_lengths(config, source.seq_lengths)
+        check_lengths(config, source.seq_lengths)  # the one RoPE length check: every forest forward passes here
         return source.mask(kwargs["mask_function"], use_vmap=kwargs.get("use_vmap", False))
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     build = eager_mask if getattr(text_config, "attn_logit_softcapping", None) is not None else sdpa_mask

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from .logprobs import forest_forward_kwargs
+from .targets import TargetPlan, expanded_index
 from .tree import PackedForest, check_token_budget, pack_forest
 
 __all__ = ["TreeDataCollator", "TreeMicroBatch"]
@@ -113,9 +114,7 @@ class TreeMicroBatch(dict):
     @property
     def token_index(self) -> torch.Tensor:
         """`(N,)` long — index of every expanded entry inside its own sequence (= its `position_ids` depth)."""
-        offsets = self.forest.seq_offsets.to(self.positions.device)
-        starts = offsets[:-1].repeat_interleave(offsets.diff())
-        return torch.arange(len(self.positions), device=self.positions.device) - starts
+        return expanded_index(self.forest)[1]
 
     def gather(self, table: torch.Tensor) -> torch.Tensor:
         """Per-row values `(..., S)` → per-token values `(..., N)` in the expanded layout (differentiable)."""
@@ -342,14 +341,11 @@ class TreeDataCollator:
 
 
 def _causal_lm_loss_inputs(mb: TreeMicroBatch) -> dict[str, torch.Tensor]:
-    """`logits_to_keep` `(E,)`, `labels` and `shift_labels` `(1, E)`: the model's own loss on the trained tokens.
-
-    Entry `e` of the expanded layout (token `t` of its sequence) is predicted by the row of entry `e - 1` when
-    `t >= 1`; its target is `labels[t]` (the feature's `labels`, else the token itself), trained unless -100.
-    """
-    targets = mb.fields["labels"].long() if "labels" in mb.fields else mb.gather(mb["input_ids"][0])
-    targets = targets.to(mb.positions.device)
-    trained = (mb.token_index >= 1) & (targets != -100)
-    entries = torch.nonzero(trained).squeeze(1)
-    labels = targets[entries][None]
-    return {"logits_to_keep": mb.positions[entries - 1], "labels": labels, "shift_labels": labels.clone()}
+    """`logits_to_keep` `(E,)`, `labels` and `shift_labels` `(1, E)`: the model's own loss on the trained tokens,
+    the rows and targets of the forest's `TargetPlan` (the feature's `labels`, else every token after the first)."""
+    if "labels" in mb.fields:
+        plan = TargetPlan.from_labels(mb.forest, mb.fields["labels"])
+    else:
+        plan = TargetPlan.next_tokens(mb.forest)
+    labels = plan.targets[None]
+    return {"logits_to_keep": plan.rows, "labels": labels, "shift_labels": labels.clone()}

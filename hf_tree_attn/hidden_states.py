@@ -18,7 +18,7 @@ import torch
 from .compile import call_compiled
 from .logprobs import _final_hidden_states, forest_forward_kwargs
 from .model_inputs import check_forest_inputs
-from .support import check_forest, unwrap_model
+from .support import unwrap_model
 from .tree import PackedForest
 
 __all__ = ["forest_hidden_states", "gather_hidden_states"]
@@ -51,7 +51,6 @@ def forest_hidden_states(model: torch.nn.Module, forest: PackedForest) -> torch.
         are padding: their values are not any sequence's and must not be read. `gather_hidden_states` picks each
         packed sequence's rows.
     """
-    check_forest(model, forest)
     check_forest_inputs(unwrap_model(model), forest, temperature=1.0)  # no logits here: 1.0 passes that check
     inputs = forest_forward_kwargs(forest, forest.input_ids.device)
     if _is_backbone(model):

@@ -21,7 +21,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .compile import call_compiled
 from .model_inputs import check_forest_inputs, lm_head_weight_and_bias
-from .support import check_forest, check_tree_model, config_field, logit_scale, rope_split_lengths, unwrap_model
+from .support import check_tree_model, config_field, logit_scale, rope_split_lengths, unwrap_model
 from .tree import PackedForest, TokenSequence, check_token_budget, pack_forest
 
 __all__ = [
@@ -247,7 +247,6 @@ def forest_logprobs(
         requested. Differentiable. With `return_router_logits`, a third element: one `(S, num_experts)` tensor per
         MoE layer.
     """
-    check_forest(model, forest)
     check_forest_inputs(unwrap_model(model), forest, temperature)
     device = forest.input_ids.device
     if rows is None:

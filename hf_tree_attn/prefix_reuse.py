@@ -46,7 +46,7 @@ from .compile import eager_layers
 from .logprobs import _final_hidden_states, lm_head_logprobs
 from .masks import ContextMaskSource
 from .model_inputs import check_forest_inputs
-from .support import check_forest, check_tree_model, config_field, unwrap_model
+from .support import check_tree_model, config_field, unwrap_model
 from .tree import PackedForest
 
 __all__ = [
@@ -197,7 +197,6 @@ def _checked(model, forest: PackedForest, temperature: float, pad_multiple: int 
     error = prefix_reuse_error(model)
     if error is not None:
         raise NotImplementedError(error)
-    check_forest(model, forest)
     check_forest_inputs(unwrap_model(model), forest, temperature)
     device = forest.input_ids.device
     if device.type == "cuda" and CUDA_PATH not in ("flex", "dense"):

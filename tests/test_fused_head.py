@@ -123,9 +123,9 @@ def test_trained_shared_rows_are_scored_once():
     seqs = _sequences()
     inputs, labels = _padded(seqs, _labels(seqs, LOSS_MASKS["every_token"]))
     plan = plan_fused_batch(inputs["input_ids"], inputs["attention_mask"], None, labels)
-    pairs = sum(len(s) for s in plan.sources)
+    pairs = sum(len(t.pairs[0]) for t in plan.plans)
     scored = int((labels[:, 1:] != -100).sum())
-    assert len(plan.pair_of_entry) == scored
+    assert sum(len(t) for t in plan.plans) == len(plan.entry_row) == scored
     # Distinct (prefix, next token) pairs of the trie: each shared prefix is scored once per distinct next token.
     distinct = {tuple(s[: t + 2]) for s in seqs for t in range(len(s) - 1)}
     assert pairs == len(distinct) < scored

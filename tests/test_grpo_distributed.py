@@ -34,7 +34,7 @@ def _run_rank() -> None:
 
     def chunk(self, *args, **kwargs):
         if self.accelerator.process_index == 1:
-            self._tree_collator.max_tokens_per_mb = 2048
+            self._tree_pack.keywords["max_tokens_per_mb"] = 2048
         return original_chunk(self, *args, **kwargs)
 
     grpo_tree.TreeGRPOTrainer._missing_forwards = missing

@@ -215,7 +215,7 @@ def test_loss_and_grads_match_flat_trainer_under_mixed_precision(
     _, reference = _pair(tiny, tmp_path / "fp32", **overrides)
     tree, flat = _pair(tiny, tmp_path, **overrides, bf16=autocast, model_init_kwargs={"dtype": weights})
     assert next(tree.model.parameters()).dtype == weights
-    tree._tree_collator.two_level = two_level
+    tree._tree_pack.keywords["two_level"] = two_level
     inputs = _inputs(reference, reference, tiny[1], beta, num_iterations)
     ref_loss, ref_grads = _loss_and_grads(reference, inputs)
     (tree_loss, tree_grads), (flat_loss, flat_grads) = (_loss_and_grads_as_trained(t, inputs) for t in (tree, flat))
@@ -230,7 +230,7 @@ def test_loss_and_grads_match_flat_trainer_under_mixed_precision(
     assert tree_grads.keys() == ref_grads.keys()
     assert grad_error(tree_grads) <= 2 * grad_error(flat_grads) + u, (grad_error(tree_grads), grad_error(flat_grads))
     assert tree._metrics["train"]["tree_fallback"] == [0.0]
-    (forest,) = (mb.forest for mb, *_ in next(iter(tree._tree_cache.values())))
+    (forest,) = (scored.forest for scored in next(iter(tree._tree_cache.values())))
     assert (forest.prefix_plan is not None) == two_level
 
 
@@ -340,7 +340,7 @@ def test_loss_and_grads_match_flat_trainer_on_cuda(tiny, tmp_path, loss_type):
     inputs = _inputs(tree, flat, tiny[1], beta=0.04, num_iterations=2, device="cuda")
     _assert_same(_loss_and_grads(tree, inputs), _loss_and_grads(flat, inputs), TOLERANCE_CUDA[torch.float32])
     (entry,) = tree._tree_cache.values()
-    forest = entry[0][0].forest  # the model's causal mask builder asked the forest for its tree BlockMask
+    forest = entry[0].forest  # the model's causal mask builder asked the forest for its tree BlockMask
     assert any(key[:2] == ("layer", False) and isinstance(m, BlockMask) for key, m in forest._mask_cache.items())
     assert tree._metrics["train"]["tree_fallback"] == [0.0]
 
@@ -352,19 +352,19 @@ def test_entropy_bonus_gradient_matches(tiny, tmp_path):
     _assert_same(_loss_and_grads(tree, inputs), _loss_and_grads(flat, inputs))
 
 
-class _CountingCollator:
-    def __init__(self, collator):
-        self.collator, self.calls = collator, 0
+class _CountingPacker:
+    def __init__(self, pack):
+        self.pack, self.calls = pack, 0
 
-    def __call__(self, features):
+    def __call__(self, sequences):
         self.calls += 1
-        return self.collator(features)
+        return self.pack(sequences)
 
 
 def test_old_and_ref_logps_match_flat_and_reuse_the_forests(tiny, tmp_path):
     """TRL's no-grad calls (old policy, reference model) in chunks of `batch_size` rows, as in generation."""
     tree, flat = _pair(tiny, tmp_path, beta=0.04)
-    tree._tree_collator = counter = _CountingCollator(tree._tree_collator)
+    tree._tree_pack = counter = _CountingPacker(tree._tree_pack)
     prompt_ids, prompt_mask, completion_ids, completion_mask = _batch(tiny[1])
     ids, mask = torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, completion_mask], 1)
     with torch.no_grad():
@@ -422,7 +422,7 @@ def test_training_keeps_groups_together_and_builds_each_forest_once(tiny, tmp_pa
     trainer = TreeGRPOTrainer(
         path, toy_task.copy_letter_reward, args, train_dataset=toy_task.build_dataset(64), processing_class=tokenizer
     )
-    trainer._tree_collator = counter = _CountingCollator(trainer._tree_collator)
+    trainer._tree_pack = counter = _CountingPacker(trainer._tree_pack)
     trainer.train()
     # 2 optimizer steps x 2 accumulation = 4 micro-steps = one generation (steps_per_generation=2, 2 iterations).
     assert counter.calls == args.steps_per_generation == 2

@@ -132,7 +132,7 @@ def test_loss_and_grads_match_trls(tiny, tmp_path, moved):
 
     # One forward of one forest (TRL: of the padded rows), which holds each prompt once for its group: the batch's
     # trie, padded to FlexAttention's block.
-    (forest,) = (mb.forest for mb, *_ in next(iter(tree._tree_cache.values())))
+    (forest,) = (scored.forest for scored in next(iter(tree._tree_cache.values())))
     rows = inputs["prompt_ids"].numel() + inputs["completion_ids"].numel()
     assert tree_forwarded == [forest.seq_len] and flat_forwarded == [rows] and forest.seq_len < rows
     assert forest.num_tree_tokens == _trie_nodes(tiny[1])

@@ -43,6 +43,7 @@ from ..compile import call_compiled
 from ..logprobs import _decoder, _lm_head_params, forest_forward_kwargs, tree_router_aux_loss
 from ..prefix_reuse import chunked_forest_scores
 from ..support import rope_length_limit, rope_split_lengths, unwrap_model
+from ..targets import TargetPlan, expanded_index
 from ..tree import PackedForest, pack_forest
 from .core import prefix_reuse_rows
 from .mixed_precision_forward import MixedPrecisionLayer, peel, wrap
@@ -121,18 +122,16 @@ class FusedPlan:
 
     Attributes:
         forests: the packed forests (CPU), one backbone forward each.
-        sources: per forest, `(U_f,)` long — the forest row whose hidden state scores each distinct pair.
-        targets: per forest, `(U_f,)` long — the token each pair scores.
-        pair_of_entry: `(E,)` long — for each scored flat position, its pair in the forests' pairs concatenated.
-        entry_row, entry_col: `(E,)` long — the scored flat positions, as `(row, column)` of `labels[:, 1:]`.
+        plans: per forest, its scored positions (`TargetPlan.from_shift_labels` of the batch's labels); TRL's
+            kernel scores each distinct (row, target) pair once (`TargetPlan.pairs`).
+        entry_row, entry_col: `(E,)` long — the flat position of every entry of `plans`, forest after forest, as
+            `(row, column)` of `labels[:, 1:]`.
         tree_tokens: real rows of all forests; flat_tokens: tokens TRL's forward computes (rows x width);
             original_tokens: real tokens of the batch's sequences.
     """
 
     forests: list[PackedForest]
-    sources: list[torch.Tensor]
-    targets: list[torch.Tensor]
-    pair_of_entry: torch.Tensor
+    plans: list[TargetPlan]
     entry_row: torch.Tensor
     entry_col: torch.Tensor
     tree_tokens: int
@@ -209,14 +208,11 @@ def plan_fused_batch(
         return "the batch has no tokens"
     lengths = np.bincount(seq[real], minlength=int(seq.max()) + 1)
     sequences = np.split(ids[real], np.cumsum(lengths)[:-1])
-    # Each flat position's offset inside its sequence (row-major order within a sequence is token order).
-    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
-    offset = np.full(shape, -1, dtype=np.int64)
-    offset[real] = np.arange(int(real.sum())) - starts[seq[real]]
 
-    scored_labels = labels[:, 1:].detach().cpu().numpy()
-    entry_row, entry_col = np.nonzero(scored_labels != -100)
-    if not real[entry_row, entry_col].all():
+    # transformers' `shift_labels`: the label flat position `p` predicts (none after a row's last column).
+    shift = np.full(shape, -100, dtype=np.int64)
+    shift[:, :-1] = labels[:, 1:].detach().cpu().numpy()
+    if (shift[~real] != -100).any():
         return "a label follows a padding position (the flat forward scores a padding token's hidden state there)"
     if prefix_reuse:
         forests = pack_forest(sequences, split_lengths=split_lengths, two_level=False)
@@ -228,30 +224,19 @@ def plan_fused_batch(
     if tree_tokens > max_token_ratio * ids.size:
         return f"ratio {tree_tokens / ids.size:.3f} > max_token_ratio {max_token_ratio}"
 
-    entry_seq, entry_offset = seq[entry_row, entry_col], offset[entry_row, entry_col]
-    entry_target = scored_labels[entry_row, entry_col].astype(np.int64)
-    forest_of_seq = np.empty(len(sequences), dtype=np.int64)
-    local_of_seq = np.empty(len(sequences), dtype=np.int64)
-    for f, forest in enumerate(forests):
-        forest_of_seq[forest.seq_ids] = f
-        local_of_seq[forest.seq_ids] = np.arange(len(forest.seq_ids))
-    sources, targets = [], []
-    pair_of_entry = np.empty(len(entry_row), dtype=np.int64)
-    base = 0
-    for f, forest in enumerate(forests):
-        members = np.flatnonzero(forest_of_seq[entry_seq] == f)
-        seq_offsets = forest.seq_offsets.numpy()
-        rows = forest.seq_positions.numpy()[seq_offsets[local_of_seq[entry_seq[members]]] + entry_offset[members]]
-        # A row shared by several sequences is scored once per distinct target (a trained shared prompt in SFT).
-        keys, inverse = np.unique(rows << 32 | entry_target[members], return_inverse=True)
-        sources.append(torch.from_numpy(keys >> 32))
-        targets.append(torch.from_numpy(keys & 0xFFFFFFFF))
-        pair_of_entry[members] = base + inverse.reshape(-1)
-        base += len(keys)
-    return FusedPlan(
-        forests, sources, targets, torch.from_numpy(pair_of_entry), torch.from_numpy(entry_row),
-        torch.from_numpy(entry_col), tree_tokens, ids.size, int(real.sum()),
-    )  # fmt: skip
+    # Sequences are numbered in row-major order, so the real positions in that order run through them one by one.
+    flat_of_token = torch.from_numpy(np.flatnonzero(real))
+    first_token = torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)[:-1]]))
+    shift = torch.from_numpy(shift.reshape(-1))
+    plans, entries = [], []
+    for forest in forests:
+        seq_of, token_index = expanded_index(forest)
+        tokens = first_token[torch.tensor(forest.seq_ids)][seq_of] + token_index  # (N,) into the sequences' tokens
+        plan = TargetPlan.from_shift_labels(forest, shift[flat_of_token[tokens]])
+        plans.append(plan)
+        entries.append(flat_of_token[first_token[plan.seq_index] + plan.position - 1])
+    entry = torch.cat(entries)
+    return FusedPlan(forests, plans, entry // shape[1], entry % shape[1], tree_tokens, ids.size, int(real.sum()))
 
 
 class TreeLMHead:
@@ -393,7 +378,8 @@ class TreeLMHead:
                     settings["final_logit_softcapping"], settings["logit_scale"], outputs,
                 )  # fmt: skip
 
-        for forest, sources, targets in zip(plan.forests, plan.sources, plan.targets):
+        for forest, scored in zip(plan.forests, plan.plans):
+            sources, targets, _ = scored.pairs
             forest = forest.to(embeddings)
             forests.append(forest)
             rows = None
@@ -413,13 +399,12 @@ class TreeLMHead:
         device = weight.device
         label_mask = labels[:, 1:].to(device) != -100
         rows, cols = plan.entry_row.to(device), plan.entry_col.to(device)
-        pair_of_entry = plan.pair_of_entry.to(device)
         fields = {}
         for i, name in enumerate(CHUNKED_LOGPROB_OUTPUTS):
             if pair_values[0][i] is None:
                 fields[name] = None
                 continue
-            values = torch.cat([v[i] for v in pair_values])[pair_of_entry]
+            values = torch.cat([v[i][t.pairs[2].to(device)] for v, t in zip(pair_values, plan.plans)])
             fields[name] = values.new_zeros(label_mask.shape).index_put((rows, cols), values)
         log_probs = fields["log_probs"]
         count = label_mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch

@@ -22,6 +22,7 @@ config (`GroupTreeOptions` before TRL's config), `_TREE_CONFIG`, the three bindi
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import logging
 import os
@@ -29,16 +30,17 @@ import shutil
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from accelerate.utils import gather_object
 
-from ..collator import TreeDataCollator
 from ..compile import eager_layers
 from ..logprobs import forest_logprobs
 from ..metrics import estimate_flops
 from ..support import rope_length_limit, rope_split_lengths, unwrap_model
-from ..tree import pack_forest
+from ..targets import TargetPlan
+from ..tree import PackedForest, pack_forest
 from . import trl_compat
 from .balance import (
     MIN_GAIN,
@@ -179,9 +181,9 @@ class TreeGroupTrainerMixin(TreeTrainerMixin):
         # With prefix reuse a chunk of rows is one forest (per length class), every shared token once, run in chunks
         # of max_tokens_per_mb rows (`_tree_logps`).
         self._prefix_reuse_rows = args.max_tokens_per_mb if args.tree_prefix_reuse else None
-        self._tree_collator = TreeDataCollator(
-            None if args.tree_prefix_reuse else args.max_tokens_per_mb,
-            device=self.accelerator.device,
+        self._tree_pack = functools.partial(
+            pack_forest,
+            max_tokens_per_mb=None if args.tree_prefix_reuse else args.max_tokens_per_mb,
             split_lengths=rope_split_lengths(unwrap_model(self.model).config),  # longrope: one length class a forest
             two_level=False if args.tree_prefix_reuse else None,
         )
@@ -487,8 +489,7 @@ class TreeGroupTrainerMixin(TreeTrainerMixin):
     def _packed_chunk(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int, mode: str):
         """Cached forests of one chunk of padded rows, or None when the chunk must take the flat path.
 
-        Returns a list of `(micro_batch, rows, row_of, col_of, source_rows)`: forest rows to score `(R,)` unique, and
-        for every scored completion token its chunk row `(E,)`, completion column `(E,)` and forest row `(E,)`.
+        Returns one `_ScoredForest` per forest, on the trainer's device.
         """
         ids = input_ids.detach().cpu()
         mask = attention_mask.detach().cpu().bool()
@@ -499,7 +500,7 @@ class TreeGroupTrainerMixin(TreeTrainerMixin):
         if key in self._tree_cache:
             return self._tree_cache[key]
 
-        num_rows, width = ids.shape
+        width = ids.shape[1]
         prompt_width = width - logits_to_keep
         prompt_mask, completion_mask = mask[:, :prompt_width], mask[:, prompt_width:]
         prompt_lengths, completion_lengths = prompt_mask.sum(1), completion_mask.sum(1)
@@ -514,27 +515,20 @@ class TreeGroupTrainerMixin(TreeTrainerMixin):
 
         if len(self._tree_cache) >= max(16, 2 * self.args.steps_per_generation):
             self._tree_cache.pop(next(iter(self._tree_cache)))  # callers outside the training loop: stay bounded
-        features, sequences, scored_prompt_lengths = [], [], []
-        for b in range(num_rows):
-            seq = ids[b][mask[b]]
-            if len(seq) == 0:
-                continue  # a fully padded row scores nothing (TRL returns zeros for it too)
-            p, c = int(prompt_lengths[b]), int(completion_lengths[b])
-            column = torch.cat([torch.full((p,), -1), torch.arange(c)])
-            features.append({"input_ids": seq, "row": b, "column": column})
-            sequences.append(seq)
-            scored_prompt_lengths.append(p)
-        if not features:
+        kept = torch.nonzero(mask.any(1)).squeeze(1)  # a fully padded row scores nothing (TRL gives it zeros too)
+        if len(kept) == 0:
             self._tree_cache[key] = None
             return None
+        sequences = [ids[b][mask[b]] for b in kept.tolist()]
+        scored_prompt_lengths = prompt_lengths[kept]  # indexed like `sequences`
         total = sum(len(s) for s in sequences)
-        micro_batches = self._tree_collator(features)
-        tree_tokens = sum(mb.forest.num_tree_tokens for mb in micro_batches)
+        forests = self._tree_pack(sequences)
+        tree_tokens = sum(forest.num_tree_tokens for forest in forests)
         ratio = tree_tokens / total
         # What the tree computes against what TRL's flat forward computes (every padded position of every row).
         compute_ratio = tree_tokens / ids.numel()
         config = self.accelerator.unwrap_model(self.model).config.get_text_config()
-        flops = estimate_flops(config, sequences, prompt_lengths=scored_prompt_lengths)
+        flops = estimate_flops(config, sequences, prompt_lengths=scored_prompt_lengths.tolist())
         trl_compat.metrics(self)[mode]["tree_token_ratio"].append(ratio)
         trl_compat.metrics(self)[mode]["tree_compute_ratio"].append(compute_ratio)
         trl_compat.metrics(self)[mode]["tree_flops_saved"].append(flops["flops_saved"])
@@ -542,12 +536,12 @@ class TreeGroupTrainerMixin(TreeTrainerMixin):
         if compute_ratio > self.args.tree_max_token_ratio:
             self._tree_cache[key] = None
             return None
+        device = self.accelerator.device
         packed = []
-        for mb in micro_batches:
-            scored = mb.fields["column"] >= 0
-            source_rows = mb.positions.to(scored.device)[scored]
-            row_of, col_of = mb.fields["row"][scored], mb.fields["column"][scored]
-            packed.append((mb, torch.unique(source_rows), row_of, col_of, source_rows))
+        for forest in forests:
+            plan = TargetPlan.completions(forest, scored_prompt_lengths)
+            row, column = kept[plan.seq_index], plan.position - scored_prompt_lengths[plan.seq_index]
+            packed.append(_ScoredForest(forest.to(device), plan.to(device), row.to(device), column.to(device)))
         self._tree_cache[key] = packed
         return packed
 
@@ -593,7 +587,13 @@ class TreeGroupTrainerMixin(TreeTrainerMixin):
         return 0.0 * total
 
     def _tree_logps(
-        self, model, packed: list, num_rows: int, logits_to_keep: int, compute_entropy: bool, compute_aux_loss: bool
+        self,
+        model,
+        packed: list[_ScoredForest],
+        num_rows: int,
+        logits_to_keep: int,
+        compute_entropy: bool,
+        compute_aux_loss: bool,
     ):
         """Score the forests of one chunk: `(logps, entropies | None, aux_loss | None)`, the per-token values
         scattered into `(num_rows, logits_to_keep)` (0 at padding)."""
@@ -610,32 +610,41 @@ class TreeGroupTrainerMixin(TreeTrainerMixin):
                 for mb, *_ in packed
             ]
         tables, entropy_tables, aux_loss = score_forests(
-            model, [mb.forest for mb, *_ in packed], [rows for _, rows, *_ in packed], temperature=self.temperature,
+            model, [f.forest for f in packed], [f.plan.scored_rows for f in packed], temperature=self.temperature,
             autocast=self.accelerator.autocast, compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss,
             recompute=self._layers_to_checkpoint(packed), fp32_head=fp32_head,
             prefix_reuse_rows=reuse_rows,
         )  # fmt: skip
-        for (_, _, row_of, col_of, source_rows), table, entropy_table in zip(packed, tables, entropy_tables):
-            logps = logps.index_put((row_of, col_of), table[source_rows])
+        for f, table, entropy_table in zip(packed, tables, entropy_tables):
+            logps = logps.index_put((f.row, f.column), f.plan.read(table))
             if compute_entropy:
-                entropies = entropies.index_put((row_of, col_of), entropy_table[source_rows])
+                entropies = entropies.index_put((f.row, f.column), f.plan.read(entropy_table))
         return logps, entropies, aux_loss
 
-    def _layers_to_checkpoint(self, packed: list) -> tuple[int | None, bool]:
+    def _layers_to_checkpoint(self, packed: list[_ScoredForest]) -> tuple[int | None, bool]:
         """`(count, keep_attention)` for the policy forward of one chunk's forests (`forest_step.recompute_plan`),
         bounded by the flat forward of the same sequences (unpadded, so stricter than TRL's padded rows) with every
         layer checkpointed, or by `tree_activation_budget_gib` where that is more. With prefix reuse the model's
         checkpointing stays as it is: a chunk's backward recomputes it anyway, outside any plan's scope."""
         if self._prefix_reuse_rows is not None:
             return None, False
-        flat_tokens = sum(mb.forest.num_original_tokens for mb, *_ in packed)
-        count, keep = recompute_plan(self, [mb.forest for mb, *_ in packed], flat_tokens)
+        flat_tokens = sum(f.forest.num_original_tokens for f in packed)
+        count, keep = recompute_plan(self, [f.forest for f in packed], flat_tokens)
         if count is not None and self._lockstep():  # the same layers recompute on every rank: the most any needs
             count = int(self.accelerator.gather(torch.tensor([count], device=self.accelerator.device)).max())
             layers = self.accelerator.unwrap_model(self.model).config.get_text_config().num_hidden_layers
             # What ran, not this rank's plan.
             trl_compat.metrics(self)["train"]["tree_checkpointed_layers"][-1] = count / layers
         return count, keep
+
+
+class _ScoredForest(NamedTuple):
+    """One forest of a chunk of TRL's rows and where its scored completion tokens go in TRL's `(B, C)` layout."""
+
+    forest: PackedForest
+    plan: TargetPlan  # the completion tokens of the forest's sequences (`TargetPlan.completions`)
+    row: torch.Tensor  # (T,) long: the chunk row of each plan entry
+    column: torch.Tensor  # (T,) long: its completion column
 
 
 def micro_batch_order(permutation: torch.Tensor, num_batches: int) -> list[int]:

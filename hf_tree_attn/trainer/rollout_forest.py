@@ -13,7 +13,8 @@ so each rank's forest travels as its arrays, one row per rank, padded to the lon
     tree_seq_positions                                       (P, N)   the row of every token of every sample
     tree_num_tokens                                          (P, 1)   the forest's unpadded rows
     token_index, old_log_probs, advantages, segment_id       (P, M)   TRL's loss terms; `token_index` is the row of
-                                                                      the scored token (-1 = padding)
+                                                                      the scored token (-1 = padding), the
+                                                                      `token_rows` of the forest's `TargetPlan`
 
 plus TRL's per-batch counts (`global_n_tokens`, `global_n_forward_tokens`, `mean_seq_len`, `(P,)`). TRL's loss
 terms keep their meaning and order (sample by sample, position by position). `rank_forest` rebuilds a rank's
@@ -28,6 +29,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from ..targets import TargetPlan
 from ..tree import PackedForest, pack_forest
 from . import trl_compat
 from .trl_compat import DataCollatorForRollout, pad
@@ -79,7 +81,6 @@ def _pack_row(samples: list[dict[str, Any]]) -> tuple[PackedForest, dict[str, to
     if len(forests) != 1:  # no token budget and no RoPE length classes: one forest (the trainer refuses the latter)
         raise RuntimeError(f"pack_forest gave {len(forests)} forests for one row; expected one.")
     (forest,) = forests
-    token_index, old_log_probs, advantages, segment_id = [], [], [], []
     for k, sample in enumerate(samples):
         lengths = {key: len(sample[key]) for key in ("input_ids", "completion_mask", "old_log_probs")}
         if len(set(lengths.values())) != 1:  # TRL's own packing raises an IndexError on a longer one only
@@ -87,13 +88,13 @@ def _pack_row(samples: list[dict[str, Any]]) -> tuple[PackedForest, dict[str, to
                 f"Rollout sample {k} of this row (group {sample.get('group_id')}) has per-token fields of different "
                 f"lengths {lengths}: completion_mask and old_log_probs need one entry per token of input_ids."
             )
-        # TRL scores position p >= 1 of a sample where its completion mask is 1, with the generator's log-prob
-        # old_log_probs[p]; here position p of sample k lives at forest row positions(k)[p].
-        scored = np.flatnonzero(np.asarray(sample["completion_mask"])[1:]) + 1
-        token_index.append(forest.positions(k)[torch.from_numpy(scored)])
-        old_log_probs.append(torch.as_tensor(np.asarray(sample["old_log_probs"])[scored], dtype=torch.float32))
-        advantages.append(torch.full((len(scored),), float(sample["advantage"]), dtype=torch.float32))
-        segment_id.append(torch.full((len(scored),), k, dtype=torch.long))
+    # TRL scores position p >= 1 of a sample where its completion mask is 1, with the generator's log-prob
+    # old_log_probs[p]. One forest packs every sample in order, so the expanded layout is the samples' tokens.
+    scored = torch.cat([torch.as_tensor(np.asarray(sample["completion_mask"])).bool() for sample in samples])
+    plan = TargetPlan.next_tokens(forest, scored)
+    entries = forest.seq_offsets[plan.seq_index] + plan.position
+    old_log_probs = np.concatenate([np.asarray(sample["old_log_probs"]) for sample in samples])[entries.numpy()]
+    advantages = torch.tensor([float(sample["advantage"]) for sample in samples], dtype=torch.float32)
     encoded = {
         "input_ids": forest.input_ids[0],
         "position_ids": forest.position_ids[0],
@@ -102,10 +103,10 @@ def _pack_row(samples: list[dict[str, Any]]) -> tuple[PackedForest, dict[str, to
         "tree_seq_lengths": forest.seq_offsets.diff(),
         "tree_seq_positions": forest.seq_positions,
         "tree_num_tokens": torch.tensor([forest.num_tree_tokens]),
-        "token_index": torch.cat(token_index),
-        "old_log_probs": torch.cat(old_log_probs),
-        "advantages": torch.cat(advantages),
-        "segment_id": torch.cat(segment_id),
+        "token_index": plan.token_rows,
+        "old_log_probs": torch.as_tensor(old_log_probs, dtype=torch.float32),
+        "advantages": advantages[plan.seq_index],
+        "segment_id": plan.seq_index,
     }
     return forest, encoded
 
