@@ -606,8 +606,8 @@ class TreeGroupTrainerMixin(TreeTrainerMixin):
             budget = self.args.tree_prefix_reuse_budget_gib
             record = trl_compat.metrics(self)["train"]
             reuse_rows = [
-                prefix_reuse_rows(model, mb.forest, self._prefix_reuse_rows, budget, lambda k, v: record[k].append(v))
-                for mb, *_ in packed
+                prefix_reuse_rows(model, f.forest, self._prefix_reuse_rows, budget, lambda k, v: record[k].append(v))
+                for f in packed
             ]
         tables, entropy_tables, aux_loss = score_forests(
             model, [f.forest for f in packed], [f.plan.scored_rows for f in packed], temperature=self.temperature,
