@@ -211,6 +211,22 @@ def test_sft_chunked_equals_one_forest_and_trl(sft_tiny, tmp_path, scored_chunks
     )
 
 
+def test_sft_with_a_memory_budget_equals_trl(sft_tiny, tmp_path, scored_chunks):
+    """`tree_prefix_reuse_budget_gib` on the fused-head path: the chunk sizes the planner picks within it, its
+    estimate logged per step, and the same losses, metrics and weights as TRL's."""
+    dataset = Dataset.from_list(test_tree_sft._per_turn(test_tree_sft._conversations(6, seed=1)))
+    options = dict(train_sampling_strategy="sequential")
+    reuse = test_tree_sft._run(
+        TreeSFTTrainer, sft_tiny, tmp_path / "reuse", dataset, tree_prefix_reuse=True, max_tokens_per_mb=BUDGET,
+        tree_prefix_reuse_budget_gib=1.0, **options,
+    )  # fmt: skip
+    assert scored_chunks and max(scored_chunks) >= 2
+    assert all(e["tree_prefix_reuse_chunks"] >= 2 and e["tree_prefix_reuse_peak_gib"] > 0 for e in reuse[1])
+    _assert_same_logs_and_weights(
+        reuse, test_tree_sft._run(SFTTrainer, sft_tiny, tmp_path / "trl", dataset, **options)
+    )
+
+
 def test_sft_sequence_longer_than_the_budget(sft_tiny, tmp_path, scored_chunks):
     """A dataset whose samples are longer than max_tokens_per_mb: refused at config time without prefix reuse (through
     max_length), and without max_length a batch would fall back to TRL's forward; with prefix reuse it trains on trees
