@@ -97,10 +97,11 @@ def _pair(tiny, tmp_path, **overrides):
     return trainers
 
 
-def _batch(tokenizer, texts=PROMPTS):
-    """TRL's padded layout: left-padded prompts `(B, P)` (each of `texts` NUM_GENERATIONS times), right-padded
-    completions `(B, C)`."""
+def _batch(tokenizer, texts=None):
+    """TRL's padded layout: left-padded prompts `(B, P)` (each of `texts`, default `PROMPTS` as it is at the call,
+    NUM_GENERATIONS times), right-padded completions `(B, C)`."""
     pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    texts = PROMPTS if texts is None else texts
     prompts = [tokenizer(p)["input_ids"] for p in texts for _ in range(NUM_GENERATIONS)]
     width = max(map(len, prompts))
     prompt_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])

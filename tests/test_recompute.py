@@ -411,8 +411,9 @@ def test_trainer_auto_recompute_on_unpriced_layers_recomputes_all(model_type, pr
         _metrics={"train": defaultdict(list)},
         _unpriced=None,
         _lockstep=lambda: False,  # one process: no rank to agree with
+        _prefix_reuse_rows=None,  # tree_prefix_reuse off
     )
-    count, keep = TreeGRPOTrainer._layers_to_checkpoint(trainer, [(SimpleNamespace(forest=forest),)])
+    count, keep = TreeGRPOTrainer._layers_to_checkpoint(trainer, [SimpleNamespace(forest=forest)])
     logged = trainer._metrics["train"]["tree_checkpointed_layers"]
     if priced:  # a two-level forest on the CPU: the kernels serve it, so checkpointed layers keep their outputs
         assert isinstance(count, int) and logged == [count / model.config.num_hidden_layers] and keep
@@ -443,8 +444,9 @@ def test_trainer_activation_budget_lowers_the_count():
             _metrics={"train": defaultdict(list)},
             _unpriced=None,
             _lockstep=lambda: False,  # one process: no rank to agree with
+            _prefix_reuse_rows=None,  # tree_prefix_reuse off
         )  # fmt: skip
-        return TreeGRPOTrainer._layers_to_checkpoint(trainer, [(SimpleNamespace(forest=forest),)])[0]
+        return TreeGRPOTrainer._layers_to_checkpoint(trainer, [SimpleNamespace(forest=forest)])[0]
 
     assert count(None) == 4
     assert count(all_layers / 1000) == 4
