@@ -29,9 +29,12 @@ import os
 import warnings
 from dataclasses import dataclass, field, fields
 
+import torch
 from transformers import AutoConfig
 
+from .. import prefix_reuse
 from ..attention import ATTN_IMPLEMENTATION
+from ..reuse_planner import budget_error, plan_prefix_reuse
 from ..support import check_tree_model, config_support_error, tree_support_error, unwrap_model
 from . import trl_compat
 from .compile_setting import apply_compile, decide_compile
@@ -345,8 +348,6 @@ def prefix_reuse_refusal(trainer, models) -> str | None:
     MoE load-balancing loss, whose router statistics the chunked forward does not return; CUDA until a path is
     chosen (`prefix_reuse.CUDA_PATH`).
     """
-    from .. import prefix_reuse
-
     args = trainer.args
     for loaded in models:
         if loaded is not None and (error := prefix_reuse.prefix_reuse_error(loaded)) is not None:
@@ -394,10 +395,6 @@ def prefix_reuse_rows(model, forest, max_tokens_per_mb: int, budget_gib: float |
     """
     if budget_gib is None:
         return max_tokens_per_mb if forest.seq_len > max_tokens_per_mb else None
-    import torch
-
-    from ..reuse_planner import plan_prefix_reuse
-
     plan = plan_prefix_reuse(
         model, forest, max_chunk_rows=max_tokens_per_mb, memory_budget_bytes=int(budget_gib * 2**30), block=BLOCK
     )
@@ -480,8 +477,6 @@ class TreeTrainerMixin:
             return
         reason = prefix_reuse_refusal(self, models)
         if reason is None and self.args.tree_prefix_reuse_budget_gib is not None:
-            from ..reuse_planner import budget_error
-
             reason = next((e for m in models if m is not None and (e := budget_error(m)) is not None), None)
             if reason is not None:
                 raise ValueError(
