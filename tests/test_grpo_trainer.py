@@ -67,6 +67,22 @@ def _config(cls, tmp_path, **overrides):
     return cls(**kwargs)
 
 
+def assert_as_close_to_fp32_as_trl(reference, tree, trl) -> None:
+    """Under bf16, each `(loss, grads)` against the float32 `reference`: the tree's loss error at most twice TRL's plus
+    one bf16 rounding of the loss, its gradient's relative error at most twice TRL's plus one rounding."""
+    (ref_loss, ref_grads), (tree_loss, tree_grads), (flat_loss, flat_grads) = reference, tree, trl
+    u = torch.finfo(torch.bfloat16).eps / 2
+
+    def grad_error(grads):
+        diff = sum(float((grads[n] - g).square().sum()) for n, g in ref_grads.items())
+        return (diff / sum(float(g.square().sum()) for g in ref_grads.values())) ** 0.5
+
+    flat_error, tree_error = float((flat_loss - ref_loss).abs()), float((tree_loss - ref_loss).abs())
+    assert tree_error <= 2 * flat_error + u * float(ref_loss.abs()), (tree_error, flat_error)
+    assert tree_grads.keys() == ref_grads.keys()
+    assert grad_error(tree_grads) <= 2 * grad_error(flat_grads) + u, (grad_error(tree_grads), grad_error(flat_grads))
+
+
 def ready_for_loss(trainer):
     """`trainer` as TRL's training step leaves it before `compute_loss`: its model checkpointed (non-reentrant) in
     train mode, one micro-batch per step."""
@@ -220,16 +236,7 @@ def test_loss_and_grads_match_flat_trainer_under_mixed_precision(
     inputs = _inputs(reference, reference, tiny[1], beta, num_iterations)
     ref_loss, ref_grads = _loss_and_grads(reference, inputs)
     (tree_loss, tree_grads), (flat_loss, flat_grads) = (_loss_and_grads_as_trained(t, inputs) for t in (tree, flat))
-    u = torch.finfo(torch.bfloat16).eps / 2
-
-    def grad_error(grads):
-        diff = sum(float((grads[n] - g).square().sum()) for n, g in ref_grads.items())
-        return (diff / sum(float(g.square().sum()) for g in ref_grads.values())) ** 0.5
-
-    flat_error, tree_error = float((flat_loss - ref_loss).abs()), float((tree_loss - ref_loss).abs())
-    assert tree_error <= 2 * flat_error + u * float(ref_loss.abs()), (tree_error, flat_error)
-    assert tree_grads.keys() == ref_grads.keys()
-    assert grad_error(tree_grads) <= 2 * grad_error(flat_grads) + u, (grad_error(tree_grads), grad_error(flat_grads))
+    assert_as_close_to_fp32_as_trl((ref_loss, ref_grads), (tree_loss, tree_grads), (flat_loss, flat_grads))
     assert tree._metrics["train"]["tree_fallback"] == [0.0]
     (forest,) = (scored.forest for scored in next(iter(tree._tree_cache.values())))
     assert (forest.prefix_plan is not None) == two_level

@@ -18,7 +18,15 @@ import pytest
 import torch
 from helpers import TOLERANCES, token_reward
 from peft import LoraConfig
-from test_grpo_trainer import COMPLETION_LEN, COMPLETIONS, NUM_GENERATIONS, PROMPTS, TOLERANCE, _batch
+from test_grpo_trainer import (
+    COMPLETION_LEN,
+    COMPLETIONS,
+    NUM_GENERATIONS,
+    PROMPTS,
+    TOLERANCE,
+    _batch,
+    assert_as_close_to_fp32_as_trl,
+)
 from trl import RLOOConfig, RLOOTrainer
 
 from hf_tree_attn.trainer import TreeRLOOConfig, TreeRLOOTrainer
@@ -163,16 +171,7 @@ def test_bf16_is_as_close_to_float32_as_trls(tiny, tmp_path, weights):
     (tree_loss, tree_grads), (flat_loss, flat_grads) = (
         _loss_and_grads(t, inputs, autocast=True) for t in (tree, flat)
     )
-    u = torch.finfo(torch.bfloat16).eps / 2
-
-    def grad_error(grads):
-        diff = sum(float((grads[n] - g).square().sum()) for n, g in ref_grads.items())
-        return (diff / sum(float(g.square().sum()) for g in ref_grads.values())) ** 0.5
-
-    flat_error, tree_error = float((flat_loss - ref_loss).abs()), float((tree_loss - ref_loss).abs())
-    assert tree_error <= 2 * flat_error + u * float(ref_loss.abs()), (tree_error, flat_error)
-    assert tree_grads.keys() == ref_grads.keys()
-    assert grad_error(tree_grads) <= 2 * grad_error(flat_grads) + u, (grad_error(tree_grads), grad_error(flat_grads))
+    assert_as_close_to_fp32_as_trl((ref_loss, ref_grads), (tree_loss, tree_grads), (flat_loss, flat_grads))
     assert tree._metrics["train"]["tree_fallback"] == [0.0]
 
 
