@@ -257,7 +257,7 @@ class FirstScores:
 def side_main(args) -> dict:
     """One side (`args.side`) of one row (`args.models[0]`, `args.workloads[0]`), in this process."""
     from datasets import Dataset
-    from harness import StepClock
+    from harness import StepClock, compile_report
     from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
     from trl.experimental.async_grpo import async_grpo_trainer as trl_async
 
@@ -311,10 +311,6 @@ def side_main(args) -> dict:
     ]
     trained = [entry["batch/trained_tokens_per_step"] for entry in measured]
     compile_decision = getattr(trainer, "tree_compile", None)
-    from torch._dynamo.utils import counters
-
-    from hf_tree_attn.compile import compiled_layers, decoder_layers
-
     return {
         **timing,
         "measured_step_s": times,
@@ -335,10 +331,8 @@ def side_main(args) -> dict:
         "tree_compile": None if compile_decision is None else {"kwargs": compile_decision.kwargs,
                                                                "source": compile_decision.source},
         "first_scores": {"targets": scores.targets, "log_probs": scores.log_probs},
-        # What ran compiled: the decoder layers still compiled after the run (a compiler failure makes them eager),
-        # and the graphs dynamo made in this process.
-        "compiled_layers_after_run": f"{len(compiled_layers(trainer.model))} / {len(decoder_layers(trainer.model))}",
-        "dynamo": {"unique_graphs": counters["stats"]["unique_graphs"], "frames": dict(counters["frames"])},
+        # What ran compiled (the tree trainer's layers or accelerate's, dynamo's graphs) and its compile seconds.
+        "dynamo": compile_report(trainer),
         "profile": callbacks[-1].summary if profiled else None,
     }  # fmt: skip
 

@@ -43,7 +43,7 @@ sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
 from bench_async_grpo import SIDES, _summary, model_config  # noqa: E402
 from bench_balance_fsdp import length_reward, stub_rollout  # noqa: E402
 from bench_tree_vs_flat import MODELS, PEAK_FLOPS  # noqa: E402
-from harness import StepClock, paired, provenance, resume, run_rows, sides_agreement, write_side  # noqa: E402
+from harness import StepClock, compile_report, paired, provenance, resume, run_rows, sides_agreement, write_side  # noqa: E402
 
 from hf_tree_attn.metrics import estimate_flops  # noqa: E402
 from trainers import toy_task  # noqa: E402
@@ -140,10 +140,6 @@ def side_main(args) -> dict:
         completions.append(sum(len(c) for c in completion_ids))
     logs = [entry for entry in trainer.state.log_history if "loss" in entry][args.warmup :]
     decision = getattr(trainer, "tree_compile", None)
-    from torch._dynamo.utils import counters
-
-    from hf_tree_attn.compile import compiled_layers, decoder_layers
-
     return {
         **timing,
         "median_step_s": statistics.median(times),
@@ -155,8 +151,7 @@ def side_main(args) -> dict:
         "tree_fallback": [entry.get("tree_fallback") for entry in logs] if tree else None,
         "tree_compile": None if decision is None else {"kwargs": decision.kwargs, "source": decision.source},
         "first_scores": {"targets": scores.targets, "log_probs": scores.log_probs},
-        "compiled_layers_after_run": f"{len(compiled_layers(trainer.model))} / {len(decoder_layers(trainer.model))}",
-        "dynamo": {"unique_graphs": counters["stats"]["unique_graphs"], "frames": dict(counters["frames"])},
+        "dynamo": compile_report(trainer),
     }
 
 

@@ -73,9 +73,19 @@ for phase in ${PHASES:-tests}; do
     prefix-reuse-tests)  # prefix reuse on CUDA, both attention paths (log: h200_gpu_tests_prefix_reuse.log)
       LOG="$KEEP/h200_gpu_tests_prefix_reuse.log" step 300 "$phase" python3 -m pytest -v -rfEs -m gpu \
         -p no:cacheprovider tests/test_gpu_prefix_reuse.py ;;
-    tau2-tree)  # resumes async-1.7b-profiled's file: the tau2_like row's sides not measured yet
-      step 240 "$phase" "${ASYNC[@]}" --profile --models qwen3-1.7b --workloads tau2_like \
-        --sides reference trl tree --out "$KEEP/async_grpo_h200_qwen3-1.7b_profiled.json" ;;
+    tau2-tree)  # resumes async-1.7b-profiled's file (the committed one where $KEEP has none): its tau2_like row,
+      # with TRL's regionally compiled side
+      [ -f "$KEEP/async_grpo_h200_qwen3-1.7b_profiled.json" ] \
+        || cp benchmarks/results/async_grpo_h200_qwen3-1.7b_profiled.json "$KEEP"/
+      step 380 "$phase" "${ASYNC[@]}" --profile --models qwen3-1.7b --workloads tau2_like \
+        --sides reference trl tree trl_compiled --out "$KEEP/async_grpo_h200_qwen3-1.7b_profiled.json" ;;
+    gpu-tests-rest)  # the gpu tests the 8-worker run did not finish: the async hybrid and compile-once tests alone,
+      # prefix reuse on CUDA with 4 workers (logs: h200_gpu_tests_async_rest.log, h200_gpu_tests_prefix_reuse.log)
+      LOG="$KEEP/h200_gpu_tests_async_rest.log" step 150 "$phase-async" python3 -m pytest -v -rfEs -m gpu \
+        -p no:cacheprovider tests/test_gpu_async_grpo.py::test_hybrid_log_probs_on_cuda \
+        tests/test_gpu_async_grpo.py::test_default_compile_on_cuda_compiles_once_for_all_lengths
+      LOG="$KEEP/h200_gpu_tests_prefix_reuse.log" step 360 "$phase-prefix-reuse" python3 -m pytest -v -rfEs -m gpu \
+        -p no:cacheprovider -n 4 --timeout 340 tests/test_gpu_prefix_reuse.py ;;
     async-1.7b-tau2)
       step 250 "$phase" "${ASYNC[@]}" --models qwen3-1.7b --workloads tau2_like \
         --sides reference trl tree trl_compiled --out "$KEEP/async_grpo_h200_qwen3-1.7b_paired.json" ;;
@@ -83,7 +93,7 @@ for phase in ${PHASES:-tests}; do
       step 480 "$phase" "${ASYNC[@]}" --models qwen3-8b --workloads grpo_mixed tau2_like --sides trl tree \
         --out "$KEEP/async_grpo_h200_qwen3-8b_paired.json" ;;
     sync-1.7b)
-      step 300 "$phase" "${SYNC[@]}" --models qwen3-1.7b --workloads grpo_mixed --sides reference trl tree \
+      step 220 "$phase" "${SYNC[@]}" --models qwen3-1.7b --workloads grpo_mixed --sides reference trl tree \
         --out "$KEEP/sync_grpo_h200_qwen3-1.7b_paired.json" ;;
     *) echo "unknown phase $phase" | tee -a "$LOG" ;;
   esac

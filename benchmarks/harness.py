@@ -13,6 +13,9 @@ ratios and agreement checks that can fail.
 - `paired(reference, candidate)`: per measured step, reference seconds / candidate seconds on the same step
   index (both sides trained the same data in the same order), at least `MIN_MEASURED_STEPS`, with min / median /
   max — never a ratio of two medians.
+- `compile_report(trainer)`: what ran compiled in a side's process — decoder layers compiled by the tree trainer
+  (`hf_tree_attn.compile`) or by accelerate (regional compilation wraps them in `OptimizedModule`), dynamo's graphs
+  and frames, and the seconds its compile phases took (those of 0.05 s or more) (the first step's compile cost, by phase).
 - `agreement(candidate, baseline, exact)` (`sides_agreement` for two sides' result dicts): whether one side's
   per-token values are as close to a float32 run's on the same tokens as the other's (at most twice its error plus
   one bf16 rounding); a row that fails is recorded as failed.
@@ -200,6 +203,29 @@ def run_side(script: Path, side: str, argv: list[str], env: dict[str, str] | Non
             result["process_s"] = time.perf_counter() - start
             return result
         return {"error": f"exit {proc.returncode}", "output_tail": (proc.stdout + proc.stderr)[-3000:]}
+
+
+def compile_report(trainer) -> dict:
+    """What ran compiled in this process (see the module docstring): `tree_layers` / `accelerate_layers` as
+    "compiled / decoder layers", `unique_graphs`, `frames` (dynamo's counters) and `seconds` (dynamo's timed compile
+    phases of 0.05 s or more summed over the process, e.g. `_compile.compile_inner`, `compile_fx.<locals>.fw_compiler_base`)."""
+    from torch._dynamo.eval_frame import OptimizedModule
+    from torch._dynamo.utils import compile_times, counters
+
+    from hf_tree_attn.compile import compiled_layers, decoder_layers
+
+    layers = decoder_layers(trainer.model)
+    wrapped = getattr(trainer, "model_wrapped", None) or trainer.model
+    kinds = {type(layer) for layer in layers}
+    by_accelerate = [m for m in wrapped.modules() if isinstance(m, OptimizedModule) and type(m._orig_mod) in kinds]
+    names, values = compile_times(repr="csv", aggregate=True)
+    return {
+        "tree_layers": f"{len(compiled_layers(trainer.model))} / {len(layers)}",
+        "accelerate_layers": f"{len(by_accelerate)} / {len(layers)}",
+        "unique_graphs": counters["stats"]["unique_graphs"],
+        "frames": dict(counters["frames"]),
+        "seconds": {name: round(float(value), 3) for name, value in zip(names, values) if float(value) >= 0.05},
+    }
 
 
 def write_side(path: str, result: dict) -> None:
