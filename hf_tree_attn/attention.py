@@ -70,12 +70,17 @@ def _flex_attention(query, key, value, return_lse: bool = False, **kwargs):
     # Inside a compiled region the outer compile fuses it; compiled CPU flex has no LSE output (CPU flex is
     # inference-only anyway), so that one case runs the eager reference implementation.
     if torch.compiler.is_compiling() or (return_lse and query.device.type == "cpu"):
-        fn = flex_attention
+        out = flex_attention(query, key, value, **kwargs)
     else:
         if _compiled_flex_attention is None:
             _compiled_flex_attention = torch.compile(flex_attention, dynamic=None)
-        fn = _compiled_flex_attention
-    out = fn(query, key, value, **kwargs)
+        # With autocast off: the inputs already are in the autocast dtype (`_autocast_inputs`), all FlexAttention's
+        # autocast does, and dynamo guards on the autocast state, so a forward under autocast and one without would
+        # each compile a graph. Graphs of `flex_attention` count against dynamo's recompile limit (8) in the whole
+        # process, transformers' compiled flex included; past it every call silently runs the eager reference (the
+        # full scores matrix, in float32: slow, memory-bound, other rounding than the kernel).
+        with torch.autocast(query.device.type, enabled=False):
+            out = _compiled_flex_attention(query, key, value, **kwargs)
     if return_lse:
         out, aux = out
         return out, aux.lse

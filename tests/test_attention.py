@@ -273,6 +273,26 @@ def test_block_mask_no_grad_forward_equals_dense(tree_inputs, family, monkeypatc
     torch.testing.assert_close(got[0, :n], want[0, :n], atol=TOLERANCES["logps_atol"], rtol=0)
 
 
+def test_compiled_flex_attention_is_one_graph_with_and_without_autocast(tree_inputs):
+    """A forward under autocast and one without reuse the compiled FlexAttention's graph. Dynamo guards on the
+    autocast state; each graph of `flex_attention` counts against its recompile limit for the whole process, past
+    which every call silently ran the eager reference (float32 scores matrix: slow, and other rounding than the
+    kernel: GPT-OSS's bf16 cells of test_precision on an H200 failed there)."""
+    from torch._dynamo.utils import counters
+
+    _, _, block_mask = tree_inputs
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 4, block_mask.shape[-2], 16, dtype=torch.bfloat16) for _ in range(3))
+    with torch.no_grad():
+        want, _ = hf_tree_attn.attention._flex_attention(q, k, v, block_mask=block_mask, scale=0.25)
+        graphs = counters["stats"]["unique_graphs"]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got, _ = hf_tree_attn.attention._flex_attention(q, k, v, block_mask=block_mask, scale=0.25)
+        again, _ = hf_tree_attn.attention._flex_attention(q, k, v, block_mask=block_mask, scale=0.25)
+    assert counters["stats"]["unique_graphs"] == graphs, "autocast compiled FlexAttention again"
+    assert torch.equal(got, want) and torch.equal(again, want)
+
+
 @pytest.mark.parametrize(
     "family", ["gpt_oss", pytest.param("llama4_text", marks=pytest.mark.slow)]
 )  # sliding window + sinks; chunks + NoPE temperature tuning

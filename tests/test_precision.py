@@ -49,9 +49,14 @@ def _twins(name: str) -> tuple[torch.nn.Module, torch.nn.Module]:
     if name in HYBRIDS:
         return hybrid_twin_models(name)
     if name == "gpt_oss":  # attention sinks, alternating sliding windows, MoE
+        # Every token routed to all 4 experts: top-2 of 4 is a step function of the router logits, which no rounding
+        # argument bounds. With top-2, one prompt token's top-2 margin (0.020 in float32) was below the bf16 noise of
+        # the router logits (0.022, flat and tree alike); FlexAttention's rounding of the sink layers, as accurate as
+        # eager's (RMS 0.0021 vs 0.0022 off float32), flipped its experts, moving its log-prob by 0.12 (bf16 cells
+        # on CUDA; `test_sink_folding_in_flex_attention_matches_flat_on_cpu`). Per-token routing is no tree matter.
         config = GptOssConfig(
             vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=256,
+            num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=4, sliding_window=256,
             initializer_range=0.1, pad_token_id=0, eos_token_id=2, bos_token_id=1,
         )  # fmt: skip
         reference = "eager"
@@ -182,6 +187,37 @@ def test_tree_under_mixed_precision_matches_flat(
     flat_error, tree_error = _grad_error(flat[2], ref_grads), _grad_error(tree[2], ref_grads)
     assert set(tree[2]) == set(ref_grads)
     assert tree_error <= 2 * flat_error + u, ("gradients", tree_error, flat_error)
+
+
+@pytest.mark.parametrize("forest", ("prefix", "deep"))
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_sink_folding_in_flex_attention_matches_flat_on_cpu(precision, forest, references, monkeypatch):
+    """GPT-OSS's cells above as CUDA runs them: sink layers through FlexAttention (the sinks folded in by its
+    log-sum-exp), which CPU otherwise never takes (there they run the dense mask and eager math, as flat does).
+    Forward only (CPU FlexAttention has no backward), against the same bound."""
+    monkeypatch.setattr(hf_tree_attn.prefix_attention, "MODE", "always" if forest == "prefix" else "never")
+    masks = hf_tree_attn.PackedForest.attention_mask
+
+    def block_masks(self, device=None, dense=None):  # as on CUDA
+        return masks(self, device, dense=False)
+
+    monkeypatch.setattr(hf_tree_attn.PackedForest, "attention_mask", block_masks)
+    flex, calls = hf_tree_attn.attention._flex_attention, []
+    monkeypatch.setattr(hf_tree_attn.attention, "_flex_attention", lambda *a, **k: calls.append(1) or flex(*a, **k))
+    sequences = _sequences(forest)
+    tree_model, flat_model = (_setup(m, precision, "none", "cpu") for m in _twins("gpt_oss"))
+    ref = references("gpt_oss", forest)
+    autocast = PRECISIONS[precision][1]
+    with torch.no_grad(), torch.autocast("cpu", dtype=autocast) if autocast else contextlib.nullcontext():
+        flat = list(zip(*(flat_logprobs(flat_model, seq) for seq in sequences)))
+        tree = hf_tree_attn.sequence_logprobs(tree_model, sequences, return_entropy=True)
+    assert len(calls) == tree_model.config.num_hidden_layers, "the sink layers must take FlexAttention"
+    u = _unit_roundoff(precision)
+    for k, what in enumerate(("log-probs", "entropies")):
+        values = [[v.float() for v in vs] for vs in (flat[k], tree[k])]
+        scale = max(float(r.abs().max()) for r in ref[k] if len(r))
+        flat_error, tree_error = _max_error(values[0], ref[k]), _max_error(values[1], ref[k])
+        assert tree_error <= 2 * flat_error + u * scale, (what, tree_error, flat_error)
 
 
 def test_autocast_casts_the_kernels_inputs_once():
