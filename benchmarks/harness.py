@@ -14,8 +14,8 @@ ratios and agreement checks that can fail.
   index (both sides trained the same data in the same order), at least `MIN_MEASURED_STEPS`, with min / median /
   max — never a ratio of two medians.
 - `compile_report(trainer)`: what ran compiled in a side's process — decoder layers compiled by the tree trainer
-  (`hf_tree_attn.compile`) or by accelerate (regional compilation wraps them in `OptimizedModule`), dynamo's graphs
-  and frames, and the seconds its compile phases took (those of 0.05 s or more) (the first step's compile cost, by phase).
+  (`hf_tree_attn.compile`) or by accelerate (regional compilation wraps them in `OptimizedModule`), dynamo's graphs,
+  frames and graph breaks, and the seconds its compile phases took (the first step's compile cost, by phase).
 - `agreement(candidate, baseline, exact)` (`sides_agreement` for two sides' result dicts): whether one side's
   per-token values are as close to a float32 run's on the same tokens as the other's (at most twice its error plus
   one bf16 rounding); a row that fails is recorded as failed.
@@ -207,8 +207,9 @@ def run_side(script: Path, side: str, argv: list[str], env: dict[str, str] | Non
 
 def compile_report(trainer) -> dict:
     """What ran compiled in this process (see the module docstring): `tree_layers` / `accelerate_layers` as
-    "compiled / decoder layers", `unique_graphs`, `frames` (dynamo's counters) and `seconds` (dynamo's timed compile
-    phases of 0.05 s or more summed over the process, e.g. `_compile.compile_inner`, `compile_fx.<locals>.fw_compiler_base`)."""
+    "compiled / decoder layers", `unique_graphs`, `frames`, `graph_breaks` (dynamo's counters; reasons cut to 200
+    characters) and `seconds` (dynamo's timed compile phases of 0.05 s or more, summed over the process, e.g.
+    `_compile.compile_inner`, `compile_fx.<locals>.fw_compiler_base`)."""
     from torch._dynamo.eval_frame import OptimizedModule
     from torch._dynamo.utils import compile_times, counters
 
@@ -224,6 +225,7 @@ def compile_report(trainer) -> dict:
         "accelerate_layers": f"{len(by_accelerate)} / {len(layers)}",
         "unique_graphs": counters["stats"]["unique_graphs"],
         "frames": dict(counters["frames"]),
+        "graph_breaks": {reason[:200]: n for reason, n in counters["graph_break"].items()},
         "seconds": {name: round(float(value), 3) for name, value in zip(names, values) if float(value) >= 0.05},
     }
 
