@@ -3,7 +3,7 @@
 # TRL's own through trainer.train(), each side in its own process, paired per step (benchmarks/harness.py).
 #
 #   PHASES="async-1.7b-grpo tests" bash benchmarks/gpu_compile.sh      (repository root, .whl/async carried)
-#   PHASES=beyond-grpo bash benchmarks/gpu_compile.sh, then PHASES=beyond-grpo-more (one call each: ~7 + ~4 min)
+#   PHASES=beyond-grpo bash benchmarks/gpu_compile.sh, then PHASES=beyond-grpo-more (one call each: ~5 + ~6 min)
 #
 # Phases write into $KEEP (/tmp, which a warm machine keeps between calls made back to back), so a benchmark split
 # over several calls resumes its file (--resume pairs the sides measured earlier with the new ones); everything in
@@ -88,10 +88,10 @@ for phase in ${PHASES:-tests}; do
     sync-1.7b)
       step 300 "$phase" "${SYNC[@]}" --models qwen3-1.7b --workloads grpo_mixed --sides reference trl tree \
         --out "$KEEP/sync_grpo_h200_qwen3-1.7b_paired.json" ;;
-    beyond-grpo)  # TreeSFTTrainer / TreeDPOTrainer vs TRL's trainers, sides reference trl tree (~7 min)
-      step 450 "$phase" "${BEYOND[@]}" --workloads sft_system_prompt sft_agent_turns dpo_long_prompt ;;
-    beyond-grpo-more)  # resumes beyond-grpo's file: TreeRewardTrainer and TreeRLOOTrainer vs TRL's (~4 min)
-      step 330 "$phase" "${BEYOND[@]}" --workloads reward_pairs rloo_groups ;;
+    beyond-grpo)  # TreeSFTTrainer / TreeDPOTrainer vs TRL's trainers, sides reference trl tree (~5 min)
+      step 400 "$phase" "${BEYOND[@]}" --workloads sft_system_prompt dpo_long_prompt ;;
+    beyond-grpo-more)  # resumes beyond-grpo's file: per-turn SFT, TreeRewardTrainer, TreeRLOOTrainer (~6 min)
+      step 450 "$phase" "${BEYOND[@]}" --workloads sft_agent_turns reward_pairs rloo_groups ;;
     *) echo "unknown phase $phase" | tee -a "$LOG" ;;
   esac
 done
