@@ -1,85 +1,95 @@
-"""Tree vs TRL through `trainer.train()`: SFT on shared system prompts and agent turns, DPO on long prompts, GRPO
-with a sequence-classification reward model. One GPU, random-weight bf16 Qwen3 shapes, no download.
+"""The tree trainers beyond GRPO against TRL's through `trainer.train()`: SFT, DPO, reward models, RLOO; each side in
+its own process, paired per step, agreement checked against a float32 run.
 
-Each workload trains TRL's trainer and the tree trainer on the same data, same seed, same model weights (random,
-bf16, built from a config on the GPU), TRL's defaults otherwise (gradient checkpointing on, AdamW), and times the
-optimizer steps after `--warmup` (a callback synchronises the GPU at each step's start and end). Reported per
-workload: median step time of each, `speedup` = TRL / tree, the token ceiling (tokens TRL's forward computes /
-forest rows, from the trainer's own `tree_compute_ratio` log) and the share of it reached, peak GPU memory of each
-run (`torch.cuda.max_memory_allocated` over `train()`), and the logged losses of both (they must agree up to bf16
-rounding: the same math in another order and other kernels).
+Rows (workloads; lengths in tokens: the tokenizer is character-level, so a character is a token; `--scale` shrinks
+every length for a CPU smoke run):
 
-Workloads (lengths in tokens: the tokenizer is character-level, so a character is a token):
-  sft_system_prompt   8 samples per batch, each a 4k-token system prompt (tool schemas) + a 0.5-2k-token
-                      conversation, trained on every token (language modeling through TRL's chat template).
-  sft_agent_turns     per-turn samples of agent trajectories (a 2k-token system prompt, then user / tool turns and
-                      assistant turns of 150-500 tokens; one sample per assistant turn holding the history before
-                      it, 8 turns), prompt-completion, completion-only loss, TRL's sequential sampler (a batch is
-                      one trajectory's 8 turns).
-  dpo_long_prompt     8 pairs per batch, 2-4k-token prompts, 100-400-token chosen / rejected; a separate reference
-                      model (a copy of the policy); the policy and the reference forward both run on trees.
-  grpo_reward_model   a Qwen3-0.6B-shaped policy (float32 weights under bf16 autocast; its vocabulary is the
-                      tokenizer's, 4,096 ids with `--policy-vocab`, so that every sampled id decodes) generating 64
-                      tokens for 2 prompts x G=16 per step, 2k-token prompts, scored by a Qwen3-1.7B-shaped
-                      sequence-classification reward model; `reward_time_s` is the time of TRL's `_calculate_rewards`
-                      (the reward model's forward) per step, the ratio isolates the reward model. On the H200 (torch
-                      2.11) run it with `--no-cudnn-sdpa`: PyTorch's cuDNN attention backward returned NaN in TRL's
-                      flat policy update at its first step (`--detect-anomaly` names
-                      `ScaledDotProductCudnnAttentionBackward0`); without cuDNN, SDPA takes its other kernels on both
-                      sides.
+- `sft_system_prompt` (`TreeSFTTrainer` vs `trl.SFTTrainer`): `--batch` 8 samples per batch, each a 4,096-token system
+  prompt + a 512-2,048-token conversation, every token trained (language modeling through a chat template);
+- `sft_agent_turns` (the same trainers): per-turn samples of agent trajectories (a 2,048-token system prompt, a
+  300-token user turn, then assistant and tool turns of 150-500 tokens; one sample per assistant turn holding the
+  history before it), prompt-completion, completion-only loss, TRL's sequential sampler: a batch is one
+  trajectory's 8 turns;
+- `dpo_long_prompt` (`TreeDPOTrainer` vs `trl.DPOTrainer`): 8 pairs per batch, 2,048-4,096-token prompts,
+  100-400-token chosen / rejected, a separate reference model (a copy of the policy);
+- `reward_pairs` (`TreeRewardTrainer` vs `trl.RewardTrainer`): 8 pairs per batch as in `dpo_long_prompt` (other
+  texts), chosen and rejected sharing their prompt, scored by a sequence classifier of the model's shape (one label);
+- `rloo_groups` (`TreeRLOOTrainer` vs `trl.RLOOTrainer`): one prompt of U[1,000, 4,000] tokens and G=16 completions
+  of U[64, 512] tokens per optimizer step, TRL's reference model and KL penalty (`beta=0.05`). Generation is a fixed
+  rollout: both trainers' `_generate_single_turn` return the same random completions, seeded by the prompt's tokens
+  and the completion's index in its group, so both train the same rows (generation itself costs nothing here).
 
-    python benchmarks/bench_trees_beyond_grpo.py --out benchmarks/results/trees_beyond_grpo_h200.json
+Models: random weights from configs shaped like Qwen3-1.7B (or 0.6B / 8B; `tiny` for a CPU run), built in each
+process with the same seed (no download); the DPO and RLOO reference models the same weights. Sides (`--sides`):
+
+- `reference`: TRL's trainer in float32 (weights and compute, no autocast), one optimizer step: the exact per-token
+  values the agreement measures the other sides' errors against;
+- `trl`: TRL's trainer at its defaults (gradient checkpointing, AdamW, bf16 autocast on CUDA, SDPA), bf16 weights;
+- `tree`: the tree trainer at its defaults (the same, on trees; on CUDA its decoder layers compiled).
+
+Every side trains `--warmup` + `--steps` optimizer steps at `learning_rate=1e-6`, `seed=0`, on the same data in the
+same order (`max_length=None`: nothing truncated). Per side: the wall time of every optimizer step
+(CUDA-synchronized; the first from `train()`'s start, so it holds set-up and compilation), peak memory after the
+warm-up, the token ceiling (tokens TRL's forward computes, rows x padded width, over the batch's distinct prefix-tree
+tokens) and `mfu`: model FLOPs per step second over 989 TFLOP/s, one formula for both sides — 3x the forward FLOPs
+of the step's trained sequences as one prefix forest (`estimate_flops`' `tree_flops`; forward + backward, recompute
+not counted) plus 1x for the reference model's forward (DPO, RLOO). Per row, `paired["tree vs trl"]`: for each
+measured step, TRL's seconds over the tree's on the same step index (`harness.paired`: min / median / max, at least 8
+steps), and `agreement["tree vs trl"]` (`harness.sides_agreement`): the first micro-batch's per-token
+log-probabilities of the trained tokens (the reward row: the chosen and rejected rows' scores), the tree's error to
+the `reference` side's at most twice TRL's plus one bf16 rounding, on the same targets; it also needs the same
+batches on every step (a digest of each step's rows) and `tree_fallback == 0` on every tree forward. A row that
+fails it is recorded `failed`, its ratio is not a speed-up. `--perturb-tree EPS` adds noise of relative size EPS
+to the tree side's weights: its agreement must then fail (the check's own check).
+
+    python benchmarks/bench_trees_beyond_grpo.py --models qwen3-1.7b --warmup 2 --steps 8 \\
+        --out benchmarks/results/trees_beyond_grpo_h200_paired.json                     # H200: every row
+    python benchmarks/bench_trees_beyond_grpo.py --models tiny --scale 0.02 --warmup 1 --steps 8 \\
+        --out /tmp/trees_beyond_grpo_cpu.json                                           # CPU smoke run
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import gc
-import json
 import random
 import statistics
 import string
-import time
-import traceback
+import sys
+import tempfile
+import warnings
+import zlib
+from pathlib import Path
 
 import torch
-from datasets import Dataset
-from harness import provenance
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import (
-    AutoModelForCausalLM,
-    AutoModelForSequenceClassification,
-    PreTrainedTokenizerFast,
-    Qwen3Config,
-    TrainerCallback,
-)
 
-import hf_tree_attn  # noqa: F401  (registers tree_flex)
+REPO = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(REPO), str(REPO / "benchmarks"), str(REPO / "tests")]
+from bench_tree_vs_flat import MODELS, PEAK_FLOPS  # noqa: E402
+from harness import StepClock, paired, provenance, resume, run_rows, sides_agreement, write_side  # noqa: E402
 
-SHAPES = {
-    "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-                       num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
-    "qwen3-1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
-                       num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
-    # For a CPU smoke run of this script (`--device cpu --model tiny --scale 0.05`), not for results.
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=16, vocab_size=512, tie_word_embeddings=True),
-}  # fmt: skip
-DEVICE = torch.device("cuda")
-SCALE = 1.0
+from hf_tree_attn.metrics import estimate_flops  # noqa: E402
+
+QWEN3 = [name for name in MODELS if name.startswith("qwen3-")]
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, vocab_size=512, tie_word_embeddings=True)  # fmt: skip
 CHARS = string.ascii_lowercase + string.digits + " .,:;=>?!-'(){}\n"
 TEMPLATE = (
     "{% for m in messages %}{{ m['role'][0] + ': ' + m['content'] }}{% if m['role'] == 'assistant' %}"
     "{{ eos_token }}{% endif %}{{ '\n' }}{% endfor %}{% if add_generation_prompt %}{{ 'a: ' }}{% endif %}"
 )
+WORKLOADS = ("sft_system_prompt", "sft_agent_turns", "dpo_long_prompt", "reward_pairs", "rloo_groups")
+SIDES = ("reference", "trl", "tree")
+PAIRS = [("tree", "trl")]
+RLOO_G = 16
 
 
-def tokenizer(size: int = 0) -> PreTrainedTokenizerFast:
-    """Character-level: `<pad>`, `<eos>`, `<unk>` and CHARS; with `size`, filled up to `size` ids with CJK characters
-    (one token each, so that any id a policy samples decodes and encodes back to itself)."""
+def tokenizer():
+    """Character-level: `<pad>`, `<eos>`, `<unk>` and CHARS, a chat template (TRL's SFT and DPO want one)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
     vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{c: i + 3 for i, c in enumerate(CHARS)}}
-    vocab.update({chr(0x4E00 + i): len(vocab) + i for i in range(max(0, size - len(vocab)))})
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
     tok.decoder = decoders.Fuse()
@@ -88,318 +98,424 @@ def tokenizer(size: int = 0) -> PreTrainedTokenizerFast:
     return fast
 
 
-def text(rng: random.Random, n: int) -> str:
-    """About `n` characters (tokens) of random words; `--scale` shrinks every length for smoke runs."""
-    n = max(8, int(n * SCALE))
+def text(rng: random.Random, n: int, scale: float) -> str:
+    """About `n` x `scale` characters (tokens) of random words, at least 8."""
+    n = max(8, int(n * scale))
     words = []
     while sum(map(len, words)) + len(words) < n:
         words.append("".join(rng.choices(string.ascii_lowercase, k=rng.randint(2, 9))))
     return " ".join(words)[:n]
 
 
-def config(shape: str, tok, **overrides) -> Qwen3Config:
-    kwargs = dict(SHAPES[shape], pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None,
+def model_config(name: str, tok, **overrides):
+    from transformers import Qwen3Config
+
+    shape = TINY if name == "tiny" else MODELS[name]
+    kwargs = dict(shape, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None,
                   max_position_embeddings=16384)  # fmt: skip
     return Qwen3Config(**{**kwargs, **overrides})
 
 
-def causal_lm(cfg: Qwen3Config, seed: int = 0, dtype: torch.dtype = torch.bfloat16):
-    torch.manual_seed(seed)
-    with DEVICE:
-        return AutoModelForCausalLM.from_config(copy.deepcopy(cfg), dtype=dtype, attn_implementation="sdpa")
+def build_model(config, dtype: torch.dtype, classifier: bool = False, attn_implementation: str = "sdpa"):
+    """Random weights from `config`, seeded (every side and reference model the same), on the GPU where there is one;
+    on SDPA, which the tree trainers switch to `tree_flex`."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    auto = AutoModelForSequenceClassification if classifier else AutoModelForCausalLM
+    torch.manual_seed(0)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        return auto.from_config(copy.deepcopy(config), dtype=dtype, attn_implementation=attn_implementation)
 
 
-def sync() -> None:
-    if DEVICE.type == "cuda":
-        torch.cuda.synchronize()
+# ---- the rows' data (the SFT and DPO rows: the one-process benchmark's definitions)
 
 
-class StepTimer(TrainerCallback):
-    """Wall time of each optimizer step, the GPU synchronised at its start and end."""
-
-    def __init__(self):
-        self.times = []
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        sync()
-        self._start = time.perf_counter()
-
-    def on_step_end(self, args, state, control, **kwargs):
-        sync()
-        self.times.append(time.perf_counter() - self._start)
+def sft_system_prompt_rows(n: int, scale: float) -> list[dict]:
+    rng = random.Random(0)
+    system, rows = text(rng, 4096 - 4, scale), []
+    for _ in range(n):
+        total, messages = rng.randint(512, 2048), [{"role": "system", "content": system}]
+        while total > 0:
+            k = min(total, rng.randint(100, 400))
+            messages.append({"role": "user" if len(messages) % 2 else "assistant", "content": text(rng, k, scale)})
+            total -= k
+        rows.append({"messages": messages})
+    return rows
 
 
-class NonFiniteGradients(TrainerCallback):
-    """Stops training after the first optimizer step whose gradients hold a NaN or an infinity, and records which
-    parameters (a NaN written into the weights makes the next generation's sampling fail on a device-side assert,
-    which ends the process's CUDA context and every workload after it)."""
+def sft_agent_turns_rows(trajectories: int, turns: int, scale: float) -> list[dict]:
+    rng, rows = random.Random(1), []
+    for _ in range(trajectories):
+        messages = [{"role": "system", "content": text(rng, 2048, scale)},
+                    {"role": "user", "content": text(rng, 300, scale)}]  # fmt: skip
+        for _ in range(turns):
+            answer = {"role": "assistant", "content": text(rng, rng.randint(150, 500), scale)}
+            rows.append({"prompt": list(messages), "completion": [answer]})
+            messages += [answer, {"role": "tool", "content": text(rng, rng.randint(150, 500), scale)}]
+    return rows
 
-    def __init__(self):
-        self.found = None
 
-    def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        grads = {n: p.grad for n, p in kwargs["model"].named_parameters() if p.grad is not None}
-        if self.found is not None or not grads:
+def pair_rows(n: int, scale: float, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    return [{"prompt": text(rng, rng.randint(2048, 4096), scale), "chosen": text(rng, rng.randint(100, 400), scale),
+             "rejected": text(rng, rng.randint(100, 400), scale)} for _ in range(n)]  # fmt: skip
+
+
+def rloo_prompts(n: int, scale: float) -> list[str]:
+    rng = random.Random(3)
+    return [text(rng, rng.randint(1000, 4000), scale) for _ in range(n)]
+
+
+def fixed_completions(scale: float, calls: list):
+    """Stands in for RLOO's `_generate_single_turn`: per prompt row, U[64, 512] x `scale` random character ids seeded
+    by the prompt's tokens and its index among equal prompts (its place in the group); `calls` gets each call's
+    `(prompt_ids, completion_ids)`, one call per optimizer step."""
+    low, high = max(2, round(64 * scale)), max(4, round(512 * scale))
+
+    def generate(prompt_ids, images=None, multimodal_fields=None):
+        completions, seen = [], {}
+        for ids in prompt_ids:
+            key = zlib.crc32(str(list(ids)).encode())
+            k = seen[key] = seen.get(key, -1) + 1
+            rng = random.Random(key * 64 + k)
+            completions.append([rng.randrange(3, 3 + len(CHARS) - 1) for _ in range(rng.randint(low, high))])
+        calls.append(([list(p) for p in prompt_ids], completions))
+        return completions
+
+    return generate
+
+
+def length_reward(completions: list[str], **kwargs) -> list[float]:
+    return [(len(c) % 7) / 7 for c in completions]
+
+
+# ---- what each side records
+
+
+class ForwardLog:
+    """A forward hook (with kwargs) on the trained model: each training forward under grad keeps its `input_ids`,
+    `attention_mask` and `labels` (references: nothing is copied or synchronized inside the timed steps), the first
+    one also its output — TRL's fused head's `log_probs` and `label_mask` (SFT, DPO) or the scores (`logits`, the
+    reward model)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.calls, self.first = [], None
+        self.handle = model.register_forward_hook(self.hook, with_kwargs=True)
+
+    def hook(self, module, args, kwargs, output):
+        if not (module.training and torch.is_grad_enabled()):
             return
-        finite = torch.stack([g.isfinite().all() for g in grads.values()]).tolist()  # one device sync per step
-        bad = [n for n, ok in zip(grads, finite) if not ok]
-        if bad:
-            self.found = {"step": state.global_step + 1, "parameters": len(bad), "first": bad[:8]}
-            control.should_training_stop = True
+        inputs = {k: kwargs.get(k) for k in ("input_ids", "attention_mask", "labels")}
+        if inputs["input_ids"] is None and args:
+            inputs["input_ids"] = args[0]
+        self.calls.append({k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()})
+        if self.first is None:
+            fields = ("log_probs", "label_mask") if getattr(output, "log_probs", None) is not None else ("logits",)
+            self.first = {**self.calls[-1], **{k: getattr(output, k).detach() for k in fields}}
+
+    def first_scores(self) -> dict:
+        """`{"targets", "log_probs"}` of the first forward: the trained tokens' log-probabilities in row order, or
+        each row's score with a digest of its tokens as its target."""
+        first = self.first
+        if "logits" in first:
+            rows = _rows(first["input_ids"], first["attention_mask"])
+            return {"targets": [zlib.crc32(str(r).encode()) for r in rows],
+                    "log_probs": first["logits"].float().flatten().tolist()}  # fmt: skip
+        mask = first["label_mask"].bool()
+        targets = first["labels"][:, -mask.shape[1] :][mask]
+        return {"targets": targets.tolist(), "log_probs": first["log_probs"][mask].float().tolist()}
+
+    def steps(self) -> list[dict]:
+        """Per training forward: its unpadded rows, each row's first trained position, TRL's padded tokens."""
+        out = []
+        for call in self.calls:
+            rows = _rows(call["input_ids"], call["attention_mask"])
+            labels = call["labels"]
+            if labels is None:  # the reward model: one score per row, read at its last token
+                first = [len(r) - 1 for r in rows]
+            else:
+                trained = (labels != -100).cpu()
+                first = [int(t.nonzero()[0]) if t.any() else len(r) for t, r in zip(trained, rows)]
+            out.append({"rows": rows, "prompt_lengths": first, "padded": call["input_ids"].numel()})
+        return out
 
 
-def common_args(steps: int) -> dict:
-    return dict(
-        output_dir="/tmp/bench_trees_beyond_grpo", bf16=DEVICE.type == "cuda", use_cpu=DEVICE.type == "cpu",
-        max_steps=steps, logging_steps=1, report_to="none",
-        save_strategy="no", seed=0, learning_rate=1e-6, disable_tqdm=True,
-    )  # fmt: skip
+def _rows(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[list[int]]:
+    ids = input_ids.cpu()
+    if attention_mask is None:
+        return ids.tolist()
+    return [row[m.bool()].tolist() for row, m in zip(ids, attention_mask.cpu())]
 
 
-def train(make_trainer, warmup: int, extra_timer=None) -> dict:
-    """Build the trainer, train, and return its timings, peak memory and logs."""
-    gc.collect()
-    cuda = DEVICE.type == "cuda"
-    if cuda:
-        torch.cuda.empty_cache()
-    trainer = make_trainer()
-    timer, guard = StepTimer(), NonFiniteGradients()
-    trainer.add_callback(timer)
-    trainer.add_callback(guard)
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    trainer.train()
-    logs = [e for e in trainer.state.log_history if "loss" in e]
-    if guard.found is not None:
-        raise FloatingPointError(f"non-finite gradients, training stopped: {guard.found}")
-    timed = timer.times[warmup:]
-    out = {
-        "step_time_s": statistics.median(timed),
-        "step_times_s": timer.times,
-        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan"),
-        "losses": [e["loss"] for e in logs],
-    }
-    for key in ("tree_compute_ratio", "tree_token_ratio", "tree_fallback", "reward_tree_compute_ratio"):
-        values = [e[key] for e in logs if key in e]
-        if values:
-            out[key] = statistics.mean(values)
-    if extra_timer is not None:
-        out["reward_time_s"] = statistics.median(extra_timer[warmup:]) if len(extra_timer) > warmup else None
-        extra_timer.clear()
-    del trainer
+def rloo_steps(calls: list) -> list[dict]:
+    """`ForwardLog.steps` of the fixed rollouts: prompt + completion rows, TRL's padded layout (prompts padded to the
+    longest on the left, completions to the longest on the right)."""
+    out = []
+    for prompt_ids, completion_ids in calls:
+        rows = [p + c for p, c in zip(prompt_ids, completion_ids)]
+        width = max(map(len, prompt_ids)) + max(map(len, completion_ids))
+        out.append({"rows": rows, "prompt_lengths": [len(p) for p in prompt_ids], "padded": len(rows) * width})
     return out
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Workloads: each returns (make_flat, make_tree, description)
+def step_measures(config, step: dict, passes: float) -> dict:
+    """A step's model FLOPs (`passes` x the forward FLOPs of its rows as one prefix forest), its token ceiling
+    (TRL's padded tokens over the forest's) and a digest of its rows (the same batch on every side)."""
+    estimate = estimate_flops(config, step["rows"], prompt_lengths=step["prompt_lengths"])
+    tree_tokens = estimate["token_ratio"] * sum(map(len, step["rows"]))
+    return {"flops": passes * estimate["tree_flops"], "ceiling": step["padded"] / tree_tokens,
+            "digest": zlib.crc32(str(sorted(step["rows"])).encode())}  # fmt: skip
 
 
-def sft_system_prompt(args, tok):
-    from trl import SFTConfig, SFTTrainer
-
-    from hf_tree_attn.trainer import TreeSFTConfig, TreeSFTTrainer
-
-    rng = random.Random(0)
-    system = text(rng, 4096 - 4)
-    rows = []
-    for _ in range(args.batch * args.steps):
-        total, messages = rng.randint(512, 2048), [{"role": "system", "content": system}]
-        while total > 0:
-            n = min(total, rng.randint(100, 400))
-            messages.append({"role": "user" if len(messages) % 2 else "assistant", "content": text(rng, n)})
-            total -= n
-        rows.append({"messages": messages})
-    dataset = Dataset.from_list(rows)
-    cfg = config(args.model, tok)
-    kwargs = dict(common_args(args.steps), per_device_train_batch_size=args.batch, max_length=None)
-    return (
-        lambda: SFTTrainer(causal_lm(cfg), SFTConfig(**kwargs), train_dataset=dataset, processing_class=tok),
-        lambda: TreeSFTTrainer(causal_lm(cfg), TreeSFTConfig(**kwargs), train_dataset=dataset, processing_class=tok),
-        f"{args.batch} samples per batch: 4096-token system prompt + 512-2048-token conversation, every token trained",
-    )
+def perturb(model: torch.nn.Module, eps: float) -> None:
+    """Adds `eps` x each weight's RMS of seeded Gaussian noise to `model`'s weights (`--perturb-tree`)."""
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            noise = torch.randn(p.shape, generator=generator).to(p.device, p.dtype)
+            p.add_(eps * p.float().pow(2).mean().sqrt().to(p.dtype) * noise)
 
 
-def sft_agent_turns(args, tok):
-    from trl import SFTConfig, SFTTrainer
+# ---- one side of one row
 
-    from hf_tree_attn.trainer import TreeSFTConfig, TreeSFTTrainer
 
-    rng = random.Random(1)
-    rows = []
-    for _ in range(args.steps):
-        messages = [{"role": "system", "content": text(rng, 2048)}, {"role": "user", "content": text(rng, 300)}]
-        for _ in range(args.batch):
-            answer = {"role": "assistant", "content": text(rng, rng.randint(150, 500))}
-            rows.append({"prompt": list(messages), "completion": [answer]})
-            messages += [answer, {"role": "tool", "content": text(rng, rng.randint(150, 500))}]
-    dataset = Dataset.from_list(rows)
-    cfg = config(args.model, tok)
-    kwargs = dict(
-        common_args(args.steps), per_device_train_batch_size=args.batch, max_length=None,
-        train_sampling_strategy="sequential",
+def build_trainer(workload: str, side: str, args, tok, callbacks: list, rollout_calls: list):
+    """The trainer of `side` for `workload`, and its model's config and reference passes (for the FLOPs)."""
+    import trl
+    from datasets import Dataset
+
+    import hf_tree_attn.trainer as tree_trainers
+
+    tree, reference = side == "tree", side == "reference"
+    cuda = torch.cuda.is_available()
+    dtype = torch.float32 if reference else torch.bfloat16
+    total = args.warmup + args.steps  # the data of every side (the sampler's order depends on its size)
+    kind = {"sft_system_prompt": "SFT", "sft_agent_turns": "SFT", "dpo_long_prompt": "DPO",
+            "reward_pairs": "Reward", "rloo_groups": "RLOO"}[workload]  # fmt: skip
+    trainer_class = getattr(tree_trainers, f"Tree{kind}Trainer") if tree else getattr(trl, f"{kind}Trainer")
+    config_class = getattr(tree_trainers, f"Tree{kind}Config") if tree else getattr(trl, f"{kind}Config")
+    options = dict(
+        output_dir=tempfile.mkdtemp(prefix="bench_trees_beyond_grpo_"), bf16=cuda and not reference,
+        use_cpu=not cuda, max_steps=1 if reference else total, logging_steps=1, report_to="none",
+        save_strategy="no", seed=0, learning_rate=1e-6, disable_tqdm=True,
     )  # fmt: skip
-    return (
-        lambda: SFTTrainer(causal_lm(cfg), SFTConfig(**kwargs), train_dataset=dataset, processing_class=tok),
-        lambda: TreeSFTTrainer(causal_lm(cfg), TreeSFTConfig(**kwargs), train_dataset=dataset, processing_class=tok),
-        f"per-turn samples of one {args.batch}-turn trajectory per batch (2048-token system prompt, 150-500-token "
-        "turns), completion-only loss, sequential sampler",
-    )
+    config = model_config(args.models[0], tok)
+    batch, scale = args.batch, args.scale
+    if kind == "RLOO":
+        config_ = config
+        from trl.trainer import rloo_trainer
 
-
-def dpo_long_prompt(args, tok):
-    from trl import DPOConfig, DPOTrainer
-
-    from hf_tree_attn.trainer import TreeDPOConfig, TreeDPOTrainer
-
-    rng = random.Random(2)
-    rows = [
-        {"prompt": text(rng, rng.randint(2048, 4096)), "chosen": text(rng, rng.randint(100, 400)),
-         "rejected": text(rng, rng.randint(100, 400))}
-        for _ in range(args.batch * args.steps)
-    ]  # fmt: skip
-    dataset = Dataset.from_list(rows)
-    cfg = config(args.model, tok)
-    kwargs = dict(common_args(args.steps), per_device_train_batch_size=args.batch, max_length=None)
-
-    def make(trainer_cls, config_cls):
-        policy = causal_lm(cfg)
-        ref = causal_lm(cfg)
-        ref.load_state_dict(policy.state_dict())
-        return trainer_cls(policy, ref, config_cls(**kwargs), train_dataset=dataset, processing_class=tok)
-
-    return (
-        lambda: make(DPOTrainer, DPOConfig),
-        lambda: make(TreeDPOTrainer, TreeDPOConfig),
-        f"{args.batch} pairs per batch, 2048-4096-token prompts, 100-400-token chosen / rejected, separate reference",
-    )
-
-
-def grpo_reward_model(args, tok, timer: list):
-    from trl import GRPOConfig, GRPOTrainer
-
-    from hf_tree_attn.trainer import TreeGRPOConfig, TreeGRPOTrainer
-
-    rng = random.Random(3)
-    dataset = Dataset.from_dict({"prompt": [text(rng, 2048) for _ in range(2 * args.steps)]})
-    small = args.model == "tiny"
-    # The policy's vocabulary is the tokenizer's, args.policy_vocab ids: every id it samples decodes and encodes back.
-    tok = tokenizer(args.policy_vocab)
-    policy_cfg = config("tiny" if small else "qwen3-0.6b", tok, vocab_size=len(tok), tie_word_embeddings=False)
-    reward_shape = "tiny" if small else "qwen3-1.7b"
-    reward_cfg = config(reward_shape, tok, num_labels=1, vocab_size=max(SHAPES[reward_shape]["vocab_size"], len(tok)))
-    kwargs = dict(
-        common_args(args.steps), per_device_train_batch_size=32, num_generations=16, max_completion_length=64,
-        temperature=1.0,
-    )  # fmt: skip
-    gen_tok = copy.deepcopy(tok)  # the policy's: prompts padded on the left for generation
-    gen_tok.padding_side = "left"
-
-    def make(trainer_cls, config_cls):
-        torch.manual_seed(1)
-        with DEVICE:
-            reward = AutoModelForSequenceClassification.from_config(
-                copy.deepcopy(reward_cfg), dtype=torch.bfloat16, attn_implementation="sdpa"
-            ).eval()
-        trainer = trainer_cls(
-            causal_lm(policy_cfg, dtype=torch.float32), reward, config_cls(**kwargs), train_dataset=dataset,
-            processing_class=gen_tok, reward_processing_classes=tok,
+        # TRL builds the reference model from the policy's path, in its dtype and attention (`tree_flex` on the tree
+        # side): the same seeded random weights here.
+        rloo_trainer.create_model_from_path = lambda path, **kw: build_model(
+            config_, kw.get("dtype", dtype), attn_implementation=kw.get("attn_implementation", "sdpa")
+        )
+        options.update(per_device_train_batch_size=RLOO_G, num_generations=RLOO_G,
+                       max_completion_length=max(4, round(512 * scale)))  # fmt: skip
+        dataset = Dataset.from_dict({"prompt": rloo_prompts(total, scale)})
+        trainer = trainer_class(
+            build_model(config, dtype), reward_funcs=length_reward, args=config_class(**options),
+            train_dataset=dataset, processing_class=tok, callbacks=callbacks,
         )  # fmt: skip
-        calculate = trainer._calculate_rewards
+        trainer._generate_single_turn = fixed_completions(scale, rollout_calls)
+        return trainer, config, 1.0 if trainer.beta else 0.0
+    options.update(per_device_train_batch_size=batch, max_length=None)
+    if workload == "sft_system_prompt":
+        dataset = sft_system_prompt_rows(batch * total, scale)
+    elif workload == "sft_agent_turns":
+        dataset = sft_agent_turns_rows(total, batch, scale)
+        options["train_sampling_strategy"] = "sequential"
+    else:
+        dataset = pair_rows(batch * total, scale, seed=2 if kind == "DPO" else 4)
+    dataset = Dataset.from_list(dataset)
+    if kind == "Reward":
+        config = model_config(args.models[0], tok, num_labels=1)
+        model = build_model(config, dtype, classifier=True)
+        trainer = trainer_class(model, args=config_class(**options), train_dataset=dataset, processing_class=tok,
+                                callbacks=callbacks)  # fmt: skip
+        return trainer, config, 0.0
+    policy = build_model(config, dtype)
+    extra = {"ref_model": build_model(config, dtype)} if kind == "DPO" else {}
+    trainer = trainer_class(policy, args=config_class(**options), train_dataset=dataset, processing_class=tok,
+                            callbacks=callbacks, **extra)  # fmt: skip
+    return trainer, config, 1.0 if kind == "DPO" else 0.0
 
-        def timed(*a):
-            sync()
-            start = time.perf_counter()
-            out = calculate(*a)
-            sync()
-            timer.append(time.perf_counter() - start)
-            return out
 
-        trainer._calculate_rewards = timed
-        return trainer
+def side_main(args) -> dict:
+    """One side (`args.side`) of one row (`args.models[0]`, `args.workloads[0]`), in this process."""
+    from bench_sync_grpo import FirstScores as GroupScores
 
-    return (
-        lambda: make(GRPOTrainer, GRPOConfig),
-        lambda: make(TreeGRPOTrainer, TreeGRPOConfig),
-        "2 prompts x G=16 per step, 2048-token prompts, 64-token completions; Qwen3-0.6B-shaped policy (float32 "
-        "weights, bf16 autocast), Qwen3-1.7B-shaped bf16 reward model",
-    )
-
-
-# The GRPO row last: it generates, and a device-side assert there (a NaN policy's sampling) ends the CUDA context.
-WORKLOADS = ("sft_system_prompt", "dpo_long_prompt", "sft_agent_turns", "grpo_reward_model")
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
-    parser.add_argument("--model", default="qwen3-1.7b", choices=list(SHAPES), help="policy shape (SFT, DPO)")
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--device", default="cuda", help="cpu only for a smoke run of this script")
-    parser.add_argument("--scale", type=float, default=1.0, help="multiplies every length (smoke runs)")
-    parser.add_argument("--policy-vocab", type=int, default=4096, help="the GRPO policy's vocabulary size")
-    parser.add_argument("--no-cudnn-sdpa", action="store_true", help="SDPA without its cuDNN backend, both sides")
-    parser.add_argument("--detect-anomaly", action="store_true", help="autograd anomaly detection (diagnosis)")
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    global DEVICE, SCALE
-    DEVICE, SCALE = torch.device(args.device), args.scale
-
-    results = {
-        **provenance(),
-        "notes": "random-weight bf16 Qwen3 shapes; TRL defaults (gradient checkpointing on, AdamW); the tree "
-        "trainers switch the model to tree_flex, TRL's keeps sdpa; step times are medians after the warmup steps",
-        "runs": [],
-    }
-    tok = tokenizer()
-    torch.autograd.set_detect_anomaly(args.detect_anomaly)
+    workload, side = args.workloads[0], args.side
     if args.no_cudnn_sdpa:
         torch.backends.cuda.enable_cudnn_sdp(False)
-    for name in args.workloads:
-        reward_timer = []
-        make_flat, make_tree, description = (
-            grpo_reward_model(args, tok, reward_timer) if name == "grpo_reward_model" else globals()[name](args, tok)
-        )
-        start = time.perf_counter()
-        try:
-            flat = train(make_flat, args.warmup, reward_timer if name == "grpo_reward_model" else None)
-            tree = train(make_tree, args.warmup, reward_timer if name == "grpo_reward_model" else None)
-        except Exception as error:  # recorded with the workload; a CUDA error leaves no usable context: stop there
-            results["runs"].append({"workload": name, "description": description, "model": args.model,
-                                    "error": f"{type(error).__name__}: {error}"[:2000]})  # fmt: skip
-            with open(args.out, "w") as f:
-                json.dump(results, f, indent=2)
-            print(f"{name:<18} failed: {type(error).__name__}: {str(error)[:300]}", flush=True)
-            traceback.print_exc()
-            if isinstance(error, torch.AcceleratorError):
-                break
+    tok = tokenizer()
+    clock, rollout_calls = StepClock(args.warmup), []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer, config, reference_passes = build_trainer(workload, side, args, tok, [clock], rollout_calls)
+        if side == "tree" and args.perturb_tree:
+            perturb(trainer.model, args.perturb_tree)
+        group = workload == "rloo_groups"
+        log = GroupScores() if group else ForwardLog(trainer.model)
+        if group:
+            log.install(trainer)
+        trainer.train()
+    scores = {"targets": log.targets, "log_probs": log.log_probs} if group else log.first_scores()
+    if side == "reference":
+        return {"first_scores": scores, "dtype": "float32"}
+    timing = clock.summary()
+    times = timing["measured_step_s"]
+    steps = rloo_steps(rollout_calls) if group else log.steps()
+    measures = [step_measures(config, step, 3 + reference_passes) for step in steps[: args.warmup + len(times)]]
+    measured = measures[args.warmup :]
+    logs = [e for e in trainer.state.log_history if "loss" in e]
+    fallbacks = [e.get("tree_fallback") for e in logs] if side == "tree" else None
+    decision = getattr(trainer, "tree_compile", None)
+    from hf_tree_attn.compile import compiled_layers, decoder_layers
+
+    return {
+        **timing,
+        "spec": SPECS[workload](args),
+        "batch_digests": [m["digest"] for m in measures],
+        "token_ceiling_per_step": [m["ceiling"] for m in measured],
+        "token_ceiling": statistics.mean(m["ceiling"] for m in measured),
+        "mfu_per_step": [m["flops"] / t / PEAK_FLOPS for m, t in zip(measured, times)],
+        "mfu": statistics.mean(m["flops"] / t / PEAK_FLOPS for m, t in zip(measured, times)),
+        "loss": [e["loss"] for e in logs],
+        "tree_fallback": fallbacks,
+        "tree_compute_ratio": _mean(logs[args.warmup :], "tree_compute_ratio"),
+        "tree_compile": None if decision is None else {"kwargs": decision.kwargs, "source": decision.source},
+        "compiled_layers_after_run": f"{len(compiled_layers(trainer.model))} / {len(decoder_layers(trainer.model))}",
+        "perturb_tree": args.perturb_tree if side == "tree" else None,
+        "first_scores": scores,
+    }
+
+
+def _mean(entries: list[dict], key: str) -> float | None:
+    values = [e[key] for e in entries if e.get(key) is not None]
+    return statistics.mean(values) if values else None
+
+
+SPECS = {
+    "sft_system_prompt": lambda a: (
+        f"{a.batch} samples per batch: 4096-token system prompt + 512-2048-token conversation, every token trained"
+    ),
+    "sft_agent_turns": lambda a: (
+        f"per-turn samples of one {a.batch}-turn trajectory per batch (2048-token system "
+        "prompt, 150-500-token turns), completion-only loss, sequential sampler"
+    ),
+    "dpo_long_prompt": lambda a: (
+        f"{a.batch} pairs per batch, 2048-4096-token prompts, 100-400-token chosen / rejected, separate reference"
+    ),
+    "reward_pairs": lambda a: (
+        f"{a.batch} pairs per batch, 2048-4096-token prompts, 100-400-token chosen / rejected, one score per row"
+    ),
+    "rloo_groups": lambda a: (
+        f"one prompt per step, U[1000,4000] tokens, G={RLOO_G} fixed completions of U[64,512] "
+        "tokens, reference model (beta=0.05)"
+    ),
+}
+
+
+# ---- the parent: rows, pairs
+
+
+def _pair(row: dict) -> None:
+    """`row["paired"]` and `row["agreement"]` for every pair of `PAIRS` whose two sides ran: the per-step ratios, and
+    the agreement (first scores against the float32 reference, the same batches, no tree fallback); a pair that
+    fails it is marked `failed`."""
+    sides = row["sides"]
+    row["spec"] = next((s["spec"] for s in sides.values() if "spec" in s), None)
+    for candidate, baseline in PAIRS:
+        a, b = sides.get(candidate, {}), sides.get(baseline, {})
+        if "median_step_s" not in a or "median_step_s" not in b:
             continue
-        run = {"workload": name, "description": description, "model": args.model, "trl": flat, "tree": tree}
-        run["speedup"] = flat["step_time_s"] / tree["step_time_s"]
-        run["peak_memory_ratio"] = tree["peak_gib"] / flat["peak_gib"]
-        ratio_key = "reward_tree_compute_ratio" if name == "grpo_reward_model" else "tree_compute_ratio"
-        if ratio_key in tree:
-            run["token_ceiling"] = 1 / tree[ratio_key]
-        if name == "grpo_reward_model" and flat.get("reward_time_s") and tree.get("reward_time_s"):
-            run["reward_speedup"] = flat["reward_time_s"] / tree["reward_time_s"]
-            run["share_of_token_ceiling"] = run["reward_speedup"] / run.get("token_ceiling", float("nan"))
-        elif "token_ceiling" in run:
-            run["share_of_token_ceiling"] = run["speedup"] / run["token_ceiling"]
-        run["max_loss_diff"] = max((abs(a - b) for a, b in zip(flat["losses"], tree["losses"])), default=None)
-        run["wall_s"] = time.perf_counter() - start
-        results["runs"].append(run)
-        print(
-            f"{name:<18} trl {flat['step_time_s']:.3f}s  tree {tree['step_time_s']:.3f}s  speedup "
-            f"{run['speedup']:.2f}x  ceiling {run.get('token_ceiling', float('nan')):.2f}x  "
-            f"{100 * run.get('share_of_token_ceiling', float('nan')):.0f}%  peak {flat['peak_gib']:.1f} -> "
-            f"{tree['peak_gib']:.1f} GiB"
-            + (f"  reward {run.get('reward_speedup', float('nan')):.2f}x" if "reward_speedup" in run else "")
-            + f"  max |loss diff| {run['max_loss_diff']}",
-            flush=True,
-        )
-        with open(args.out, "w") as f:  # after every workload: a run cut short keeps what it measured
-            json.dump(results, f, indent=2)
+        key = f"{candidate} vs {baseline}"
+        same = a["batch_digests"] == b["batch_digests"]
+        check = sides_agreement(a, b, sides.get("reference"), "bfloat16")
+        fallbacks = [f for side in (a, b) for f in (side.get("tree_fallback") or []) if f]
+        check.update(same_batches=same, tree_fallback=len(fallbacks), reference=("first_scores" in
+                     sides.get("reference", {})))  # fmt: skip
+        check["passed"] = check["passed"] and same and not fallbacks
+        row["agreement"][key] = check
+        try:
+            row["paired"][key] = {**paired(b["measured_step_s"], a["measured_step_s"]), "failed": not check["passed"]}
+        except ValueError as error:
+            row["paired"][key] = {"error": str(error), "failed": True}
+            continue
+        if a.get("peak_gib") and b.get("peak_gib"):
+            row["paired"][key]["peak_ratio"] = a["peak_gib"] / b["peak_gib"]
+        row["paired"][key]["share_of_token_ceiling"] = row["paired"][key]["median"] / a["token_ceiling"]
+
+
+def _summary(row: dict) -> str:
+    parts = [f"{row['model']:<11} {row['workload']:<18}"]
+    for side, r in row["sides"].items():
+        if "error" in r:
+            parts.append(f"{side}: {r['error'][:90]} {r.get('output_tail', '')[-600:]}")
+        elif "median_step_s" in r:
+            peak = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "-"
+            parts.append(f"{side}: {r['median_step_s']:.3f} s (first {r['first_step_s']:.1f} s)  "
+                         f"mfu {100 * r['mfu']:.1f}%  {peak} GiB  ceiling {r['token_ceiling']:.2f}x")  # fmt: skip
+    for key, pair in row["paired"].items():
+        check = row["agreement"].get(key, {})
+        errors = check.get("max_error", {})
+        detail = f"max |diff| {check.get('max_abs')}"
+        if errors:
+            detail = f"max error tree {errors['candidate']:.3g} trl {errors['baseline']:.3g}"
+        status = "FAILED agreement" if pair.get("failed") else "agrees"
+        if "median" in pair:
+            parts.append(f"{key}: {pair['median']:.2f}x [{pair['min']:.2f}, {pair['max']:.2f}] {status} "
+                         f"({detail}, same batches {check.get('same_batches')}, "
+                         f"fallbacks {check.get('tree_fallback')})")  # fmt: skip
+        else:
+            parts.append(f"{key}: {pair['error']}")
+    return "\n  ".join(parts)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=["qwen3-1.7b"], choices=[*QWEN3, "tiny"])
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    parser.add_argument("--sides", nargs="+", default=list(SIDES), choices=SIDES)
+    parser.add_argument("--batch", type=int, default=8, help="samples (SFT) or pairs (DPO, reward) per batch")
+    parser.add_argument("--steps", type=int, default=8, help="measured optimizer steps (at least 8 for a ratio)")
+    parser.add_argument("--warmup", type=int, default=2, help="optimizer steps before the measured ones")
+    parser.add_argument("--scale", type=float, default=1.0, help="scale every length (CPU smoke runs)")
+    parser.add_argument("--no-cudnn-sdpa", action="store_true", help="SDPA without its cuDNN backend, every side")
+    parser.add_argument(
+        "--perturb-tree",
+        type=float,
+        default=0.0,
+        help="noise of this relative size on the tree side's weights (its agreement must fail)",
+    )
+    parser.add_argument("--out", default="benchmarks/results/trees_beyond_grpo.json")
+    parser.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)  # a child process: this side only
+    parser.add_argument("--side-out", help=argparse.SUPPRESS)
+    parser.add_argument("--resume", action="store_true", help="keep the sides --out already holds; run the others")
+    args = parser.parse_args()
+    if args.warmup < 1 or args.steps < 1:
+        parser.error(f"--warmup {args.warmup} --steps {args.steps}: both need at least 1")
+    if args.side is not None:
+        write_side(args.side_out, side_main(args))
+        return
+    results = {
+        **provenance(),
+        "sides": "reference: TRL's trainer in float32, one step (agreement); trl: TRL's trainer at its defaults, bf16 "
+        "weights; tree: the tree trainer at its defaults",
+        "batch": args.batch,
+        "peak_flops": PEAK_FLOPS,
+        "rows": [],
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if args.resume:
+        resume(out, results, [(m, w) for m in args.models for w in args.workloads])
+    child = [f"--steps={args.steps}", f"--warmup={args.warmup}", f"--scale={args.scale}", f"--batch={args.batch}",
+             f"--perturb-tree={args.perturb_tree}", *(["--no-cudnn-sdpa"] if args.no_cudnn_sdpa else [])]  # fmt: skip
+    rows = [(m, w) for m in args.models for w in args.workloads]
+    run_rows(Path(__file__), out, results, rows, args.sides, {
+        "argv": child, "env": lambda side: {}, "pair": _pair, "summary": _summary, "resume": args.resume})  # fmt: skip
 
 
 if __name__ == "__main__":

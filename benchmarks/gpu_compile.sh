@@ -3,6 +3,7 @@
 # TRL's own through trainer.train(), each side in its own process, paired per step (benchmarks/harness.py).
 #
 #   PHASES="async-1.7b-grpo tests" bash benchmarks/gpu_compile.sh      (repository root, .whl/async carried)
+#   PHASES=beyond-grpo bash benchmarks/gpu_compile.sh, then PHASES=beyond-grpo-more (one call each: ~5 + ~6 min)
 #
 # Phases write into $KEEP (/tmp, which a warm machine keeps between calls made back to back), so a benchmark split
 # over several calls resumes its file (--resume pairs the sides measured earlier with the new ones); everything in
@@ -53,6 +54,8 @@ step() {  # step <seconds> <name> <command...>: run with a limit, log it, print 
 
 ASYNC=(python3 benchmarks/bench_async_grpo.py --warmup 2 --steps 8 --resume)
 SYNC=(python3 benchmarks/bench_sync_grpo.py --warmup 2 --steps 8 --resume)
+BEYOND=(python3 benchmarks/bench_trees_beyond_grpo.py --models qwen3-1.7b --warmup 2 --steps 8 --resume
+        --out "$KEEP/trees_beyond_grpo_h200_paired.json")
 for phase in ${PHASES:-tests}; do
   case $phase in
     tests)  # every GPU test of a trainer on the default fast path, against TRL (log: h200_gpu_tests_compile.log)
@@ -95,6 +98,10 @@ for phase in ${PHASES:-tests}; do
     sync-1.7b)
       step 220 "$phase" "${SYNC[@]}" --models qwen3-1.7b --workloads grpo_mixed --sides reference trl tree \
         --out "$KEEP/sync_grpo_h200_qwen3-1.7b_paired.json" ;;
+    beyond-grpo)  # TreeSFTTrainer / TreeDPOTrainer vs TRL's trainers, sides reference trl tree (~5 min)
+      step 400 "$phase" "${BEYOND[@]}" --workloads sft_system_prompt dpo_long_prompt ;;
+    beyond-grpo-more)  # resumes beyond-grpo's file: per-turn SFT, TreeRewardTrainer, TreeRLOOTrainer (~6 min)
+      step 450 "$phase" "${BEYOND[@]}" --workloads sft_agent_turns reward_pairs rloo_groups ;;
     *) echo "unknown phase $phase" | tee -a "$LOG" ;;
   esac
 done

@@ -6,7 +6,8 @@
 #   bash benchmarks/gpu_trees_beyond_grpo.sh        carry: .whl/trees_beyond_grpo
 #   TESTS=0 WORKLOADS="sft_agent_turns grpo_reward_model" RESULT=trees_beyond_grpo_h200_more \
 #     bash benchmarks/gpu_trees_beyond_grpo.sh      some workloads only, no GPU tests, into $OUT/RESULT.json
-# The benchmark's command, with the defaults and with those settings:
+# These commands ran the one-process version of the benchmark (`git show 290af27:benchmarks/bench_trees_beyond_grpo.py`);
+# the paired version (each side in its own process) runs in gpu_compile.sh's beyond-grpo phases. The commands:
 #   python3 benchmarks/bench_trees_beyond_grpo.py --out $OUT/trees_beyond_grpo_h200.json
 #   python3 benchmarks/bench_trees_beyond_grpo.py --workloads sft_agent_turns grpo_reward_model --out $OUT/trees_beyond_grpo_h200_more.json
 #

@@ -260,6 +260,10 @@ for stage in "$@"; do
       PYTHONPATH=/tmp/site:$PWD timeout 140 python3 benchmarks/bench_async_grpo.py --models qwen3-8b \
         --workloads tau2_like --warmup 2 --steps 2 --out "$OUT/async_grpo_h200_qwen3-8b_tau2.json" 2>&1 \
         | grep -E "^qwen|rror:" ;;
+    # The four trees-beyond-grpo stages ran the one-process version of bench_trees_beyond_grpo.py (both sides in one
+    # process, ratio of medians; `git show 290af27:benchmarks/bench_trees_beyond_grpo.py`, whose grpo_reward_model
+    # workload and --detect-anomaly flag the paired version dropped); its rows now run in gpu_compile.sh's
+    # beyond-grpo and beyond-grpo-more phases.
     trees-beyond-grpo)  # gpu_trees_beyond_grpo.sh (~6 min; carry .whl/trees_beyond_grpo): tests/test_gpu_trees.py,
       # then TreeSFTTrainer / TreeDPOTrainer / reward-model trees vs TRL's trainers through train()
       bash benchmarks/gpu_trees_beyond_grpo.sh
