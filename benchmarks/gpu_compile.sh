@@ -98,8 +98,11 @@ for phase in ${PHASES:-tests}; do
     sync-1.7b)
       step 220 "$phase" "${SYNC[@]}" --models qwen3-1.7b --workloads grpo_mixed --sides reference trl tree \
         --out "$KEEP/sync_grpo_h200_qwen3-1.7b_paired.json" ;;
+    sync-1.7b-tree)  # resumes sync-1.7b's file (its reference and TRL sides): the tree side
+      step 190 "$phase" "${SYNC[@]}" --models qwen3-1.7b --workloads grpo_mixed --sides tree \
+        --out "$KEEP/sync_grpo_h200_qwen3-1.7b_paired.json" ;;
     beyond-grpo)  # TreeSFTTrainer / TreeDPOTrainer vs TRL's trainers, sides reference trl tree (~5 min)
-      step 400 "$phase" "${BEYOND[@]}" --workloads sft_system_prompt dpo_long_prompt ;;
+      step "${BEYOND_LIMIT:-400}" "$phase" "${BEYOND[@]}" --workloads sft_system_prompt dpo_long_prompt ;;
     beyond-grpo-more)  # resumes beyond-grpo's file: per-turn SFT, TreeRewardTrainer, TreeRLOOTrainer (~6 min)
       step 450 "$phase" "${BEYOND[@]}" --workloads sft_agent_turns reward_pairs rloo_groups ;;
     *) echo "unknown phase $phase" | tee -a "$LOG" ;;
