@@ -673,3 +673,19 @@ def test_prefix_reuse_refused_at_init(family, extra, match, tmp_path):
     samples = grpo_samples(1, 2, (3, 5), (1, 3), VOCAB)
     with pytest.raises(ValueError, match=rf"tree_prefix_reuse=True, but .*{match}.*Set tree_prefix_reuse=False"):
         train(True, path, samples, tmp_path, token_budget=REUSE_BUDGET, tree_prefix_reuse=True, **extra)
+
+
+def test_prefix_reuse_outside_the_training_loop_is_an_error(tmp_path):
+    """The step's micro-batches are scored together as transformers' loop fetches them; a training-mode loss call
+    outside that loop is an error naming the way out, never the per-row path in silence."""
+    from hf_tree_attn.trainer.replay import grpo_samples
+
+    path = save_model(tiny_family_config("qwen3"), tmp_path / "model")
+
+    def loss_outside_the_loop(trainer):
+        trainer.model.train()
+        trainer.compute_loss(trainer.model, {})
+
+    with pytest.raises(RuntimeError, match=r"tree_prefix_reuse=True scores .*get_batch_samples.*trainer\.train\(\)"):
+        train(True, path, grpo_samples(1, 2, (3, 5), (1, 3), VOCAB), tmp_path, prepare=loss_outside_the_loop,
+              token_budget=REUSE_BUDGET, tree_prefix_reuse=True)  # fmt: skip

@@ -383,7 +383,13 @@ class TreeAsyncGRPOTrainer(AsyncGRPOTrainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """TRL's loss and metrics, on this rank's forest (`rollout_forest.rank_forest`), or with prefix reuse on the
         step's forest (`_ReuseStep`)."""
-        if self._reuse_step is not None and model.training and torch.is_grad_enabled():
+        if self.args.tree_prefix_reuse and model.training and torch.is_grad_enabled():
+            if self._reuse_step is None:  # never the per-row path in silence
+                raise RuntimeError(
+                    "tree_prefix_reuse=True scores the micro-batches of an optimizer step together, as transformers' "
+                    "training loop fetches them (get_batch_samples), but compute_loss ran outside that loop or past "
+                    "the step's micro-batches. Call trainer.train(), or set tree_prefix_reuse=False."
+                )
             return self._reuse_loss(model, inputs, return_outputs, num_items_in_batch)
         forest = rank_forest(inputs, self.accelerator.device)
         rows = inputs["token_index"][inputs["token_index"] >= 0]
