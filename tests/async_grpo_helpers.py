@@ -83,9 +83,10 @@ class GradientLog(TrainerCallback):
         self.steps.append({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
 
 
-def train(tree: bool, path: str, samples: list, out: Path, kernel=varlen_attention, **overrides):
+def train(tree: bool, path: str, samples: list, out: Path, kernel=varlen_attention, prepare=None, **overrides):
     """Run TRL's AsyncGRPOTrainer (its kernel: `kernel`) or TreeAsyncGRPOTrainer on replayed `samples`:
-    `(trainer, micro-batch losses, GradientLog)`. SGD, so the weights after the run compare as the gradients do."""
+    `(trainer, micro-batch losses, GradientLog)`. SGD, so the weights after the run compare as the gradients do.
+    `prepare(trainer)`, if given, runs after the constructor, before `train()`."""
     from datasets import Dataset
     from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
 
@@ -111,6 +112,8 @@ def train(tree: bool, path: str, samples: list, out: Path, kernel=varlen_attenti
         )  # fmt: skip
         compute_loss = trainer.compute_loss
         trainer.compute_loss = lambda *a, **k: losses.append(compute_loss(*a, **k)) or losses[-1]
+        if prepare is not None:
+            prepare(trainer)
         trainer.train()
     return trainer, [float(loss.detach()) for loss in losses], gradients
 

@@ -7,7 +7,9 @@ prompts are earlier samples' full text, `hf_tree_attn.trainer.replay`), through 
 optimizer: every micro-batch's loss, every optimizer step's gradients, TRL's logged metrics and the weights after
 the run must agree. Where TRL refuses the model (state-carrying layers, attention sinks), each scored log-probability
 is checked against a per-sample `eager` forward instead, and the MoE load-balancing loss against the one of the
-samples' flat forwards.
+samples' flat forwards. With `tree_prefix_reuse=True` (each optimizer step's rows as one chunked forest) the same
+agreement holds with a GRPO group split across rows, the rows forwarded are the step's unique tokens, and what
+prefix reuse cannot run is refused at init.
 """
 
 from __future__ import annotations
@@ -459,3 +461,231 @@ def test_a_sample_with_short_per_token_fields_is_refused(field):
     short = dict(sample, **{field: sample[field][:3]})
     with pytest.raises(ValueError, match=rf"sample 1 of this row \(group 7\).*'{field}': 3"):
         _pack_row([sample, short])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# tree_prefix_reuse=True: one forest per optimizer step
+
+# GRPO groups larger than the token budget (so TRL's planner splits them over rows, each repeating the prompt) and
+# multi-turn conversations; 3 micro-batches per optimizer step.
+REUSE_BUDGET = 64
+
+
+def _reuse_samples(path: str) -> list:
+    from hf_tree_attn.trainer.replay import agent_samples, grpo_samples
+
+    samples = grpo_samples(4, 4, (28, 36), (6, 12), VOCAB, seed=3)
+    samples += agent_samples(2, (2, 3), 6, (1, 4), (1, 5), VOCAB, seed=4)
+    return replayed_samples(path, samples=samples)
+
+
+def _spy_on_rows(monkeypatch) -> list:
+    """Record the samples (`(group_id, tokens)` each) of every micro-batch the tree trainer's collator packs."""
+    from hf_tree_attn.trainer.rollout_forest import TreeDataCollatorForRollout
+
+    rows, torch_call = [], TreeDataCollatorForRollout.torch_call
+
+    def spy(self, examples):
+        ((row,),) = examples  # one process: one row per micro-batch
+        rows.append([(s["group_id"], tuple(np.asarray(s["input_ids"]).tolist())) for s in row.samples])
+        return torch_call(self, examples)
+
+    monkeypatch.setattr(TreeDataCollatorForRollout, "torch_call", spy)
+    return rows
+
+
+def _steps(rows: list, num_steps: int, accumulation: int = 3) -> list:
+    """The micro-batches of each optimizer step, from the collator's record (the dataloader collates one more
+    micro-batch ahead than it hands out)."""
+    assert len(rows) >= num_steps * accumulation
+    return [rows[i * accumulation : (i + 1) * accumulation] for i in range(num_steps)]
+
+
+def _unique_tokens(sequences) -> int:
+    """Tokens of `sequences` counted once per distinct prefix: the rows of their plain trie."""
+    return len({seq[: i + 1] for seq in sequences for i in range(len(seq))})
+
+
+REUSE_CASES = {
+    "qwen3": (tiny_family_config("qwen3"), {}),
+    "gemma2": (tiny_family_config("gemma2", sliding_window=4), {}),  # sliding windows and softcaps across chunks
+    "granite": (tiny_family_config("granite"), dict(temperature=0.7)),
+}
+
+
+@pytest.mark.parametrize("family", list(REUSE_CASES))
+def test_prefix_reuse_same_as_trl_async(family, tmp_path, monkeypatch):
+    """`tree_prefix_reuse=True`: each optimizer step's 3 rows are one forest scored in chunks of `token_budget` rows.
+    Every micro-batch's loss (TRL's, normalised by its own row's trained tokens and the accumulation steps), every
+    step's gradients, the weights after 3 SGD steps and TRL's loss metrics equal TRL's AsyncGRPOTrainer on the same
+    replayed samples, with a GRPO group split over two rows of one step."""
+    from hf_tree_attn.trainer import forest_step
+
+    config, overrides = REUSE_CASES[family]
+    path = save_model(config, tmp_path / "model")
+    samples = _reuse_samples(path)
+    run = dict(max_steps=3, gradient_accumulation_steps=3, token_budget=REUSE_BUDGET, **overrides)
+    trl, trl_losses, trl_grads = train(False, path, samples, tmp_path, **run)
+    rows = _spy_on_rows(monkeypatch)
+    chunked, scored = [], forest_step.chunked_forest_logprobs
+
+    def spy(model, forest, max_tokens_per_mb, **kwargs):
+        chunked.append((forest.num_tree_tokens, max_tokens_per_mb))
+        return scored(model, forest, max_tokens_per_mb, **kwargs)
+
+    monkeypatch.setattr(forest_step, "chunked_forest_logprobs", spy)
+    tree, tree_losses, tree_grads = train(True, path, samples, tmp_path, tree_prefix_reuse=True, **run)
+
+    steps = _steps(rows, 3)
+    split = [g for step in steps for g in {g for row in step for g, _ in row} if sum(g in dict(r) for r in step) > 1]
+    assert split  # some group's completions sit in two rows of one step
+    # One chunked forest per optimizer step, of the step's unique tokens, larger than one chunk.
+    want = [_unique_tokens([seq for row in step for _, seq in row]) for step in steps]
+    assert chunked == [(n, REUSE_BUDGET) for n in want] and min(want) > REUSE_BUDGET
+
+    assert len(tree_losses) == len(trl_losses) == 9
+    assert any(abs(loss) > 1e-3 for loss in trl_losses)  # the comparison is not vacuous
+    np.testing.assert_allclose(tree_losses, trl_losses, rtol=1e-5, atol=TOLERANCES["logps_atol"])
+    assert len(tree_grads.steps) == len(trl_grads.steps) == 3
+    for got, want_grads in zip(tree_grads.steps, trl_grads.steps):
+        assert_gradients_close(got, want_grads)
+    for name, param in trl.model.named_parameters():
+        torch.testing.assert_close(dict(tree.model.named_parameters())[name], param, rtol=1e-5, atol=1e-6)
+    trl_logs, tree_logs = trl.state.log_history[:-1], tree.state.log_history[:-1]
+    for key in ("loss", "grad_norm", "ratio", "kl", "entropy", "clip_ratio/region_mean", "batch/samples_per_step",
+                "batch/trained_tokens_per_step", "batch/microbatches_per_step"):  # fmt: skip
+        np.testing.assert_allclose([e[key] for e in tree_logs], [e[key] for e in trl_logs], rtol=1e-5, err_msg=key)
+
+
+def test_prefix_reuse_forwards_each_step_token_once(tmp_path, monkeypatch):
+    """The rows the model forwards in a step (counted at its embedding, outside the chunks' recompute) are the step's
+    unique tokens, also what TRL's `batch/forwarded_tokens_per_step` logs: fewer than the rows' own tries hold where
+    a step splits a prompt over rows (each row forwards it), and fewer than TRL's packing forwards."""
+    path = save_model(tiny_family_config("qwen3"), tmp_path / "model")
+    samples = _reuse_samples(path)
+    rows = _spy_on_rows(monkeypatch)
+    forwarded = defaultdict(int)
+
+    def count(trainer):
+        def hook(module, args):
+            if not torch.is_grad_enabled():  # the forward pass, not a chunk's recompute in the backward
+                forwarded[trainer.state.global_step] += args[0].shape[-1]
+
+        trainer.model.get_input_embeddings().register_forward_pre_hook(hook)
+
+    run = dict(max_steps=3, gradient_accumulation_steps=3, token_budget=REUSE_BUDGET)
+    tree, _, _ = train(True, path, samples, tmp_path, prepare=count, tree_prefix_reuse=True, **run)
+    steps = _steps(rows, 3)
+    unique = [_unique_tokens([seq for row in step for _, seq in row]) for step in steps]
+    per_row = [sum(_unique_tokens([seq for _, seq in row]) for row in step) for step in steps]
+    assert [forwarded[s] for s in range(3)] == unique
+    logged = [e["batch/forwarded_tokens_per_step"] for e in tree.state.log_history[:-1]]
+    assert logged == unique
+    assert all(u <= r for u, r in zip(unique, per_row)) and unique != per_row, (unique, per_row)
+
+    trl, _, _ = train(False, path, samples, tmp_path, **run)
+    trl_logged = [e["batch/forwarded_tokens_per_step"] for e in trl.state.log_history[:-1]]
+    assert all(u < t for u, t in zip(unique, trl_logged))
+
+
+def test_prefix_reuse_within_a_memory_budget_same_as_trl(tmp_path):
+    """`tree_prefix_reuse_budget_gib`: the step's chunks sized by the planner (multiples of 128 rows, at most
+    `token_budget`), its estimate logged; the losses and the weights after the run are TRL's."""
+    path = save_model(tiny_family_config("qwen3"), tmp_path / "model")
+    samples = _reuse_samples(path)
+    run = dict(max_steps=2, gradient_accumulation_steps=3, token_budget=128)
+    trl, trl_losses, _ = train(False, path, samples, tmp_path, **run)
+    tree, tree_losses, _ = train(
+        True, path, samples, tmp_path, tree_prefix_reuse=True, tree_prefix_reuse_budget_gib=1.0, **run
+    )
+    np.testing.assert_allclose(tree_losses, trl_losses, rtol=1e-5, atol=TOLERANCES["logps_atol"])
+    for name, param in trl.model.named_parameters():
+        torch.testing.assert_close(dict(tree.model.named_parameters())[name], param, rtol=1e-5, atol=1e-6)
+    for entry in tree.state.log_history[:-1]:
+        assert entry["tree_prefix_reuse_chunks"] >= 2 and entry["tree_prefix_reuse_kept_gib"] > 0
+        assert entry["tree_prefix_reuse_peak_gib"] <= 1.0
+
+
+def test_prefix_reuse_step_within_one_forward_same_as_trl(tmp_path, monkeypatch):
+    """A step whose forest fits `token_budget` rows runs as one forward (no chunks), still one per optimizer step:
+    the losses and the weights after the run are TRL's."""
+    from hf_tree_attn.trainer import forest_step
+
+    path = save_model(tiny_family_config("qwen3"), tmp_path / "model")
+    samples = replayed_samples(path)
+    run = dict(max_steps=2, gradient_accumulation_steps=2, token_budget=512)
+    trl, trl_losses, _ = train(False, path, samples, tmp_path, **run)
+    forests, forest_logprobs = [], forest_step.forest_logprobs
+
+    def spy(model, forest, **kwargs):
+        forests.append(forest.num_tree_tokens)
+        return forest_logprobs(model, forest, **kwargs)
+
+    monkeypatch.setattr(forest_step, "forest_logprobs", spy)
+    tree, tree_losses, _ = train(True, path, samples, tmp_path, tree_prefix_reuse=True, **run)
+    assert len(forests) == 2  # one forward per optimizer step
+    np.testing.assert_allclose(tree_losses, trl_losses, rtol=1e-5, atol=TOLERANCES["logps_atol"])
+    for name, param in trl.model.named_parameters():
+        torch.testing.assert_close(dict(tree.model.named_parameters())[name], param, rtol=1e-5, atol=1e-6)
+    assert [e["batch/forwarded_tokens_per_step"] for e in tree.state.log_history[:-1]] == forests
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (dict(tree_prefix_reuse=1), r"tree_prefix_reuse=1 must be True or False"),
+        (dict(tree_prefix_reuse=True, token_budget=0), r"token_budget=0 batches by sample count"),
+        (dict(tree_prefix_reuse_budget_gib=2.0), r"tree_prefix_reuse_budget_gib=2.0 .*tree_prefix_reuse=False"),
+        (dict(tree_prefix_reuse=True, tree_prefix_reuse_budget_gib=0), r"must be a number of GiB > 0"),
+        (
+            dict(tree_prefix_reuse=True, tree_prefix_reuse_budget_gib=2.0, token_budget=64),
+            r"multiples of 128 rows of at most token_budget=64",
+        ),
+        (
+            dict(tree_prefix_reuse=True, tree_activation_budget_gib=4.0),
+            r"tree_activation_budget_gib=4.0 .*tree_prefix_reuse=True.*tree_prefix_reuse=False",
+        ),
+    ],
+)
+def test_prefix_reuse_config_refusals(tmp_path, overrides, match):
+    from hf_tree_attn.trainer import TreeAsyncGRPOConfig
+
+    with pytest.raises((ValueError, TypeError), match=match):
+        TreeAsyncGRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", **overrides)
+
+
+@pytest.mark.parametrize(
+    "family, extra, match",
+    [
+        ("qwen3_5", {}, r"carry a state.*Qwen3_5GatedDeltaNet"),  # a hybrid: no state carried between chunks
+        ("qwen3_moe", dict(router_aux_loss_coef=0.01), r"MoE load-balancing loss.*router_aux_loss_coef=0.01"),
+        ("qwen3", dict(gradient_checkpointing_kwargs={"use_reentrant": True}), r"'use_reentrant': True"),
+    ],
+)
+def test_prefix_reuse_refused_at_init(family, extra, match, tmp_path):
+    """What prefix reuse cannot run exactly is an error at init naming the reason and the way out, before any step."""
+    import test_coverage
+
+    from hf_tree_attn.trainer.replay import grpo_samples
+
+    config = tiny_family_config("qwen3") if family == "qwen3" else test_coverage.tiny_config(family)
+    path = save_model(config, tmp_path / "model")
+    samples = grpo_samples(1, 2, (3, 5), (1, 3), VOCAB)
+    with pytest.raises(ValueError, match=rf"tree_prefix_reuse=True, but .*{match}.*Set tree_prefix_reuse=False"):
+        train(True, path, samples, tmp_path, token_budget=REUSE_BUDGET, tree_prefix_reuse=True, **extra)
+
+
+def test_prefix_reuse_outside_the_training_loop_is_an_error(tmp_path):
+    """The step's micro-batches are scored together as transformers' loop fetches them; a training-mode loss call
+    outside that loop is an error naming the way out, never the per-row path in silence."""
+    from hf_tree_attn.trainer.replay import grpo_samples
+
+    path = save_model(tiny_family_config("qwen3"), tmp_path / "model")
+
+    def loss_outside_the_loop(trainer):
+        trainer.model.train()
+        trainer.compute_loss(trainer.model, {})
+
+    with pytest.raises(RuntimeError, match=r"tree_prefix_reuse=True scores .*get_batch_samples.*trainer\.train\(\)"):
+        train(True, path, grpo_samples(1, 2, (3, 5), (1, 3), VOCAB), tmp_path, prepare=loss_outside_the_loop,
+              token_budget=REUSE_BUDGET, tree_prefix_reuse=True)  # fmt: skip

@@ -1,12 +1,13 @@
-"""`TreeAsyncGRPOConfig`: TRL's `AsyncGRPOConfig` plus the recompute and compile fields (only the new fields here)."""
+"""`TreeAsyncGRPOConfig`: TRL's `AsyncGRPOConfig` plus the recompute, compile and prefix-reuse fields (only the new
+fields here)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from trl.experimental.async_grpo import AsyncGRPOConfig
 
-from .core import CompileOptions
+from .core import BLOCK, CompileOptions
 from .forest_step import PolicyForwardOptions
 
 __all__ = ["TreeAsyncGRPOConfig"]
@@ -15,7 +16,8 @@ __all__ = ["TreeAsyncGRPOConfig"]
 @dataclass
 class TreeAsyncGRPOConfig(PolicyForwardOptions, CompileOptions, AsyncGRPOConfig):
     """`trl.experimental.async_grpo.AsyncGRPOConfig` plus how the tree forward recomputes activations
-    (`forest_step.PolicyForwardOptions`) and `tree_compile`.
+    (`forest_step.PolicyForwardOptions`), `tree_compile`, and `tree_prefix_reuse` / `tree_prefix_reuse_budget_gib`
+    (one forest per optimizer step, scored in chunks of at most `token_budget` rows).
 
     Every other field, default and check is TRL's: the token budget (`token_budget`) and the planner that fills each
     rank's row, `max_staleness`, the weight-sync cadence, the model's `dtype`. Trees need no switch: the trainer
@@ -24,3 +26,66 @@ class TreeAsyncGRPOConfig(PolicyForwardOptions, CompileOptions, AsyncGRPOConfig)
     checkpointed), so without `tree_activation_budget_gib` every layer recomputes, as in TRL; the peak memory of a
     whole step measured on an H200 was still up to 1.7x TRL's (benchmarks/results/README.md).
     """
+
+    tree_prefix_reuse: bool = field(
+        default=False,
+        metadata={
+            "help": "Score each optimizer step's rows (its gradient_accumulation_steps micro-batches, which TRL's "
+            "planner fills up to token_budget tokens each) as one forest, in chunks of at most token_budget rows "
+            "(hf_tree_attn.prefix_reuse): a prefix shared across rows (a GRPO group the planner split, a "
+            "conversation's history) is forwarded once per step instead of once per row. Same loss, normalised per "
+            "row as TRL does, and same gradients. Costs one recompute per chunk in the backward and holds the keys / "
+            "values of the prefixes later chunks read until the step's last micro-batch. Refused at init for "
+            "state-carrying (hybrid) models, an MoE load-balancing loss, several processes, FSDP / DeepSpeed, "
+            "reentrant gradient checkpointing, tree_activation_budget_gib and token_budget=0 (no token budget to "
+            "size the chunks)."
+        },
+    )
+    tree_prefix_reuse_budget_gib: float | None = field(
+        default=None,
+        metadata={
+            "help": "With tree_prefix_reuse=True: GiB per device the step's chunked forest's estimated peak may take "
+            "(hf_tree_attn.reuse_planner); each step then runs in the largest chunks of at most token_budget rows (a "
+            "multiple of 128) that fit. Logged as tree_prefix_reuse_chunks, tree_prefix_reuse_kept_gib and "
+            "tree_prefix_reuse_peak_gib. None (default) = chunks of token_budget rows, not priced."
+        },
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not isinstance(self.tree_prefix_reuse, bool):
+            raise TypeError(f"tree_prefix_reuse={self.tree_prefix_reuse!r} must be True or False.")
+        budget = self.tree_prefix_reuse_budget_gib
+        if budget is not None:
+            if isinstance(budget, bool) or not isinstance(budget, int | float) or not budget > 0:
+                raise ValueError(
+                    f"tree_prefix_reuse_budget_gib={budget!r} must be a number of GiB > 0 (e.g. 40), or None for "
+                    "chunks of token_budget rows."
+                )
+            if not self.tree_prefix_reuse:
+                raise ValueError(
+                    f"tree_prefix_reuse_budget_gib={budget} sizes prefix reuse's chunks, but tree_prefix_reuse=False: "
+                    "set tree_prefix_reuse=True, or leave the budget None."
+                )
+        if not self.tree_prefix_reuse:
+            return
+        if self.token_budget is not None and self.token_budget <= 0:
+            raise ValueError(
+                f"tree_prefix_reuse=True scores a step's forest in chunks of at most token_budget rows, but "
+                f"token_budget={self.token_budget} batches by sample count (no token budget): set token_budget (e.g. "
+                "the inference server's max_model_len, or None to read it from the server), or leave "
+                "tree_prefix_reuse=False."
+            )
+        if budget is not None and self.token_budget is not None and self.token_budget < BLOCK:
+            raise ValueError(
+                f"tree_prefix_reuse_budget_gib={budget} sizes chunks in multiples of {BLOCK} rows of at most "
+                f"token_budget={self.token_budget}, which holds none: use token_budget >= {BLOCK}, or leave the "
+                "budget None (chunks of token_budget rows)."
+            )
+        if self.tree_activation_budget_gib is not None:
+            raise ValueError(
+                f"tree_activation_budget_gib={self.tree_activation_budget_gib} plans which layers a forest's forward "
+                "recomputes, but with tree_prefix_reuse=True each chunk's backward recomputes the chunk whole (the "
+                "model's own checkpointing applies inside it): leave tree_activation_budget_gib=None, or set "
+                "tree_prefix_reuse=False."
+            )

@@ -14,6 +14,14 @@ weight-transfer protocols, weight sync, the token-budget planner, the loss, metr
   `TreeGRPOTrainer` uses (`forest_step`): recompute limited to what memory needs, the MoE load-balancing loss
   weighted per sample as a flat forward weighs it (TRL's counts a shared token once).
 
+With `tree_prefix_reuse=True` the rows of one optimizer step (its `gradient_accumulation_steps` micro-batches, as
+transformers' loop fetches them together, `get_batch_samples`) are one forest (`rollout_forest.step_forest`), scored
+by `forest_step.score_forests` in chunks of at most `token_budget` rows (`core.prefix_reuse_rows`) at the step's
+first micro-batch: a prefix the planner split across rows is forwarded once per step. Each micro-batch still runs
+TRL's loss on its own terms (so its normalisation by the row's trained tokens and by the accumulation steps is
+TRL's) and TRL's backward; those backwards stop at the step's log-probability table (`_ReuseStep`), and the last
+micro-batch's carries their sum into one backward through the chunks.
+
 TRL's methods run whole; each swap replaces one name TRL's trainer module looks up, for the duration of one call
 (`trl_compat.swapped_async_module_names`): its model loader, `add_fused_lm_head` and peak-FLOPs lookup inside the
 constructor, its collator class inside `get_train_dataloader`, its FLOP formula inside `_log_step_metrics`.
@@ -32,14 +40,16 @@ from transformers import AutoConfig
 from trl.experimental.async_grpo import AsyncGRPOTrainer
 
 from ..attention import ATTN_IMPLEMENTATION, registration_error
+from ..chunked import plan_chunks
+from ..reuse_planner import budget_error
 from ..support import config_support_error, peft_config_error, rope_split_lengths, tree_support_error
 from ..tree import PackedForest
 from . import trl_compat
 from .async_grpo_config import TreeAsyncGRPOConfig
 from .compile_setting import apply_compile, decide_compile
-from .core import tree_args
+from .core import prefix_reuse_refusal, prefix_reuse_rows, tree_args
 from .forest_step import recompute_plan, score_forests
-from .rollout_forest import TreeDataCollatorForRollout, rank_forest
+from .rollout_forest import StepForest, TreeDataCollatorForRollout, rank_forest, step_forest
 
 __all__ = ["TreeAsyncGRPOTrainer"]
 
@@ -167,6 +177,120 @@ class _ForestForward:
         return trl_compat.async_model_outputs(log_probs=table, entropy=entropy, aux_loss=aux_loss)
 
 
+class _ReuseStep:
+    """One optimizer step scored as one forest with prefix reuse, handed out micro-batch by micro-batch.
+
+    `batches` are the step's micro-batches as transformers' loop fetched them (`get_batch_samples`), `step` their
+    `StepForest`. At micro-batch 0, `score` runs the step forest's forward (`forest_step.score_forests`, chunks of
+    `chunk_rows` rows, or one forward where the forest fits): `table` `(S,)` float32, the log-probability of each row's
+    token, differentiable; `entropy` `(S,)` likewise, detached (TRL reads entropies for its metrics only). Each
+    micro-batch then runs TRL's loss on the rows of its terms, and TRL's backward of it:
+
+    - micro-batches `0 .. K - 2` read `leaf` (the table, detached, requiring grad): their backwards only add their
+      gradient with respect to the table into `leaf.grad`;
+    - micro-batch `K - 1` reads the table itself through `_WithEarlierGradient`, which adds `leaf.grad` to its own
+      gradient: its backward runs the chunks' backward once, with the gradient of the whole step's loss.
+
+    Parameter gradients are those of TRL's `K` backwards (gradients are linear in the losses), the losses TRL's.
+    """
+
+    def __init__(self, batches: list[dict], step: StepForest):
+        self.batches, self.step = batches, step
+        self.taken = 0
+        self.chunk_rows: int | None = None
+        self.forwarded = 0
+        self.table: torch.Tensor | None = None
+        self.entropy: torch.Tensor | None = None
+        self.leaf: torch.Tensor | None = None
+
+    def take(self, inputs: dict[str, torch.Tensor]) -> int:
+        """The index `k` of the micro-batch `inputs` is (transformers' loop hands them in order), checked."""
+        k = self.taken
+        if k >= len(self.batches) or not torch.equal(
+            inputs["token_index"].cpu(), self.batches[k]["token_index"].cpu()
+        ):
+            raise RuntimeError(
+                f"tree_prefix_reuse: compute_loss got a batch other than micro-batch {k} of the {len(self.batches)} "
+                "that get_batch_samples fetched for this optimizer step."
+            )
+        self.taken += 1
+        return k
+
+    @property
+    def last(self) -> bool:
+        """Whether the micro-batch last taken is the step's last."""
+        return self.taken == len(self.batches)
+
+    def plan(self, trainer: TreeAsyncGRPOTrainer, model: torch.nn.Module) -> None:
+        """The chunk rows of the step's forest (`core.prefix_reuse_rows`: `token_budget`, or what
+        `tree_prefix_reuse_budget_gib` allows; its estimate logged) and the rows its forward runs."""
+        forest, args = self.step.forest, trainer.args
+        logged = trl_compat.metrics(trainer)["train"]
+        self.chunk_rows = prefix_reuse_rows(
+            model, forest, args.token_budget, args.tree_prefix_reuse_budget_gib, lambda k, v: logged[k].append(v)
+        )
+        chunks = plan_chunks(forest, self.chunk_rows) if self.chunk_rows is not None else None
+        self.forwarded = chunks.forwarded_rows if chunks is not None else forest.num_tree_tokens
+
+    def forward_counts(self, k: int, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """TRL's per-batch counts for micro-batch `k`, the step's forward counted once: micro-batch 0 forwarded the
+        step's rows for all its samples; the others forwarded nothing (their `mean_seq_len` stays, so TRL's
+        `samples = forwarded / mean_seq_len` adds 0)."""
+        forwarded = inputs["global_n_forward_tokens"]
+        if k > 0:
+            return {"global_n_forward_tokens": torch.zeros_like(forwarded)}
+        return {
+            "global_n_forward_tokens": torch.full_like(forwarded, float(self.forwarded)),
+            "mean_seq_len": torch.full_like(inputs["mean_seq_len"], self.forwarded / sum(self.step.num_samples)),
+        }
+
+    def score(self, trainer: TreeAsyncGRPOTrainer, model: torch.nn.Module) -> None:
+        """The step forest's forward: `table`, `entropy` and `leaf` (see the class docstring)."""
+        forest = self.step.forest.to(trainer.accelerator.device)
+        (table,), (entropy,), _ = score_forests(
+            model, [forest], [None], temperature=trainer.temperature, autocast=trainer.accelerator.autocast,
+            compute_entropy=True, prefix_reuse_rows=[self.chunk_rows],
+        )  # fmt: skip
+        self.table, self.entropy = table, entropy.detach()
+        self.leaf = table.detach().requires_grad_()
+
+    def log_probs(self) -> torch.Tensor:
+        """What the micro-batch last taken reads as its log-probabilities `(S,)` (see the class docstring)."""
+        if not self.last:
+            return self.leaf
+        table, earlier = self.table, self.leaf.grad
+        self.table = self.leaf = None  # the loss's graph holds the chunks until its backward, not this object
+        return table if earlier is None else _WithEarlierGradient.apply(table, earlier)
+
+
+class _WithEarlierGradient(torch.autograd.Function):
+    """`table` `(S,)` unchanged; its backward adds `earlier` `(S,)`, the gradient the step's earlier micro-batches'
+    losses sent the table, to the incoming gradient."""
+
+    @staticmethod
+    def forward(ctx, table: torch.Tensor, earlier: torch.Tensor) -> torch.Tensor:
+        ctx.earlier = earlier
+        return table.view_as(table)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad + ctx.earlier.to(grad.dtype), None
+
+
+class _StepForward:
+    """What TRL's `compute_loss` calls as the model under prefix reuse: micro-batch `k`'s share of the step forest's
+    tables (`_ReuseStep`), the forward itself run at micro-batch 0. No MoE aux loss (refused at init)."""
+
+    def __init__(self, trainer: TreeAsyncGRPOTrainer, model: torch.nn.Module, step: _ReuseStep, k: int):
+        self.trainer, self.model, self.step, self.k = trainer, model, step, k
+
+    def __call__(self, **trl_forward_kwargs):
+        if self.k == 0:
+            self.step.score(self.trainer, self.model)
+        log_probs = self.step.log_probs()
+        return trl_compat.async_model_outputs(log_probs=log_probs, entropy=self.step.entropy, aux_loss=None)
+
+
 def _flops_or_nan(flops_per_token: Callable) -> Callable:
     """TRL's FLOP formula, or NaN (MFU not logged) for configs it misreads: it takes MoE sizes from fields that
     GPT-OSS, Qwen3.5-MoE and Nemotron-H name otherwise, and would raise after the first step."""
@@ -186,6 +310,8 @@ class TreeAsyncGRPOTrainer(AsyncGRPOTrainer):
     Takes exactly TRL's arguments (`model` is a model id or path, loaded by TRL's constructor on `tree_flex`);
     `args` must be a `TreeAsyncGRPOConfig`. Runs without a vLLM server given a `rollout_worker` and a
     `weight_transfer` (e.g. `replay.ReplayRolloutWorker`, `replay.NoWeightTransfer`) and an explicit `token_budget`.
+    `tree_prefix_reuse=True` scores each optimizer step as one forest (see the module docstring); what it cannot run
+    exactly is an error at init (`core.prefix_reuse_refusal`).
     """
 
     def __init__(self, model: str, reward_funcs=None, args: TreeAsyncGRPOConfig | None = None, **kwargs):
@@ -209,11 +335,45 @@ class TreeAsyncGRPOTrainer(AsyncGRPOTrainer):
             )
             raise _refusal(model, reason, way_out)
         self._unpriced: str | None = None  # read by forest_step.recompute_plan
+        self._reuse_step: _ReuseStep | None = None  # the optimizer step being scored with prefix reuse
         with _TreeConstruction():
             super().__init__(model, reward_funcs, args, **kwargs)
+        if args.tree_prefix_reuse:
+            self._check_prefix_reuse()
         # Compiled decoder layers: the user's dynamo settings, or the CUDA default (`compile_setting.py`).
         self.tree_compile = decide_compile(args, self.accelerator, self.model)
         apply_compile(self.accelerator, self.tree_compile, (self.model,))
+
+    def _check_prefix_reuse(self) -> None:
+        """Refuse `tree_prefix_reuse=True` where it cannot be exact (`core.prefix_reuse_refusal`, and TRL's MoE
+        load-balancing loss, which TRL turns on by `router_aux_loss_coef`, not the config)."""
+        reason = prefix_reuse_refusal(self, (self.model,))
+        if reason is None and self.aux_loss_enabled:
+            reason = (
+                f"the MoE load-balancing loss is on (router_aux_loss_coef={self.router_aux_loss_coef}): the chunked "
+                "forward returns no router logits. Set router_aux_loss_coef=0.0 to train without it."
+            )
+        if reason is None and self.args.tree_prefix_reuse_budget_gib is not None:
+            error = budget_error(self.model)
+            if error is not None:
+                raise ValueError(
+                    f"tree_prefix_reuse_budget_gib={self.args.tree_prefix_reuse_budget_gib}, but {error} (Set "
+                    "tree_prefix_reuse_budget_gib=None.)"
+                )
+        if reason is not None:
+            raise ValueError(
+                f"tree_prefix_reuse=True, but {reason} Set tree_prefix_reuse=False (each of TRL's rows forwarded on "
+                "its own, repeating a prefix the planner split across rows)."
+            )
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        """Transformers' fetch of one optimizer step's micro-batches; with prefix reuse, they become one forest
+        (`_ReuseStep`), scored at the first micro-batch."""
+        batch_samples, num_items_in_batch = super().get_batch_samples(epoch_iterator, num_batches, device)
+        self._reuse_step = None
+        if self.args.tree_prefix_reuse and batch_samples:
+            self._reuse_step = _ReuseStep(batch_samples, step_forest(batch_samples))
+        return batch_samples, num_items_in_batch
 
     def get_train_dataloader(self):
         """TRL's dataloader (its planner, dispatching), with the rows packed by `TreeDataCollatorForRollout`."""
@@ -221,11 +381,38 @@ class TreeAsyncGRPOTrainer(AsyncGRPOTrainer):
             return super().get_train_dataloader()
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        """TRL's loss and metrics, on this rank's forest (`rollout_forest.rank_forest`)."""
+        """TRL's loss and metrics, on this rank's forest (`rollout_forest.rank_forest`), or with prefix reuse on the
+        step's forest (`_ReuseStep`)."""
+        if self.args.tree_prefix_reuse and model.training and torch.is_grad_enabled():
+            if self._reuse_step is None:  # never the per-row path in silence
+                raise RuntimeError(
+                    "tree_prefix_reuse=True scores the micro-batches of an optimizer step together, as transformers' "
+                    "training loop fetches them (get_batch_samples), but compute_loss ran outside that loop or past "
+                    "the step's micro-batches. Call trainer.train(), or set tree_prefix_reuse=False."
+                )
+            return self._reuse_loss(model, inputs, return_outputs, num_items_in_batch)
         forest = rank_forest(inputs, self.accelerator.device)
         rows = inputs["token_index"][inputs["token_index"] >= 0]
         forward = _ForestForward(self, model, forest, rows)
         inputs = {**inputs, **trl_compat.async_forward_only_inputs(inputs)}
+        return super().compute_loss(forward, inputs, return_outputs, num_items_in_batch)
+
+    def _reuse_loss(self, model, inputs, return_outputs, num_items_in_batch):
+        """TRL's loss and metrics of one micro-batch of the step `_ReuseStep` scores: its terms read at their
+        step-forest rows, the step's forward counted once (`_ReuseStep.forward_counts`)."""
+        step = self._reuse_step
+        k = step.take(inputs)
+        if k == 0:
+            step.plan(self, model)
+        if step.last:
+            self._reuse_step = None
+        inputs = {
+            **inputs,
+            **trl_compat.async_forward_only_inputs(inputs),
+            **step.forward_counts(k, inputs),
+            "token_index": step.step.token_index(k, inputs["token_index"]),
+        }
+        forward = _StepForward(self, model, step, k)
         return super().compute_loss(forward, inputs, return_outputs, num_items_in_batch)
 
     def _log_step_metrics(self) -> None:

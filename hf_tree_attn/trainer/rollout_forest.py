@@ -18,11 +18,13 @@ so each rank's forest travels as its arrays, one row per rank, padded to the lon
 
 plus TRL's per-batch counts (`global_n_tokens`, `global_n_forward_tokens`, `mean_seq_len`, `(P,)`). TRL's loss
 terms keep their meaning and order (sample by sample, position by position). `rank_forest` rebuilds a rank's
-`PackedForest` from its slice.
+`PackedForest` from its slice; `step_forest` lays the micro-batches of one optimizer step out as one forest (prefix
+reuse) and maps each micro-batch's rows into it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -34,7 +36,7 @@ from ..tree import PackedForest, pack_forest
 from . import trl_compat
 from .trl_compat import DataCollatorForRollout, pad
 
-__all__ = ["FOREST_KEYS", "TreeDataCollatorForRollout", "rank_forest"]
+__all__ = ["FOREST_KEYS", "StepForest", "TreeDataCollatorForRollout", "rank_forest", "step_forest"]
 
 FOREST_KEYS = ("tree_subtree_end", "tree_parent", "tree_seq_lengths", "tree_seq_positions", "tree_num_tokens")
 _PADDING = {"token_index": -1, "tree_seq_positions": -1}
@@ -136,3 +138,50 @@ def rank_forest(inputs: dict[str, torch.Tensor], device: torch.device | str) -> 
         seq_offsets=torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),
     )
     return forest.to(device)
+
+
+class StepForest(NamedTuple):
+    """The micro-batches of one optimizer step (this rank's rows) as one forest, every token their samples share
+    once, and where each micro-batch's rows went.
+
+    Attributes:
+        forest: `PackedForest` on the CPU, the plain trie (`pack_forest(..., two_level=False)`) of every sample of the
+            step, micro-batch by micro-batch, each in its row's order; `N` real rows (`num_tree_tokens`).
+        row_maps: one `(S_k,)` long per micro-batch: the step-forest row of each row of the micro-batch's own forest
+            (`rank_forest`), -1 at its padding.
+        num_samples: the samples of each micro-batch.
+    """
+
+    forest: PackedForest
+    row_maps: list[torch.Tensor]
+    num_samples: list[int]
+
+    def token_index(self, k: int, token_index: torch.Tensor) -> torch.Tensor:
+        """`token_index` `(1, M)` of micro-batch `k` (rows of its own forest, -1 = padding) as step-forest rows, same
+        shape and device."""
+        row_map = self.row_maps[k].to(token_index.device)
+        return torch.where(token_index >= 0, row_map[token_index.clamp(min=0)], token_index)
+
+
+def step_forest(batches: Sequence[dict[str, torch.Tensor]]) -> StepForest:
+    """One optimizer step's micro-batches, each this rank's slice of a `TreeDataCollatorForRollout` batch (each key
+    `(1, ...)`), as one `StepForest`.
+
+    A row of a micro-batch's forest is a prefix of every sample through it (a plain or two-level trie), so it is one
+    row of the step's plain trie: the map is well defined, and a token the step's samples share, in one micro-batch or
+    across several, is one row.
+    """
+    forests = [rank_forest(batch, "cpu") for batch in batches]
+    sequences = [f.input_ids[0, f.positions(j)] for f in forests for j in range(len(f.seq_ids))]
+    (forest,) = pack_forest(sequences, two_level=False)  # no budget, no length classes: one forest
+    if forest.seq_ids != list(range(len(sequences))):
+        raise RuntimeError(f"pack_forest reordered the step's {len(sequences)} samples; expected them in order.")
+    row_maps, start = [], 0
+    for f in forests:
+        tokens = int(f.seq_offsets[-1])
+        step_rows = forest.seq_positions[forest.seq_offsets[start] : forest.seq_offsets[start] + tokens]
+        row_map = torch.full((f.seq_len,), -1, dtype=torch.long)
+        row_map[f.seq_positions] = step_rows
+        row_maps.append(row_map)
+        start += len(f.seq_ids)
+    return StepForest(forest, row_maps, [len(f.seq_ids) for f in forests])
