@@ -60,6 +60,8 @@ SOURCES = {
     "h200_gpu_tests_coverage.log": "gpu-tests-coverage",
     "fsdp2_2gpu_h200.log": "fsdp2-main-job",
     "sync_grpo_h200_qwen3-1.7b.json": "async-grpo",
+    "sync_grpo_h200_qwen3-1.7b_paired.json": "compile-sync-1.7b",
+    "trees_beyond_grpo_h200_paired.json": "beyond-grpo-paired",
     "async_grpo_h200_qwen3-1.7b_paired.json": "compile-async-1.7b",
     "async_grpo_h200_qwen3-1.7b_profiled.json": "compile-async-1.7b-profiled",
     "h200_gpu_tests_all.log": "gpu-tests-all",
@@ -73,7 +75,6 @@ SOURCES = {
     "prefix_attention_new_shapes_h200.json": "async-grpo",
     "h200_gpu_async.log": "async-grpo",
     "h200_gpu_tests_prefix_rule.log": "async-grpo-more",
-    "trees_beyond_grpo_h200.json": "trees-beyond-grpo",
     "trees_beyond_grpo_h200.log": "trees-beyond-grpo",
     "h200_gpu_tests_precision.log": "gpu-tests-precision",
     "hybrid_kernel_checks_h200.json": "hybrid-kernels",
@@ -111,7 +112,10 @@ SOURCES = {
 # Through trainer.train(), generation a `rollout_func` (bench_sync_grpo.py): (file, workload).
 SYNC_ROWS = [
     ("sync_grpo_h200_qwen3-1.7b.json", "grpo_P4096_C512"),
-    ("sync_grpo_h200_qwen3-1.7b.json", "grpo_mixed"),
+]
+# The same, each side in its own process, paired per step (bench_sync_grpo.py with the harness): (file, workload).
+SYNC_PAIRED = [
+    ("sync_grpo_h200_qwen3-1.7b_paired.json", "grpo_mixed"),
 ]
 
 # Through trainer.train() (bench_generation_modes.py): (generation mode, the tree's file, TRL's file).
@@ -220,6 +224,7 @@ ASYNC_ROWS = [
 # The same, each side in its own process, paired per step (bench_async_grpo.py with the harness): (file, workload).
 ASYNC_PAIRED = [
     ("async_grpo_h200_qwen3-1.7b_profiled.json", "grpo_mixed"),
+    ("async_grpo_h200_qwen3-1.7b_profiled.json", "tau2_like"),
     ("async_grpo_h200_qwen3-1.7b_paired.json", "grpo_mixed"),
     ("async_grpo_h200_qwen3-1.7b_paired.json", "tau2_like"),
 ]
@@ -237,10 +242,12 @@ PREFIX_NEW_SHAPES = "prefix_attention_new_shapes_h200.json"
 # SFT / DPO / reward models on trees against TRL's trainers (bench_trees_beyond_grpo.py); a failed workload's row is
 # left out (its file's note says why).
 BEYOND_GRPO = [
-    "trees_beyond_grpo_h200.json",
     "trees_beyond_grpo_h200_more.json",
     "trees_beyond_grpo_h200_reward_model.json",
 ]
+# The same on the harness (each side in its own process, paired per step, agreement checked): its rows supersede
+# the older files' rows of the same workloads.
+BEYOND_PAIRED = ["trees_beyond_grpo_h200_paired.json"]
 # DeepSpeed ZeRO on one H200 (gpu_deepspeed.sh): the tests' per-stage measurements and the main job's log.
 DEEPSPEED_RUNS = ["deepspeed_zero2_bf16_h200.json", "deepspeed_zero3_bf16_h200.json"]
 DEEPSPEED_MAIN_JOB = "deepspeed_main_job_zero3_h200.log"
@@ -325,7 +332,7 @@ README_ROWS = [
      ("sync_grpo_h200_qwen3-1.7b.json", "grpo_P4096_C512"),
      "tree_vs_flat_h200_qwen3-1.7b_ckpt-auto.json", "tree_vs_flat_h200_qwen3-1.7b_compile_budget.json"),
     ("Qwen3-1.7B", "G=16, P ~ U[1,000, 6,000], C ~ U[64, 1,024]; a `rollout_func`",
-     ("sync_grpo_h200_qwen3-1.7b.json", "grpo_mixed"), None, None),
+     ("sync_grpo_h200_qwen3-1.7b_paired.json", "grpo_mixed"), None, None),
     ("Qwen3-0.6B", "2 prompts × G=16, P=2,112 (2,048 shared), C=256; HF `generate`",
      ("generation_modes_h200.json", "generate"), None, None),
     ("Qwen3-8B", "P=4,096 + G=16 × C=512", None,
@@ -364,11 +371,15 @@ NOTES = {
     "accelerate compiles a copy of the model whose forward TRL's fused-head patch does not call (see "
     "`hf_tree_attn/compile.py`). The tree's layers were compiled throughout (28 / 28 after the run). The git "
     "commit was corrected by hand (the GPU machine's copy named an older one); the tree sent was that commit, clean.",
-    "async_grpo_h200_qwen3-1.7b_profiled.json": "two calls (commits 214005a and 9d622e1, the second's tree one "
-    "uncommitted script change off it): the tree's side of `tau2_like` did not finish within either call's limit, "
-    "and `trl_compiled` did not start, before the GPU time ran out; the `tau2_like` row is TRL's profile alone. The "
-    "tree's first step, 94.3 s, compiled on a fresh machine with no inductor cache (29.7 s in the earlier file's "
-    "run); no step compiled after it (2 graphs, none in the measured steps). Kernel by kernel, the tree's profiled "
+    "async_grpo_h200_qwen3-1.7b_profiled.json": "three calls: `grpo_mixed` at commit 9d622e1 (its tree side one "
+    "uncommitted script change off it, `earlier_runs`), `tau2_like` at the file's commit. `trl_compiled` did not "
+    "finish in either row's call (the `tau2_like` call's 380 s limit stopped it): TRL's compiled side is in "
+    "`async_grpo_h200_qwen3-1.7b_paired.json` (older code). The tree's first step compiled on a fresh machine with "
+    "no inductor cache: 94.3 s (`grpo_mixed`) and 88.2 s (`tau2_like`; 29.7 s in the paired file's run, on a machine "
+    "whose cache an earlier call had filled). Of `tau2_like`'s first step, dynamo's compile took 83.0 s, 63.0 s of it "
+    "inductor compiling the layer's forward graph (52.0 s generating its code: the FlexAttention templates and fused "
+    "kernels for dynamic shapes, their Triton builds on the machine's 16 cores) and 6.9 s the backward graph "
+    "(`dynamo.seconds`); no step compiled after the first. Kernel by kernel, the tree's profiled "
     "step against the FLOPs `estimate_flops` counts for a step of this workload (~32k forest rows: 68% of the forward "
     "FLOPs in the layers' linear maps, 22% in attention over ancestor pairs, the rest the LM head): the matmuls, "
     "every layer's forward twice (the recompute) and its backward, run at roughly 790 TFLOP/s, the H200's attainable "
@@ -376,11 +387,27 @@ NOTES = {
     "straddle branch ends, and those blocks are computed whole). So the step is at the matmul roofline but for "
     "attention and the recompute: 50% MFU (a 0.73 s step) needs both attention about twice as fast and no recompute "
     "forward (~0.25 s), which the memory bound (TRL's own peak) does not allow here.",
+    "sync_grpo_h200_qwen3-1.7b_paired.json": "two calls on two machines (the reference and TRL sides at commit "
+    "3498ab0, `earlier_runs`; the tree side at the file's commit, the same library code): the tree's first step, "
+    "114.1 s, compiled its layers on a fresh machine (dynamo 110.0 s, of which inductor's forward graph 78.2 s and "
+    "backward 14.8 s). TRL's `GRPOTrainer` pads each micro-batch to its longest sequence (prompts up to 6,000 "
+    "tokens), which its MFU (model FLOPs of the step's prefix forest, one formula for both sides) shows.",
+    "trees_beyond_grpo_h200_paired.json": "two calls made back to back (`earlier_runs`): the first ran "
+    "`sft_system_prompt` and was stopped in `dpo_long_prompt` by its time limit, the second ran `dpo_long_prompt` "
+    "and was stopped before `sft_agent_turns` started; `reward_pairs` and `rloo_groups` not run. The tree's first "
+    "step holds the compile of its layers (73 s and 78 s; the second call's machine kept the first's inductor cache, "
+    "yet the DPO trainer's graphs compiled anew).",
     "h200_gpu_tests_all.log": "7 of 316 failed. Five `test_precision.py` cells, GPT-OSS with bf16 weights on the "
     "two-level forest in training mode (checkpointing `all` / `auto`, and bf16 autocast): the tree's log-prob error "
     "against float32 is 0.122, flat's 0.038, over the bound 0.103; the same model in eval mode, on the deep forest, "
-    "and on CPU passes. Not yet explained (GPT-OSS's experts take another code path in training; a top-2 routing "
-    "flip would move one token by this much). `test_hybrid_log_probs_on_cuda` hit its 300 s limit in the float32 "
+    "and on CPU passes. Explained since on CPU (`test_sink_folding_in_flex_attention_matches_flat_on_cpu`, which "
+    "reproduces 0.1221 / 0.0382 exactly): one prompt token's top-2-of-4 expert choice in layer 0 has a float32 margin "
+    "(0.020) below the bf16 noise of the router logits (0.022, flat and tree alike), and FlexAttention's rounding of "
+    "the sink layers, as close to float32 as eager's, falls on the other side of that tie; the test's GPT-OSS now "
+    "routes each token to all 4 experts (continuous routing), not re-run on a GPU. These workers had also hit "
+    "dynamo's recompile limit on `flex_attention` (autocast on / off), after which it runs its eager reference; the "
+    "compiled FlexAttention now runs with autocast off (one graph). `test_hybrid_log_probs_on_cuda` hit its 300 s "
+    "limit in the float32 "
     "CPU reference beside seven other workers. `test_default_compile_on_cuda_compiles_once_for_all_lengths` saw "
     "one forest length only (its budget filled every row to the same 128-token blocks), so it could not check what "
     "it claims: its budget was changed so rows fill 15 or 16 blocks, not re-run on a GPU since.",
@@ -433,11 +460,17 @@ NOTES = {
 
 # Not measured yet, per section: one row each until a result file answers it.
 PENDING = {
-    "sync": ["Qwen3-8B shape, G=16, P=4,096, C=512"],
+    "sync": [
+        "Qwen3-8B shape, G=16, P=4,096, C=512",
+        "Qwen3-1.7B, P=4,096 + G=16 × C=512, paired on the present code (the row above is older code)",
+    ],
     "through_trainer": [
         "DeepSpeed ZeRO step times (ZeRO-2 / ZeRO-3 are tested equal to TRL on one H200, not timed)",
     ],
-    "beyond_grpo": [],
+    "beyond_grpo": [
+        "`sft_agent_turns`, `reward_pairs` (`TreeRewardTrainer`) and `rloo_groups` (`TreeRLOOTrainer`) on the harness "
+        "(stage `beyond-grpo-paired`); the `sft_agent_turns` row above is older code",
+    ],
     "hybrids": [
         "the fp32 parity tests on fla + TileLang under their present gradient bound (the tree may lose twice what the "
         "kernels alone lose): its inputs were measured, Qwen3.5 `in_proj_a` 0.968 / 0.988 (K = 128 / 64) against "

@@ -25,6 +25,7 @@ from results_registry import (
     ASYNC_ROWS,
     ASYNC_TREE_ONLY,
     BEYOND_GRPO,
+    BEYOND_PAIRED,
     DEEPSPEED_MAIN_JOB,
     DEEPSPEED_RUNS,
     FLEX_OPTIONS,
@@ -49,6 +50,7 @@ from results_registry import (
     PROFILES,
     README_ROWS,
     SOURCES,
+    SYNC_PAIRED,
     SYNC_ROWS,
     THROUGH_TRAINER,
     TRAINER_PROFILES,
@@ -228,7 +230,17 @@ def trainer_row(name: str, wl: str) -> dict:
 
 
 def sync_steps() -> list[str]:
-    notes, rows = Notes(), []
+    notes, paired_rows, rows = Notes(), [], []
+    for name, wl in SYNC_PAIRED:
+        row = trainer_row(name, wl)
+        trl, tree = row["sides"]["trl"], row["sides"]["tree"]
+        checks = row["agreement"].values()
+        paired_rows.append([
+            MODELS[row["model"]], WORKLOADS[wl], f"{secs(trl['median_step_s'])} / {secs(tree['median_step_s'])}",
+            f"{trl['first_step_s']:.1f} / {tree['first_step_s']:.1f} s", ranged(row["paired"].get("tree vs trl")),
+            f"{pct(tree['mfu'], 1)} / {pct(trl['mfu'], 1)}", f"{tree['peak_gib']:.1f} / {trl['peak_gib']:.1f}",
+            f"{sum(c['passed'] for c in checks)} of {len(checks)} pairs", notes.source(name),
+        ])  # fmt: skip
     for name, wl in SYNC_ROWS:
         row = trainer_row(name, wl)
         trl, tree = row["sides"]["trl"], row["sides"]["tree"]
@@ -238,9 +250,17 @@ def sync_steps() -> list[str]:
             f"{tree['peak_gib']:.1f} / {trl['peak_gib']:.1f} ({x(row['peak_tree_over_trl'])})",
             "yes" if row["same_completions"] else "**no**", notes.source(name),
         ])  # fmt: skip
+    paired_headers = ["model", "workload", "median step TRL / tree", "first step TRL / tree", "tree vs TRL",
+                      "MFU tree / TRL", "peak GiB tree / TRL", "agreement", "source"]  # fmt: skip
     headers = ["model", "workload", "step, TRL (each measured step)", "step, tree", "tree vs TRL (median step)",
                "MFU tree / TRL", "peak GiB tree / TRL", "same completions", "source"]  # fmt: skip
-    return table(headers, rows + pending("sync", len(headers))) + notes.lines()
+    return (
+        [PAIRED_INTRO, ""]
+        + table(paired_headers, paired_rows)
+        + ["Earlier rows (older code: both sides in one process, two measured steps, a ratio of median steps):", ""]
+        + table(headers, rows + pending("sync", len(headers)))
+        + notes.lines()
+    )
 
 
 def through_trainer() -> list[str]:
@@ -666,6 +686,15 @@ def rollout_workload(row: dict) -> str:
     return f"G={spec['G']}, P ~ {spec['prompt']}, C ~ {spec['completion']}"
 
 
+PAIRED_INTRO = (
+    "Each side in its own process (`harness.run_side`), 2 warm-up and 8 measured optimizer steps on the same data; a "
+    "ratio is TRL's step over the tree's on the same step, median [min, max] of the 8. Agreement: on the first "
+    "micro-batch, each side's per-token log-probabilities against a float32 run of TRL's trainer on the same tokens, "
+    "at most twice the other side's error plus one bf16 rounding (and the same batches, no tree fallback); a pair "
+    "that fails is marked failed. Peak memory: each process's own, after the warm-up."
+)
+
+
 def ranged(pair: dict | None) -> str:
     """A paired ratio: the median per-step ratio with its range, and whether the row's agreement check failed."""
     if not pair or "median" not in pair:
@@ -793,7 +822,19 @@ def peers() -> list[str]:
 
 
 def beyond_grpo() -> list[str]:
-    notes, rows = Notes(), []
+    notes, rows, paired_rows = Notes(), [], []
+    for name in BEYOND_PAIRED:
+        for row in load(name)["rows"]:
+            trl, tree = row["sides"]["trl"], row["sides"]["tree"]
+            checks = row["agreement"].values()
+            paired_rows.append([
+                f"`{row['workload']}`", row["spec"], MODELS[row["model"]],
+                f"{secs(trl['median_step_s'])} / {secs(tree['median_step_s'])}",
+                f"{trl['first_step_s']:.1f} / {tree['first_step_s']:.1f} s", ranged(row["paired"].get("tree vs trl")),
+                x(tree["token_ceiling"]), f"{pct(tree['mfu'], 1)} / {pct(trl['mfu'], 1)}",
+                f"{tree['peak_gib']:.1f} / {trl['peak_gib']:.1f}",
+                f"{sum(c['passed'] for c in checks)} of {len(checks)} pairs", notes.source(name),
+            ])  # fmt: skip
     for name in BEYOND_GRPO:
         for run in load(name)["runs"]:
             if "error" in run:  # a workload that failed: the file's note says what happened
@@ -814,8 +855,17 @@ def beyond_grpo() -> list[str]:
     headers = ["workload", "batch", "model", "step, TRL (each step)", "step, tree", "tree vs TRL (median measured)",
                "reward model per step, TRL / tree", "token ceiling", "% of ceiling", "peak GiB tree / TRL",
                "max loss diff", "source"]  # fmt: skip
+    paired_headers = ["workload", "batch", "model", "median step TRL / tree", "first step TRL / tree", "tree vs TRL",
+                      "token ceiling", "MFU tree / TRL", "peak GiB tree / TRL", "agreement", "source"]  # fmt: skip
     left = pending("beyond_grpo", 2)
-    return table(headers, rows) + notes.lines() + (table(["measurement", "result"], left) if left else [])
+    return (
+        [PAIRED_INTRO, ""]
+        + table(paired_headers, paired_rows)
+        + ["Earlier rows (older code: both sides in one process, a ratio of the median steps):", ""]
+        + table(headers, rows)
+        + notes.lines()
+        + (table(["measurement", "result"], left) if left else [])
+    )
 
 
 def test_outcome(name: str) -> str:
@@ -991,13 +1041,12 @@ SECTIONS = [  # (heading level, title, section, what it measures)
     (2, "Trainer phase", None, None),
     (3, "Through the trainer, generation stubbed", sync_steps,
      "`TreeGRPOTrainer` against `trl.GRPOTrainer`, each through `trainer.train()` at TRL's defaults (padded rows, "
-     "SDPA, gradient checkpointing, bf16; the tree's own defaults at theirs), one after the other in one process on "
-     "one GPU. Generation is TRL's `rollout_func` returning the prompt's tokens and random completions seeded by the "
-     "prompt, so both trainers train the same rows and generation costs nothing: the step is the trainer's work "
-     "(log-prob forwards, backward, optimizer). One prompt with G=16 completions per optimizer step; two measured "
-     "steps after a warm-up step; the ratio is of the median steps. MFU counts each side's own layout (TRL's "
-     "unpadded sequences, the tree's forest; forward + backward, recompute not counted) over 989 TFLOPS "
-     "(`bench_sync_grpo.py`)."),
+     "SDPA, gradient checkpointing, bf16; the tree's own defaults at theirs: on CUDA its decoder layers compiled). "
+     "Generation is TRL's `rollout_func` returning the prompt's tokens and random completions seeded by the prompt, "
+     "so both trainers train the same rows and generation costs nothing: the step is the trainer's work (log-prob "
+     "forwards, backward, optimizer). One prompt with G=16 completions per optimizer step. MFU counts the same model "
+     "FLOPs for both sides: 3x the forward FLOPs of the step's sequences as one prefix forest (recompute not counted) "
+     "per second, over 989 TFLOP/s (`bench_sync_grpo.py`)."),
     (3, "Through the trainer at TRL's defaults", through_trainer,
      "`TreeGRPOTrainer` against `trl.GRPOTrainer`, each through `trainer.train()` with the same config: TRL's "
      "defaults (gradient checkpointing and bf16 among them; the tree's own at theirs), one prompt's G completions "
@@ -1072,12 +1121,14 @@ SECTIONS = [  # (heading level, title, section, what it measures)
      "the kernels and the recompute. MFU counts the same model FLOPs for both sides: 3x the forward FLOPs of the "
      "step's samples as one forest (recompute not counted) per second, over 989 TFLOP/s."),
     (2, "SFT, DPO and reward models on trees", beyond_grpo,
-     "`TreeSFTTrainer` and `TreeDPOTrainer` against TRL's `SFTTrainer` and `DPOTrainer`, each through "
-     "`trainer.train()` on the same data, one after the other in one process, TRL's defaults (gradient "
-     "checkpointing, AdamW, bf16), random-weight bf16 Qwen3 shapes (`bench_trees_beyond_grpo.py`). Step times: "
-     "every optimizer step; the ratio is of the median after the warm-up steps. The token ceiling is the batch's "
-     "tokens over its unique tokens; TRL pads each batch to its longest sequence, so the tree can pass it. The "
-     "loss difference is the largest over the steps, bf16 against bf16 (the float32 equality is tested on CPU)."),
+     "`TreeSFTTrainer` and `TreeDPOTrainer` against TRL's `SFTTrainer` and `DPOTrainer` (and `TreeRewardTrainer`, "
+     "`TreeRLOOTrainer` against TRL's), each through `trainer.train()` on the same data at TRL's defaults (gradient "
+     "checkpointing, AdamW, bf16; the tree's own defaults at theirs), random-weight bf16 Qwen3 shapes "
+     "(`bench_trees_beyond_grpo.py`). The token ceiling is the batch's tokens over its unique tokens; TRL pads each "
+     "batch to its longest sequence, so the tree can pass it. MFU: 3x the forward FLOPs of the batch as one prefix "
+     "forest (plus one forward for a reference model) per second over 989 TFLOP/s, both sides. The earlier rows "
+     "ran both trainers one after the other in one process, and report the largest loss difference over the steps, "
+     "bf16 against bf16 (the float32 equality is tested on CPU)."),
     (2, "Correctness on the GPU", correctness, None),
     (2, "Other runs", other_runs, None),
     (2, "Result files", result_files,
@@ -1129,7 +1180,15 @@ def readme_table() -> str:
     rows = []
     for model, wl, trainer, eager, compiled in README_ROWS:
         through = "not yet measured"
-        if trainer and trainer[0].startswith("sync_grpo_"):  # bench_sync_grpo.py: whole steps, median
+        if trainer and trainer[0].endswith("_paired.json"):  # bench_sync_grpo.py on the harness: paired steps
+            name, key = trainer
+            row = trainer_row(name, key)
+            pair = row["paired"]["tree vs trl"]
+            through = (
+                f"**[{x(pair['median'])}](benchmarks/results/{name})** [{x(pair['min'])}, {x(pair['max'])}] per "
+                f"step (paired), memory {x(pair['peak_ratio'])}"
+            )
+        elif trainer and trainer[0].startswith("sync_grpo_"):  # bench_sync_grpo.py: whole steps, median
             name, key = trainer
             row = trainer_row(name, key)
             speed, peak = row["speedup_tree_vs_trl"], row["peak_tree_over_trl"]

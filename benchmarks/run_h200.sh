@@ -230,9 +230,27 @@ for stage in "$@"; do
       PYTHONPATH=/tmp/site:$PWD timeout 270 python3 benchmarks/bench_async_grpo.py --warmup 2 --steps 8 --resume \
         --profile --models qwen3-1.7b --workloads grpo_mixed --sides reference trl tree trl_compiled \
         --out "$OUT/async_grpo_h200_qwen3-1.7b_profiled.json" 2>&1 | grep -E "^qwen|^  |rror:"
-      PYTHONPATH=/tmp/site:$PWD timeout 240 python3 benchmarks/bench_async_grpo.py --warmup 2 --steps 8 --resume \
-        --profile --models qwen3-1.7b --workloads tau2_like --sides reference trl tree \
+      PYTHONPATH=/tmp/site:$PWD timeout 380 python3 benchmarks/bench_async_grpo.py --warmup 2 --steps 8 --resume \
+        --profile --models qwen3-1.7b --workloads tau2_like --sides reference trl tree trl_compiled \
         --out "$OUT/async_grpo_h200_qwen3-1.7b_profiled.json" 2>&1 | grep -E "^qwen|^  |rror:" ;;
+    compile-sync-1.7b)  # TreeGRPOTrainer on its defaults vs trl.GRPOTrainer, paired per step (gpu_compile.sh's
+      # sync-1.7b phase, then sync-1.7b-tree resuming its file in a second call; carry .whl)
+      python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/async/*.whl
+      PYTHONPATH=/tmp/site:$PWD timeout 220 python3 benchmarks/bench_sync_grpo.py --warmup 2 --steps 8 --resume \
+        --models qwen3-1.7b --workloads grpo_mixed --sides reference trl tree \
+        --out "$OUT/sync_grpo_h200_qwen3-1.7b_paired.json" 2>&1 | grep -E "^qwen|^  |rror:"
+      PYTHONPATH=/tmp/site:$PWD timeout 190 python3 benchmarks/bench_sync_grpo.py --warmup 2 --steps 8 --resume \
+        --models qwen3-1.7b --workloads grpo_mixed --sides tree \
+        --out "$OUT/sync_grpo_h200_qwen3-1.7b_paired.json" 2>&1 | grep -E "^qwen|^  |rror:" ;;
+    beyond-grpo-paired)  # TreeSFTTrainer / TreeDPOTrainer (and the reward and RLOO trainers) vs TRL's, each side in
+      # its own process, paired per step (gpu_compile.sh's beyond-grpo and beyond-grpo-more phases; carry .whl)
+      python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/async/*.whl
+      PYTHONPATH=/tmp/site:$PWD timeout 335 python3 benchmarks/bench_trees_beyond_grpo.py --models qwen3-1.7b \
+        --warmup 2 --steps 8 --resume --workloads sft_system_prompt dpo_long_prompt \
+        --out "$OUT/trees_beyond_grpo_h200_paired.json" 2>&1 | grep -E "^qwen|^  |rror:"
+      PYTHONPATH=/tmp/site:$PWD timeout 450 python3 benchmarks/bench_trees_beyond_grpo.py --models qwen3-1.7b \
+        --warmup 2 --steps 8 --resume --workloads dpo_long_prompt sft_agent_turns \
+        --out "$OUT/trees_beyond_grpo_h200_paired.json" 2>&1 | grep -E "^qwen|^  |rror:" ;;
     gpu-tests-all)  # every gpu-marked test but the hybrid kernels' and DeepSpeed's, 8 workers on one GPU (~9 min;
       # gpu_compile.sh's gpu-tests phase, transformers 5.24 from .whl/common)
       timeout 540 python3 -m pytest -v -rfEs -m gpu -p no:cacheprovider -n 8 --timeout 300 tests \
