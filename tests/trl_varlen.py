@@ -82,7 +82,11 @@ def use_kernel(fn):
 
     saved = packing._flash_attn, trl_async.get_peak_flops_per_device
     lookup = saved[1]
-    packing._flash_attn = lambda: SimpleNamespace(flash_attn_varlen_func=fn)
+    # One namespace, built here: TRL calls `_flash_attn()` inside every attention layer, and a `SimpleNamespace` built
+    # in that call is a graph break for dynamo (accelerate's regional compile of TRL's layers would split each layer
+    # at its attention); returning a prebuilt object traces.
+    kernel = SimpleNamespace(flash_attn_varlen_func=fn)
+    packing._flash_attn = lambda: kernel
     trl_async.get_peak_flops_per_device = lambda acc, dtype: lookup(acc, dtype) if acc.device.type == "cuda" else None
     try:
         yield
