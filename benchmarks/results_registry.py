@@ -107,6 +107,7 @@ SOURCES = {
     "main_job_cpu_qwen3_5.txt": None,
     "generation_modes_cpu_tiny_compiled_recompiles.log": None,
     "tree_vs_flat_h200.png": None,
+    "prefix_reuse_plan_cpu.json": None,
 }
 
 # Through trainer.train(), generation a `rollout_func` (bench_sync_grpo.py): (file, workload).
@@ -245,6 +246,8 @@ BEYOND_GRPO = [
     "trees_beyond_grpo_h200_more.json",
     "trees_beyond_grpo_h200_reward_model.json",
 ]
+# Forwarded over unique tokens, micro-batches vs prefix reuse, and the reuse planner's estimates (CPU, layouts only).
+PREFIX_REUSE_PLAN = "prefix_reuse_plan_cpu.json"
 # The same on the harness (each side in its own process, paired per step, agreement checked): its rows supersede
 # the older files' rows of the same workloads.
 BEYOND_PAIRED = ["trees_beyond_grpo_h200_paired.json"]
@@ -394,6 +397,13 @@ NOTES = {
     "114.1 s, compiled its layers on a fresh machine (dynamo 110.0 s, of which inductor's forward graph 78.2 s and "
     "backward 14.8 s). TRL's `GRPOTrainer` pads each micro-batch to its longest sequence (prompts up to 6,000 "
     "tokens), which its MFU (model FLOPs of the step's prefix forest, one formula for both sides) shows.",
+    "prefix_reuse_plan_cpu.json": "the context term dominates the long rows: a chunk holds its context rows' keys "
+    "and values as float32 leaves, their concatenation with its own and their gradients, for every layer at once "
+    "while it is recomputed whole. The 96k-token trajectory at the Qwen3-8B shape is estimated at 106 GiB at best "
+    "beyond weights, gradients and AdamW state (89 GiB at 8B with bf16 weights and gradients and float32 moments, "
+    "119 GiB all in float32): not within one H200 as the planner prices it; a per-layer recompute of the chunk, or "
+    "attention over the kept store without "
+    "the concatenation, would cut that term.",
     "trees_beyond_grpo_h200_paired.json": "two calls made back to back (`earlier_runs`): the first ran "
     "`sft_system_prompt` and was stopped in `dpo_long_prompt` by its time limit, the second ran `dpo_long_prompt` "
     "and was stopped before `sft_agent_turns` started; `reward_pairs` and `rloo_groups` not run. The tree's first "

@@ -45,6 +45,7 @@ from results_registry import (
     PLOT,
     PREFIX_NEW_SHAPES,
     PREFIX_PARTS,
+    PREFIX_REUSE_PLAN,
     PREFIX_RUNS,
     PROBES_ON_GPU,
     PROFILES,
@@ -365,6 +366,32 @@ def memory() -> list[str]:
         "methods ran, so the tree's peak there includes the flat methods' probes.",
         "",
     ]
+
+
+def prefix_reuse_plan() -> list[str]:
+    """bench_prefix_reuse_plan.py: forwarded over unique tokens, split vs prefix reuse, and the reuse planner's
+    memory estimates per model shape."""
+    notes, rows = Notes(), []
+    data = load(PREFIX_REUSE_PLAN)
+    for name, row in data["rows"].items():
+        split = row["split"]
+        today = (f"{x(split['forwarded_over_unique'])} in {split['micro_batches']} forwards" if "refused" not in split
+                 else "refused (a sequence longer than the budget)")  # fmt: skip
+        for model, reuse in row["reuse"].items():
+            gib = reuse["estimate_gib"]
+            rows.append([
+                f"`{name}`", f"{row['sequences']} / {row['longest']:,}", f"{row['unique']:,}", f"{row['budget']:,}",
+                today, f"**{x(reuse['forwarded_over_unique'])}** in {reuse['chunks']} chunks", MODELS[model],
+                f"{gib['total']:.1f} ({gib['activations']:.1f} / {gib['context']:.1f} / "
+                f"{gib['kept_kv'] + gib['kv_grad']:.1f})",
+                f"{reuse['least']['total_gib']:.1f} at {reuse['least']['chunk_rows']:,} rows",
+                notes.source(PREFIX_REUSE_PLAN),
+            ])  # fmt: skip
+    headers = ["workload", "sequences / longest", "unique tokens", "budget", "forwarded / unique, split",
+               "forwarded / unique, prefix reuse", "model shape",
+               "reuse peak estimate GiB (activations / context / kept K/V + grads)", "least estimate GiB",
+               "source"]  # fmt: skip
+    return table(headers, rows) + notes.lines()
 
 
 def flop_ceiling_and_mfu() -> list[str]:
@@ -1074,6 +1101,14 @@ SECTIONS = [  # (heading level, title, section, what it measures)
     (2, "Memory", memory,
      "Peak GPU memory of the trainer phase in the benchmark loop, same batch. Through the trainer the peak includes "
      "generation's: [first table](#through-the-trainer-at-trls-defaults)."),
+    (2, "Prefix reuse across micro-batches", prefix_reuse_plan,
+     "One optimizer step's sequences laid out two ways, no model run (`bench_prefix_reuse_plan.py`, CPU): split into "
+     "micro-batches of whole tries within the token budget, each repeating the prefix its sequences need (the "
+     "trainers without `tree_prefix_reuse`), or as one forest in chunks of the budget that keep the keys and values "
+     "later chunks read (`tree_prefix_reuse=True`). Forwarded counts the forward passes' rows (both then recompute "
+     "each checkpointed layer once). The estimate is `hf_tree_attn.reuse_planner`'s, bf16, every layer "
+     "checkpointed: the backward's peak beyond weights, gradients and optimizer state, at chunks of the budget; the "
+     "least over chunk sizes beside it. Not yet measured on a GPU."),
     (2, "FLOP ceiling and MFU", flop_ceiling_and_mfu,
      "MFU = model FLOPs of the trainer phase (`estimate_flops` × 4: old-log-prob forward, policy forward, backward; "
      "recompute not counted) / time / 989 TFLOPS (the H200's dense bf16 peak). A tree that recomputes fewer layers "
