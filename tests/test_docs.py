@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-DOCS = ["README.md", "CHANGELOG.md", "benchmarks/results/README.md", *sorted(
+DOCS = ["README.md", "CHANGELOG.md", "benchmarks/README.md", "benchmarks/results/README.md", *sorted(
     str(path.relative_to(REPO)) for folder in ("docs", "tests/trl_suite") for path in (REPO / folder).glob("*.md")
 )]  # fmt: skip
 TOP_LEVEL = ("hf_tree_attn", "benchmarks", "docs", "tests", "trainers", "examples")
@@ -68,6 +68,13 @@ def dead_references(text: str, path: Path) -> list[str]:
 @pytest.mark.parametrize("doc", DOCS)
 def test_docs_point_at_files_that_exist(doc):
     assert dead_references((REPO / doc).read_text(), REPO / doc) == []
+
+
+def test_benchmarks_readme_lists_every_script():
+    """benchmarks/README.md groups the scripts by what they measure: a new script gets its line there."""
+    listed = set(re.findall(r"\(([\w.]+\.(?:py|sh))\)", (REPO / "benchmarks" / "README.md").read_text()))
+    scripts = {path.name for path in (REPO / "benchmarks").glob("*") if path.suffix in (".py", ".sh")}
+    assert scripts - listed == set(), "benchmarks/README.md does not list these scripts"
 
 
 def test_dead_references_are_found():
