@@ -410,28 +410,12 @@ def main():
 
 
 def _pair(row: dict, dtype: str) -> None:
-    """`row["paired"]` and `row["agreement"]` for every pair of `PAIRS` whose two sides ran."""
-    from harness import paired, sides_agreement
+    """`row["paired"]` and `row["agreement"]` for every pair of `PAIRS` whose two sides ran (`harness.pair_sides`;
+    the same data: the same samples and trained tokens on every step)."""
+    from harness import pair_sides
 
-    sides = row["sides"]
-    row["spec"] = next((r["spec"] for r in sides.values() if "spec" in r), None)
-    for candidate, reference in PAIRS:
-        a, b = sides.get(candidate, {}), sides.get(reference, {})
-        if "median_step_s" not in a or "median_step_s" not in b:
-            continue
-        key = f"{candidate} vs {reference}"
-        keys = ("samples_per_step", "trained_tokens_per_step")
-        same = all(a[k] == b[k] for k in keys)
-        check = sides_agreement(a, b, sides.get("reference"), dtype)
-        check["passed"] = check["passed"] and check["same_targets"] and same
-        row["agreement"][key] = check
-        try:
-            row["paired"][key] = {**paired(b["measured_step_s"], a["measured_step_s"]), "same_batches": same,
-                                  "failed": not check["passed"]}  # fmt: skip
-        except ValueError as error:
-            row["paired"][key] = {"error": str(error)}
-        if a.get("peak_gib") and b.get("peak_gib"):
-            row["paired"][key]["peak_ratio"] = a["peak_gib"] / b["peak_gib"]
+    keys = ("samples_per_step", "trained_tokens_per_step")
+    pair_sides(row, PAIRS, dtype, lambda a, b: all(a[k] == b[k] for k in keys))
 
 
 def _summary(row: dict) -> str:

@@ -43,7 +43,7 @@ sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
 from bench_async_grpo import SIDES, _summary, model_config  # noqa: E402
 from bench_balance_fsdp import length_reward, stub_rollout  # noqa: E402
 from bench_tree_vs_flat import MODELS, PEAK_FLOPS  # noqa: E402
-from harness import StepClock, compile_report, paired, provenance, resume, run_rows, sides_agreement, write_side  # noqa: E402
+from harness import StepClock, compile_report, pair_sides, provenance, resume, run_rows, write_side  # noqa: E402
 
 from hf_tree_attn.metrics import estimate_flops  # noqa: E402
 from trainers import toy_task  # noqa: E402
@@ -191,27 +191,9 @@ def main():
 
 
 def _pair(row: dict) -> None:
-    """`row["paired"]` and `row["agreement"]` for every pair of `PAIRS` whose two sides ran (the tree side's
-    `tree_fallback` must be 0 on every step)."""
-    sides = row["sides"]
-    for candidate, reference in PAIRS:
-        a, b = sides.get(candidate, {}), sides.get(reference, {})
-        if "median_step_s" not in a or "median_step_s" not in b:
-            continue
-        key = f"{candidate} vs {reference}"
-        same = a["completion_tokens_per_step"] == b["completion_tokens_per_step"]
-        check = sides_agreement(a, b, sides.get("reference"), "bfloat16")
-        fallbacks = [f for side in (a, b) for f in (side["tree_fallback"] or []) if f]
-        check["tree_fallback"] = len(fallbacks)
-        check["passed"] = check["passed"] and check["same_targets"] and same and not fallbacks
-        row["agreement"][key] = check
-        try:
-            row["paired"][key] = {**paired(b["measured_step_s"], a["measured_step_s"]),
-                                  "same_completions": same, "failed": not check["passed"]}  # fmt: skip
-        except ValueError as error:
-            row["paired"][key] = {"error": str(error)}
-        if a.get("peak_gib") and b.get("peak_gib"):
-            row["paired"][key]["peak_ratio"] = a["peak_gib"] / b["peak_gib"]
+    """`row["paired"]` and `row["agreement"]` for every pair of `PAIRS` whose two sides ran (`harness.pair_sides`;
+    the same data: the same completion tokens on every step)."""
+    pair_sides(row, PAIRS, "bfloat16", lambda a, b: a["completion_tokens_per_step"] == b["completion_tokens_per_step"])
 
 
 if __name__ == "__main__":

@@ -66,7 +66,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "benchmarks"), str(REPO / "tests")]
 from bench_tree_vs_flat import MODELS, PEAK_FLOPS  # noqa: E402
-from harness import StepClock, paired, provenance, resume, run_rows, sides_agreement, write_side  # noqa: E402
+from harness import StepClock, pair_sides, provenance, resume, run_rows, write_side  # noqa: E402
 
 from hf_tree_attn.metrics import estimate_flops  # noqa: E402
 
@@ -421,31 +421,12 @@ SPECS = {
 
 
 def _pair(row: dict) -> None:
-    """`row["paired"]` and `row["agreement"]` for every pair of `PAIRS` whose two sides ran: the per-step ratios, and
-    the agreement (first scores against the float32 reference, the same batches, no tree fallback); a pair that
-    fails it is marked `failed`."""
-    sides = row["sides"]
-    row["spec"] = next((s["spec"] for s in sides.values() if "spec" in s), None)
-    for candidate, baseline in PAIRS:
-        a, b = sides.get(candidate, {}), sides.get(baseline, {})
-        if "median_step_s" not in a or "median_step_s" not in b:
-            continue
-        key = f"{candidate} vs {baseline}"
-        same = a["batch_digests"] == b["batch_digests"]
-        check = sides_agreement(a, b, sides.get("reference"), "bfloat16")
-        fallbacks = [f for side in (a, b) for f in (side.get("tree_fallback") or []) if f]
-        check.update(same_batches=same, tree_fallback=len(fallbacks), reference=("first_scores" in
-                     sides.get("reference", {})))  # fmt: skip
-        check["passed"] = check["passed"] and same and not fallbacks
-        row["agreement"][key] = check
-        try:
-            row["paired"][key] = {**paired(b["measured_step_s"], a["measured_step_s"]), "failed": not check["passed"]}
-        except ValueError as error:
-            row["paired"][key] = {"error": str(error), "failed": True}
-            continue
-        if a.get("peak_gib") and b.get("peak_gib"):
-            row["paired"][key]["peak_ratio"] = a["peak_gib"] / b["peak_gib"]
-        row["paired"][key]["share_of_token_ceiling"] = row["paired"][key]["median"] / a["token_ceiling"]
+    """`row["paired"]` and `row["agreement"]` for every pair of `PAIRS` whose two sides ran (`harness.pair_sides`:
+    first scores against the float32 reference, the same batches, no tree fallback; a pair that fails is marked
+    `failed`), and each pair's median ratio over the token ceiling."""
+    for key in pair_sides(row, PAIRS, "bfloat16", lambda a, b: a["batch_digests"] == b["batch_digests"]):
+        candidate = row["sides"][key.split(" vs ")[0]]
+        row["paired"][key]["share_of_token_ceiling"] = row["paired"][key]["median"] / candidate["token_ceiling"]
 
 
 def _summary(row: dict) -> str:

@@ -16,6 +16,8 @@ ratios and agreement checks that can fail.
 - `compile_report(trainer)`: what ran compiled in a side's process — decoder layers compiled by the tree trainer
   (`hf_tree_attn.compile`) or by accelerate (regional compilation wraps them in `OptimizedModule`), dynamo's graphs,
   frames and graph breaks, and the seconds its compile phases took (the first step's compile cost, by phase).
+- `pair_sides(row, pairs, dtype, same_data)`: a benchmark row's paired ratios and agreement checks for each pair of
+  its sides, a pair that disagrees (or trained other data, or fell back from the tree) marked failed.
 - `agreement(candidate, baseline, exact)` (`sides_agreement` for two sides' result dicts): whether one side's
   per-token values are as close to a float32 run's on the same tokens as the other's (at most twice its error plus
   one bf16 rounding); a row that fails is recorded as failed.
@@ -290,3 +292,39 @@ def sides_agreement(candidate: dict, baseline: dict, reference: dict | None, dty
     check["same_targets"] = same
     check["passed"] = check["passed"] and same
     return check
+
+
+def pair_sides(row: dict, pairs: list[tuple[str, str]], dtype: str, same_data) -> list[str]:
+    """Fill `row["paired"]` and `row["agreement"]` for every (candidate, baseline) of `pairs` whose two sides ran,
+    and return their keys ("candidate vs baseline").
+
+    A pair agrees when `sides_agreement` passes (the float32 `reference` side where it ran), `same_data(a, b)` says
+    the two sides trained the same data, and no step of either fell back from the tree (`tree_fallback`); a pair that
+    does not is marked `failed`. Its `paired` entry: the per-step ratios (`paired`; baseline seconds over the
+    candidate's), `peak_ratio` (candidate peak over the baseline's) where both recorded one, or `error` with too few
+    steps. `row["spec"]`: the first side's `spec`."""
+    sides = row["sides"]
+    row["spec"] = next((side["spec"] for side in sides.values() if "spec" in side), None)
+    keys = []
+    for candidate, baseline in pairs:
+        a, b = sides.get(candidate, {}), sides.get(baseline, {})
+        if "median_step_s" not in a or "median_step_s" not in b:
+            continue
+        key = f"{candidate} vs {baseline}"
+        same = same_data(a, b)
+        check = sides_agreement(a, b, sides.get("reference"), dtype)
+        fallbacks = [f for side in (a, b) for f in (side.get("tree_fallback") or []) if f]
+        check.update(
+            same_batches=same, tree_fallback=len(fallbacks), reference="first_scores" in sides.get("reference", {})
+        )
+        check["passed"] = check["passed"] and same and not fallbacks
+        row["agreement"][key] = check
+        try:
+            row["paired"][key] = {**paired(b["measured_step_s"], a["measured_step_s"]), "failed": not check["passed"]}
+        except ValueError as error:
+            row["paired"][key] = {"error": str(error), "failed": True}
+            continue
+        if a.get("peak_gib") and b.get("peak_gib"):
+            row["paired"][key]["peak_ratio"] = a["peak_gib"] / b["peak_gib"]
+        keys.append(key)
+    return keys
