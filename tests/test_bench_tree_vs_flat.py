@@ -12,6 +12,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench_tree_vs_flat as bench  # noqa: E402
+import results_tables  # noqa: E402
 
 REPEATS = bench.MIN_MEASURED_STEPS
 LOGPROBS = [-random.Random(0).uniform(0.5, 9.0) for _ in range(300)]
@@ -77,6 +78,18 @@ def test_too_few_repeats_are_not_paired():
     bench.check_run(run, _scores(), "bfloat16")
     pair = run["paired"]["tree vs flat_padded"]
     assert "median" not in pair and pair["failed"] and f"at least {REPEATS}" in pair["error"]
+
+
+def test_results_tables_show_paired_ratios_and_failures():
+    run = {**_run(), "speedup_vs_padded": 9.0, "speedup_vs_packed": 9.0}
+    bench.check_run(run, _scores(), "bfloat16")
+    assert results_tables.loop_ratio(run) == "3.00× [3.00×, 3.00×]"  # the paired median, not the stored 9.0
+    assert "agree" in results_tables.loop_agreement(run, "0.9995")
+    bench.check_run(run, _scores(tree_error=0.2), "bfloat16")
+    assert results_tables.loop_ratio(run).endswith("**agreement failed**")
+    assert "**agreement failed**" in results_tables.loop_agreement(run, "0.9995")
+    old = {k: v for k, v in run.items() if k not in ("paired", "agreement", "failed")}  # a file from before
+    assert results_tables.loop_ratio(old) == "9.00×" and results_tables.loop_agreement(old, "0.9995") == "0.9995"
 
 
 def test_every_method_scores_the_same_tokens_on_cpu():
