@@ -468,7 +468,7 @@ GDN_ROUTE: str | None = None  # `--gdn-route`, checked against the kernels each 
 def time_method(fn, model, wl, budget, device, repeats: int) -> dict:
     """A warm-up step, then `repeats` timed steps of `fn`: `times_s` each repeat's seconds (in order: the paired
     ratios pair repeat k of two methods), `time_s` their median, `peak_gib` the peak allocated (None off CUDA)."""
-    cuda = torch.cuda.is_available()
+    cuda = torch.device(device).type == "cuda"
     fn(model, wl, budget, device)  # warm-up: compiles, allocator
     model.zero_grad(set_to_none=True)
     _sync()
