@@ -20,6 +20,21 @@ Every method processes the whole logical batch in micro-batches of at most `--ma
     python benchmarks/bench_tree_vs_flat.py --models qwen3-0.6b --out benchmarks/results/tree_vs_flat.json
     python benchmarks/bench_tree_vs_flat.py --models gemma3-1b --workloads grpo_G16_P4096_C512 ...
 
+Each method runs a warm-up step and `--repeats` timed steps (at least 8: `harness.MIN_MEASURED_STEPS`), each
+repeat's seconds kept (`times_s`; `time_s` their median). Per run, `paired["tree vs flat_padded"]` and
+`paired["tree vs flat_packed"]` (and each other tree method's `"<method> vs flat_padded"`): `harness.paired`, the
+baseline's repeat k over the tree's repeat k on the same batch, min / median / max; `speedup_vs_padded` /
+`speedup_vs_packed` stay the ratio of the two medians. Agreement (`agreement[method]`): an untimed step of each
+method (the gradient probe) keeps every sequence's scored log-probabilities from its policy forward — the same tokens
+in every method, in the workload's order — and the largest |difference| to flat_padded's must be within
+`harness.LOGPROB_BOUND[dtype]`, its gradient cosine to flat_padded's at least `GRAD_COS_BOUND[dtype]`. A pair whose
+methods disagree, or with fewer repeats than the minimum (`error`, no ratio), is `failed` with its `reason`, the run
+`failed`, and the printed summary says so. `--perturb-tree EPS` scores the tree methods with noise of relative size
+EPS on the weights: their agreement must then fail (the check's own check).
+
+    python benchmarks/bench_tree_vs_flat.py --models tiny --workloads smoke --device cpu \
+        --out /tmp/tree_vs_flat_cpu.json                        # CPU smoke run, float32
+
 Kernels and recompute apply to every method alike: `--liger` (Liger's RMSNorm / SwiGLU / RoPE, as TRL's
 `use_liger_kernel=True`), `--compile-layers` (regional torch.compile of the decoder layers, as accelerate's
 `dynamo_use_regional_compilation`), `--checkpointing all|none|auto` (auto: the tree recomputes only the layers
@@ -60,7 +75,7 @@ from dataclasses import dataclass
 
 import gdn_kernels
 import torch
-from harness import provenance
+from harness import LOGPROB_BOUND, MIN_MEASURED_STEPS, agreement, paired, provenance
 from transformers import AutoModelForCausalLM, Gemma3TextConfig, Qwen3_5TextConfig, Qwen3Config
 
 import hf_tree_attn
@@ -104,8 +119,16 @@ MODELS = {
                        linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128,
                        linear_value_head_dim=128, linear_conv_kernel_dim=4,
                        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 6),
+    # CPU smoke runs (`--models tiny --workloads smoke --device cpu`): Qwen3's layer, two layers, a small vocab.
+    "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=32, vocab_size=2048, tie_word_embeddings=True),
 }  # fmt: skip
 CONFIG_CLASSES = {"gemma3-1b": Gemma3TextConfig, "qwen3.5-0.8b": Qwen3_5TextConfig, "qwen3.5-2b": Qwen3_5TextConfig}
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 class MaskTimer:
@@ -117,10 +140,10 @@ class MaskTimer:
     @classmethod
     def install(cls):
         def timed(source, *args, **kwargs):
-            torch.cuda.synchronize()
+            _sync()
             t0 = time.perf_counter()
             mask = cls._build(source, *args, **kwargs)
-            torch.cuda.synchronize()
+            _sync()
             cls.total += time.perf_counter() - t0
             return mask
 
@@ -200,7 +223,19 @@ def _token_budget_batches(lengths: list[int], budget: int, padded: bool) -> list
     return batches + [cur]
 
 
-def flat_padded_step(model, wl: Workload, budget: int, device) -> dict:
+def _keep_scores(scores: dict | None, indices: list[int], wl: Workload, logps: torch.Tensor) -> None:
+    """Into `scores` (when given): each sequence's scored log-probabilities, `logps` being those of `indices` one
+    after the other (their tokens from the prompt on), detached, float32, on the host."""
+    if scores is None:
+        return
+    counts = [len(wl.sequences[i]) - wl.prompt_lengths[i] for i in indices]
+    for i, values in zip(indices, logps.detach().float().cpu().split(counts)):
+        scores[i] = values
+
+
+def flat_padded_step(model, wl: Workload, budget: int, device, scores: dict | None = None) -> dict:
+    """`scores` (a dict): filled with each sequence's scored log-probabilities of the policy forward (index ->
+    tensor), as every step function does; the agreement check compares them across methods."""
     lengths = [len(s) for s in wl.sequences]
     for train in (False, True):
         for batch in _token_budget_batches(lengths, budget, padded=True):
@@ -223,11 +258,12 @@ def flat_padded_step(model, wl: Workload, budget: int, device) -> dict:
                 hidden = _final_hidden_states(model, inputs)[0].flatten(0, 1)
                 logps, _ = lm_head_logprobs(model, hidden, sources, targets)
                 if train:
+                    _keep_scores(scores, batch, wl, logps)
                     (logps * weights).sum().backward()
     return {}
 
 
-def flat_packed_step(model, wl: Workload, budget: int, device) -> dict:
+def flat_packed_step(model, wl: Workload, budget: int, device, scores: dict | None = None) -> dict:
     lengths = [len(s) for s in wl.sequences]
     batches = _token_budget_batches(lengths, budget, padded=False)
     prepared = []
@@ -254,6 +290,7 @@ def flat_packed_step(model, wl: Workload, budget: int, device) -> dict:
         source = TreeMaskSource(end.to(device), pos.to(device), torch.tensor([lengths[i] for i in batch]), {}, dense)
         prepared.append(
             (
+                batch,
                 ids[None].to(device),
                 pos[None].to(device),
                 source.carrier,
@@ -261,7 +298,7 @@ def flat_packed_step(model, wl: Workload, budget: int, device) -> dict:
             )
         )
     for train in (False, True):
-        for ids, pos, mask, sources, targets, weights in prepared:
+        for batch, ids, pos, mask, sources, targets, weights in prepared:
             with torch.set_grad_enabled(train):
                 inputs = {"input_ids": ids, "position_ids": pos, "attention_mask": mask, "use_cache": False}
                 if FLEX_KERNEL_OPTIONS is not None:
@@ -269,6 +306,7 @@ def flat_packed_step(model, wl: Workload, budget: int, device) -> dict:
                 hidden = _final_hidden_states(model, inputs)[0][0]
                 logps, _ = lm_head_logprobs(model, hidden, sources, targets)
                 if train:
+                    _keep_scores(scores, batch, wl, logps)
                     (logps * weights).sum().backward()
     return {"mask_s": MaskTimer.take()}
 
@@ -302,7 +340,7 @@ def _packed_forest(sequences: list[list[int]]) -> PackedForest:
     )  # fmt: skip
 
 
-def flat_packed_forest_step(model, wl: Workload, budget: int, device) -> dict:
+def flat_packed_forest_step(model, wl: Workload, budget: int, device, scores: dict | None = None) -> dict:
     """Padding-free packing for hybrids: recurrent layers need the document boundaries (one varlen call), which a
     forest without sharing carries; attention gets the same document mask as `flat_packed_step`."""
     lengths = [len(s) for s in wl.sequences]
@@ -312,12 +350,13 @@ def flat_packed_forest_step(model, wl: Workload, budget: int, device) -> dict:
         forest = _packed_forest([wl.sequences[i] for i in batch])
         rows = torch.cat([forest.positions(k)[wl.prompt_lengths[i] :] for k, i in enumerate(batch)])
         weights = torch.cat([wl.weights[i] for i in batch])
-        prepared.append((forest.to(device), rows.to(device), weights.to(device)))
+        prepared.append((batch, forest.to(device), rows.to(device), weights.to(device)))
     for train in (False, True):
-        for forest, rows, weights in prepared:
+        for batch, forest, rows, weights in prepared:
             with torch.set_grad_enabled(train):
                 table, _ = forest_logprobs(model, forest, rows=rows)
                 if train:
+                    _keep_scores(scores, batch, wl, table[rows])
                     (table[rows] * weights).sum().backward()
     return {"mask_s": MaskTimer.take()}
 
@@ -346,6 +385,7 @@ def tree_step(
     one_level: bool = False,
     keep_attention: bool = True,
     budget_gib: float | None = None,
+    scores: dict | None = None,
 ) -> dict:
     """The tree path. With `fallback_ratio` it decides like TreeGRPOTrainer (`tree_max_token_ratio`): when the
     forests hold more than that fraction of the positions the flat padded forward computes, go flat_padded. With
@@ -361,7 +401,8 @@ def tree_step(
     tree_tokens = sum(f.num_tree_tokens for f in forests)
     if fallback_ratio is not None and tree_tokens > fallback_ratio * sum(flat_padded_positions(wl, budget)):
         decided = time.perf_counter() - t0
-        return {**flat_padded_step(model, wl, budget, device), "pack_s": decided, "mask_s": 0.0, "micro_batches": 0}
+        flat = flat_padded_step(model, wl, budget, device, scores)
+        return {**flat, "pack_s": decided, "mask_s": 0.0, "micro_batches": 0}
     prepared = []
     MaskTimer.take()
     for forest in forests:
@@ -370,18 +411,22 @@ def tree_step(
         row_weights = torch.zeros(forest.seq_len).index_add_(
             0, rows, torch.cat([wl.weights[s] for s in forest.seq_ids])
         )
+        # With `scores`: each sequence's scored rows, in its token order (a shared row is read by every sequence).
+        seq_rows = None
+        if scores is not None:
+            seq_rows = rows.split([len(wl.sequences[s]) - wl.prompt_lengths[s] for s in forest.seq_ids])
         forest = forest.to(device)
         rows = torch.unique(rows)
-        prepared.append((forest, rows.to(device), row_weights[rows].to(device)))
+        prepared.append((forest, rows.to(device), row_weights[rows].to(device), seq_rows))
     config = model.config
     if recompute == "auto" and unpriced_reason(config, _checkpointed_layers(model)[0]) is not None:
         recompute = "all"  # as the trainer: layers the activation model does not price recompute every layer
     keep = recompute == "auto" and keep_attention and keeps_attention(model)
-    keep = keep and any(hf_tree_attn.prefix_attention.serves(f, device.type) for f, _, _ in prepared)
+    keep = keep and any(hf_tree_attn.prefix_attention.serves(f, device.type) for f, *_ in prepared)
     flat_forward = max(flat_padded_positions(wl, budget)) if recompute == "auto" else None
     checkpointed = []
     for train in (False, True):  # each layer kind's mask: built in the first forward, reused by the rest
-        for forest, rows, weights in prepared:
+        for forest, rows, weights, seq_rows in prepared:
             count = None
             if train and recompute == "auto":
                 bound = min(forest.num_original_tokens, flat_forward)
@@ -390,6 +435,8 @@ def tree_step(
             with torch.set_grad_enabled(train), recompute_only(model, count, keep_attention=keep):
                 table, _ = forest_logprobs(model, forest, rows=rows)
                 if train:
+                    if scores is not None:
+                        _keep_scores(scores, forest.seq_ids, wl, table[torch.cat(seq_rows).to(table.device)])
                     (table[rows] * weights).sum().backward()
     levels = max(f.num_levels for f in forests)
     out = {"pack_s": pack_time, "mask_s": MaskTimer.take(), "micro_batches": len(forests), "levels": levels}
@@ -419,20 +466,25 @@ GDN_ROUTE: str | None = None  # `--gdn-route`, checked against the kernels each 
 
 
 def time_method(fn, model, wl, budget, device, repeats: int) -> dict:
+    """A warm-up step, then `repeats` timed steps of `fn`: `times_s` each repeat's seconds (in order: the paired
+    ratios pair repeat k of two methods), `time_s` their median, `peak_gib` the peak allocated (None off CUDA)."""
+    cuda = torch.device(device).type == "cuda"
     fn(model, wl, budget, device)  # warm-up: compiles, allocator
     model.zero_grad(set_to_none=True)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
+    _sync()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     times, extras = [], []
     with gdn_kernels.KernelProbe() as probe:
         for _ in range(repeats):
-            torch.cuda.synchronize()
+            _sync()
             t0 = time.perf_counter()
             extras.append(fn(model, wl, budget, device))
-            torch.cuda.synchronize()
+            _sync()
             times.append(time.perf_counter() - t0)
             model.zero_grad(set_to_none=True)
-    out = {"time_s": statistics.median(times), "times_s": times, "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+    out = {"time_s": statistics.median(times), "times_s": times, "peak_gib": peak}
     for key in extras[0]:
         out[key] = statistics.median(e[key] for e in extras)
     if probe.calls:  # a model with Gated DeltaNet layers: which kernels the timed steps called
@@ -443,17 +495,18 @@ def time_method(fn, model, wl, budget, device, repeats: int) -> dict:
     return out
 
 
-def gdn_varlen(model) -> bool:
+def gdn_varlen(model, device: torch.device | None = None) -> bool:
     """Whether the model's Gated DeltaNet layers run varlen kernel calls (one per level, no padding)."""
     install_transformers_wrappers()
     modules = {type(m).__module__ for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")}
     kernels = [sys.modules[name].torch_chunk_gated_delta_rule.tree_original for name in modules]
-    return any(_use_varlen(kernel, torch.device("cuda")) for kernel in kernels)
+    return any(_use_varlen(kernel, device or torch.device("cuda")) for kernel in kernels)
 
 
-def grad_probe(model, fn, wl, budget, device) -> torch.Tensor:
-    """Gradients of a few parameters (first and last layer, embeddings) after one step of `fn`, flattened fp32."""
-    fn(model, wl, budget, device)
+def grad_probe(model, fn, wl, budget, device, scores: dict | None = None) -> torch.Tensor:
+    """Gradients of a few parameters (first and last layer, embeddings) after one (untimed) step of `fn`, flattened
+    fp32; `scores` gets the step's per-sequence scored log-probabilities (the policy forward's)."""
+    fn(model, wl, budget, device, scores=scores)
     names = ("embed_tokens", "layers.0.", f"layers.{model.config.num_hidden_layers - 1}.mlp.down_proj")
     params = ((n.replace("._orig_mod", ""), p) for n, p in model.named_parameters())  # compiled layers' names
     grads = [p.grad.float().flatten() for n, p in params if any(k in n for k in names)]
@@ -463,11 +516,113 @@ def grad_probe(model, fn, wl, budget, device) -> torch.Tensor:
     return torch.cat(grads).cpu().double()
 
 
-def build_model(name: str, device, liger: bool = False, compile_layers: bool = False, checkpointing: str = "all"):
+# The smallest gradient cosine to flat_padded's (the probed parameters) a method may have. bfloat16: the committed
+# H200 runs land at 0.9977 (Qwen3-8B) to 0.9999 (Qwen3-0.6B); float32 leaves only the order of summation.
+GRAD_COS_BOUND = {"bfloat16": 0.99, "float32": 0.9999}
+
+
+@contextlib.contextmanager
+def perturbed(model, eps: float):
+    """`model`'s weights plus `eps` x each weight's RMS of seeded Gaussian noise, restored on exit (`--perturb-tree`:
+    the tree is scored with wrong weights, so its agreement must fail)."""
+    if not eps:
+        yield
+        return
+    generator, saved = torch.Generator().manual_seed(0), []
+    with torch.no_grad():
+        for param in model.parameters():
+            saved.append(param.detach().clone())
+            noise = torch.randn(param.shape, generator=generator).to(param.device)
+            param.add_((noise * eps * param.float().pow(2).mean().sqrt()).to(param.dtype))
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for param, original in zip(model.parameters(), saved):
+                param.copy_(original)
+
+
+def check_run(run: dict, scores: dict[str, list[float]], dtype: str, min_repeats: int = MIN_MEASURED_STEPS) -> None:
+    """`run["agreement"]`, `run["paired"]` and `run["failed"]` of one workload's run (`scores`: each probed method's
+    scored log-probabilities, every sequence's in the workload's order: the same tokens in every method).
+
+    `agreement[method]`, every method but flat_padded: its log-probabilities against flat_padded's, the largest
+    |difference| within `harness.LOGPROB_BOUND[dtype]` (`harness.agreement`), and its `grad_cos_vs_flat_padded` at
+    least `GRAD_COS_BOUND[dtype]`. `paired["tree vs flat_padded"]`, `paired["tree vs flat_packed"]` and every other
+    probed tree method's `"<method> vs flat_padded"`: `harness.paired` of the repeats' seconds (the baseline's repeat k
+    over the tree's repeat k, the same batch), `failed` with the `reason` where either method's agreement failed or
+    fewer than `min_repeats` repeats were timed (then `error`, paired's own words, and no ratio)."""
+    bound, cos_bound = LOGPROB_BOUND[dtype], GRAD_COS_BOUND[dtype]
+    run["agreement"] = {}
+    for method, values in scores.items():
+        if method == "flat_padded":
+            continue
+        check = agreement(values, scores.get("flat_padded", []), bound=bound)
+        cos = run[method].get("grad_cos_vs_flat_padded")
+        check.update(grad_cos=cos, grad_cos_bound=cos_bound)
+        reasons = [check.pop("reason")] if "reason" in check else []
+        if not reasons and not check["passed"]:
+            reasons.append(f"log-probs differ by up to {check['max_abs']:.3g} > {bound:g}")
+        if cos is None or not cos >= cos_bound:
+            reasons.append(f"gradient cosine {cos if cos is None else f'{cos:.6f}'} < {cos_bound:g}")
+        check["passed"] = not reasons
+        if reasons:
+            check["reason"] = "; ".join(reasons)
+        run["agreement"][method] = check
+    run["paired"] = {}
+    pairs = [("tree", "flat_padded"), ("tree", "flat_packed")]
+    pairs += [(m, "flat_padded") for m in scores if m.startswith("tree") and m != "tree"]
+    for candidate, baseline in pairs:
+        reasons = []
+        for method in (candidate, baseline):
+            if method == "flat_padded":
+                continue
+            check = run["agreement"].get(method)
+            if check is None:
+                reasons.append(f"{method}: no agreement check")
+            elif not check["passed"]:
+                reasons.append(f"{method}: {check['reason']}")
+        try:
+            pair = paired(run[baseline]["times_s"], run[candidate]["times_s"], min_repeats)
+        except ValueError as error:
+            pair = {"error": str(error)}
+            reasons.append(str(error))
+        pair["failed"] = bool(reasons)
+        if reasons:
+            pair["reason"] = "; ".join(reasons)
+        run["paired"][f"{candidate} vs {baseline}"] = pair
+    run["failed"] = any(pair["failed"] for pair in run["paired"].values())
+
+
+def paired_summary(run: dict) -> str:
+    """The printed line under a run's row: its paired ratios and agreement, or why it failed."""
+    parts = []
+    for key, pair in run["paired"].items():
+        if "median" in pair:
+            ratio = f"{pair['median']:.2f}x [{pair['min']:.2f}, {pair['max']:.2f}]"
+            parts.append(f"{key} {ratio} ({pair['steps']} paired)")
+    check = run["agreement"].get("tree", {})
+    if "max_abs" in check:
+        cos = check["grad_cos"]
+        parts.append(f"tree log-probs max |diff| {check['max_abs']:.2g} (bound {check['bound']:g}, "
+                     f"{check['tokens']} tokens), grad cos {cos:.6f} (bound {check['grad_cos_bound']:g})")  # fmt: skip
+    failures = [f"{key}: {pair['reason']}" for key, pair in run["paired"].items() if pair["failed"]]
+    status = "FAILED: " + " | ".join(failures) if failures else "agrees"
+    return "  paired: " + "; ".join(parts) + ("; " if parts else "") + status
+
+
+def build_model(
+    name: str,
+    device,
+    liger: bool = False,
+    compile_layers: bool = False,
+    checkpointing: str = "all",
+    dtype: torch.dtype = torch.bfloat16,
+):
     torch.manual_seed(0)
     config = CONFIG_CLASSES.get(name, Qwen3Config)(**MODELS[name], attention_dropout=0.0)
     with device:  # random init on the GPU: an 8B init on the host takes minutes
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="tree_flex", dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="tree_flex", dtype=dtype)
     model.train()
     if checkpointing != "none":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -546,6 +701,13 @@ def e2e_step(model, device, vocab: int, g: int = 16, p: int = 4096, c: int = 512
     return {"spec": wl.spec, "generate_s": gen, "trainer_phase_s": trainer, "trainer_share": trainer / (gen + trainer)}
 
 
+def smoke_workload(vocab: int) -> Workload:
+    """`--workloads smoke`, for CPU smoke runs: 2 prompts of 256 tokens, 8 completions of 32 each."""
+    wl = grpo_workload(random.Random(0), 2, 8, 256, 32, vocab)
+    wl.name = "smoke"
+    return wl
+
+
 def build_workloads(s: float, vocab: int) -> list[Workload]:
     """Every workload at scale `s` (seeded: the same sequences on every run)."""
     rng = random.Random(0)
@@ -565,7 +727,8 @@ def main():
     parser.add_argument("--models", nargs="+", default=["qwen3-0.6b"], choices=list(MODELS))
     parser.add_argument("--workloads", nargs="+", default=None, help="names to run (default: all)")
     parser.add_argument("--max-tokens-per-mb", type=int, default=65536)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=MIN_MEASURED_STEPS,
+                        help=f"timed repeats per method (paired ratios need {MIN_MEASURED_STEPS})")  # fmt: skip
     parser.add_argument("--scale", type=float, default=1.0, help="multiply the number of groups/conversations")
     parser.add_argument("--recompile-check", action="store_true")
     parser.add_argument("--e2e", action="store_true", help="also time one GRPO step with generation")
@@ -600,6 +763,16 @@ def main():
         help="Gated DeltaNet kernels for every method (benchmarks/gdn_kernels.py); fla_triton lifts fla's Hopper "
         "refusal, which the models' K = 128 tiles allow",
     )
+    parser.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run (--models tiny)")
+    parser.add_argument("--dtype", choices=list(LOGPROB_BOUND), default=None,
+                        help="the model's dtype (default: bfloat16 on CUDA, float32 elsewhere)")  # fmt: skip
+    parser.add_argument(
+        "--perturb-tree",
+        type=float,
+        default=0.0,
+        help="add noise of this relative size to the weights while the tree methods are scored (not timed): their "
+        "agreement must then fail (the check's own check)",
+    )
     parser.add_argument("--out", default="benchmarks/results/tree_vs_flat.json")
     args = parser.parse_args()
     global GDN_ROUTE
@@ -614,13 +787,16 @@ def main():
         stack.enter_context(gdn_kernels.select(args.gdn_route, lift_guard=True))
     gdn_kernels.install_probes()
 
-    device = torch.device("cuda")
+    device = torch.device(args.device)
+    dtype_name = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     MaskTimer.install()
     set_flex_kernel_options(args.flex_kernel_options)
-    vocab = MODELS["qwen3-0.6b"]["vocab_size"]  # token ids of the workloads (below every model's vocab)
+    # Token ids of the workloads: below every model's vocab (Qwen3's, the smallest of the GPU models, unless --models
+    # names a smaller one).
+    vocab = min(MODELS[m]["vocab_size"] for m in ["qwen3-0.6b", *args.models])
     workloads = build_workloads(args.scale, vocab)
     if args.workloads:
-        workloads = [w for w in workloads if w.name in args.workloads]
+        workloads = [w for w in [*workloads, smoke_workload(vocab)] if w.name in args.workloads]
 
     results = {
         **provenance(**{k: v for k, v in gdn_kernels.versions().items() if k not in ("torch", "transformers", "gpu")}),
@@ -634,13 +810,19 @@ def main():
             "flex_kernel_options": args.flex_kernel_options,
         },
         "peak_flops": PEAK_FLOPS,
+        "device": device.type,
+        "dtype": dtype_name,
+        "repeats": args.repeats,
+        "perturb_tree": args.perturb_tree,
         "runs": [],
     }
     print(f"{'model':<12} {'workload':<22} {'tok ceil':>8} {'flop ceil':>9} {'vs padded':>9} {'vs packed':>9} "
           f"{'%ceil':>6} {'%flop':>6} {'mem/flat':>8} {'pack+mask':>9} {'grad cos':>8} {'mfu tree':>8} "
           f"{'flat':>6}")  # fmt: skip
     for name in args.models:
-        model = build_model(name, device, args.liger, args.compile_layers, args.checkpointing)
+        model = build_model(
+            name, device, args.liger, args.compile_layers, args.checkpointing, getattr(torch, dtype_name)
+        )
         for wl in workloads:
             flops = hf_tree_attn.estimate_flops(model.config, wl.sequences, prompt_lengths=wl.prompt_lengths)
             run = {"model": name, "model_config": MODELS[name], "workload": wl.name, "spec": wl.spec,
@@ -661,11 +843,14 @@ def main():
                 methods["tree_whole_recompute"] = functools.partial(methods["tree"], keep_attention=False)
             for gib in args.compare_budget_gib:
                 methods[f"tree_budget_{gib:g}gib"] = functools.partial(methods["tree"], budget_gib=gib)
+            scores = {}  # method -> sequence -> its scored log-probabilities (the probe step's policy forward)
             for method, fn in methods.items():
                 run[method] = time_method(fn, model, wl, args.max_tokens_per_mb, device, args.repeats)
-                probes[method] = grad_probe(model, fn, wl, args.max_tokens_per_mb, device)
+                scores[method] = {}
+                with perturbed(model, args.perturb_tree if method.startswith("tree") else 0.0):
+                    probes[method] = grad_probe(model, fn, wl, args.max_tokens_per_mb, device, scores[method])
                 run[method]["mfu"] = model_flops(method, run[method], flops) / run[method]["time_s"] / PEAK_FLOPS
-            if hybrid and gdn_varlen(model):  # the cost of going level by level: same tokens and kernels, one
+            if hybrid and gdn_varlen(model, device):  # the cost of going level by level: same tokens and kernels, one
                 # varlen call per layer
                 one_level = functools.partial(tree_step, one_level=True)
                 run["tree_one_level"] = time_method(one_level, model, wl, args.max_tokens_per_mb, device, args.repeats)
@@ -675,6 +860,10 @@ def main():
                 cos = torch.nn.functional.cosine_similarity(probes[method], probes["flat_padded"], dim=0)
                 run[method]["grad_cos_vs_flat_padded"] = cos.item()
             del probes
+            order = range(len(wl.sequences))  # every method's tokens in the same order
+            scores = {m: torch.cat([per[i] for i in order if i in per]).tolist() for m, per in scores.items()}
+            check_run(run, scores, dtype_name)
+            del scores
             if graphs := torch._dynamo.utils.counters["stats"]["unique_graphs"]:
                 run["compiled_graphs"] = int(graphs)
             best_flat = min(run["flat_padded"]["time_s"], run["flat_packed"]["time_s"])
@@ -684,8 +873,8 @@ def main():
             run["speedup_vs_best_flat"] = best_flat / tree["time_s"]
             run["pct_of_token_ceiling"] = 100 * run["speedup_vs_best_flat"] / run["token_ceiling"]
             run["pct_of_flop_ceiling"] = 100 * run["speedup_vs_best_flat"] / run["flop_ceiling"]
-            best_flat_mem = min(run["flat_padded"]["peak_gib"], run["flat_packed"]["peak_gib"])
-            run["peak_memory_ratio"] = tree["peak_gib"] / best_flat_mem
+            peaks = (run["flat_padded"]["peak_gib"], run["flat_packed"]["peak_gib"], tree["peak_gib"])
+            run["peak_memory_ratio"] = None if None in peaks else tree["peak_gib"] / min(peaks[:2])  # None: not CUDA
             run["pack_and_mask_share"] = (tree["pack_s"] + tree["mask_s"]) / tree["time_s"]
             if args.compare_flex:
                 run["speedup_vs_tree_flex"] = run["tree_flex"]["time_s"] / tree["time_s"]
@@ -696,8 +885,8 @@ def main():
             print(f"{name:<12} {wl.name:<22} {run['token_ceiling']:>7.2f}x {run['flop_ceiling']:>8.2f}x "
                   f"{run['speedup_vs_padded']:>8.2f}x {run['speedup_vs_packed']:>8.2f}x "
                   f"{run['pct_of_token_ceiling']:>5.0f}% {run['pct_of_flop_ceiling']:>5.0f}% "
-                  f"{run['peak_memory_ratio']:>8.2f} "
-                  f"{100 * run['pack_and_mask_share']:>8.1f}% {tree['grad_cos_vs_flat_padded']:>8.5f} "
+                  + (f"{run['peak_memory_ratio']:>8.2f} " if run["peak_memory_ratio"] is not None else f"{'-':>8} ")
+                  + f"{100 * run['pack_and_mask_share']:>8.1f}% {tree['grad_cos_vs_flat_padded']:>8.5f} "
                   f"{100 * tree['mfu']:>7.1f}% {100 * best_flat_mfu:>5.1f}%"
                   + (f"  levels {tree.get('levels')}" if hybrid else "")
                   + (f"  [{tree['gdn_kernels']}]" if "gdn_kernels" in tree else "")
@@ -709,6 +898,7 @@ def main():
                      f"{100 * run['tree_whole_recompute']['mfu']:.1f}%, peak {tree['peak_gib']:.1f} vs "
                      f"{run['tree_whole_recompute']['peak_gib']:.1f} GiB)" if args.compare_whole_recompute else ""),
                   flush=True)  # fmt: skip
+            print(paired_summary(run), flush=True)
             for gib in args.compare_budget_gib:
                 other = run[f"tree_budget_{gib:g}gib"]
                 print(f"  tree_activation_budget_gib={gib:g}: {tree['time_s'] / other['time_s']:.3f}x the default's "
@@ -725,7 +915,8 @@ def main():
             results["recompile_check"] = recompile_check(model, args.max_tokens_per_mb, device, vocab)
             print("recompile check:", results["recompile_check"])
         del model
-        torch.cuda.empty_cache()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
     stack.close()

@@ -209,6 +209,37 @@ def speedup(run: dict, method: str = "tree", over: str = "flat_padded") -> float
     return run[over]["time_s"] / run[method]["time_s"]
 
 
+def loop_ratio(run: dict, method: str = "tree", over: str = "flat_padded", bold: bool = False, link: str = "") -> str:
+    """`method` vs `over` in a bench_tree_vs_flat.py run. Where the run records pairs (`paired`): the median of the
+    per-repeat ratios with their range (a run of too few repeats to pair: the ratio of the medians, so marked), and
+    whether the run's agreement check failed; older files: the ratio of the two medians."""
+    pair = run.get("paired", {}).get(f"{method} vs {over}")
+    stored = {"flat_padded": "speedup_vs_padded", "flat_packed": "speedup_vs_packed"}.get(over)
+    medians = run[stored] if method == "tree" and stored in run else speedup(run, method, over)
+    value = x(pair["median"] if pair and "median" in pair else medians)
+    value = f"[{value}]({link})" if link else value
+    value = f"**{value}**" if bold else value
+    if not pair:
+        return value
+    if "median" in pair:
+        value += f" [{x(pair['min'])}, {x(pair['max'])}]"
+    else:
+        value += f" (ratio of medians: {len(run[method]['times_s'])} repeats, too few to pair)"
+    checks = [run.get("agreement", {}).get(m, {}) for m in (method, over) if m != "flat_padded"]
+    return value + (" **agreement failed**" if not all(c.get("passed") for c in checks) else "")
+
+
+def loop_agreement(run: dict, cos: str) -> str:
+    """A bench_tree_vs_flat.py run's gradient cosine (`cos`, formatted), and where the run checked agreement, the
+    tree's scored log-probabilities against flat padded's and whether the check passed."""
+    check = run.get("agreement", {}).get("tree")
+    if check is None:
+        return cos
+    if not check["passed"]:
+        return f"{cos}, **agreement failed**: {check['reason']}"
+    return f"{cos}, log-probs within {check['max_abs']:.1g} (bound {check['bound']:g}): agree"
+
+
 def kernels_serve(spec: dict) -> bool:
     """Whether the CUDA rule (`fast_on_cuda`) sends a GRPO workload's forests to the shared-prefix kernels."""
     from hf_tree_attn.prefix_attention import PrefixTree, fast_on_cuda
@@ -295,9 +326,9 @@ def loop_rows() -> list[str]:
         cos = run["tree"]["grad_cos_vs_flat_padded"]
         rows.append([
             MODELS[run["model"]], workload(run), f"{x(run['token_ceiling'])} / {x(run['flop_ceiling'])}",
-            f"**{x(run['speedup_vs_padded'])}**", x(run["speedup_vs_packed"]),
+            loop_ratio(run, bold=True), loop_ratio(run, over="flat_packed"),
             f"{run['pct_of_token_ceiling']:.0f}% / {run['pct_of_flop_ceiling']:.0f}%",
-            pct(run["pack_and_mask_share"], 1), f"{cos:.4f}" if cos <= 1 else "— ⁽ᶜ⁾",
+            pct(run["pack_and_mask_share"], 1), loop_agreement(run, f"{cos:.4f}" if cos <= 1 else "— ⁽ᶜ⁾"),
             "FlexAttention ⁽ᵏ⁾" if kernels_serve(run["spec"]) else "FlexAttention", notes.source(name),
         ])  # fmt: skip
     headers = ["model", "workload", "token / FLOP ceiling", "tree vs flat padded", "tree vs flat packed",
@@ -326,7 +357,7 @@ def option_columns() -> list[str]:
                 cos = min(p["cos"] for m in load(name)[method].values() for p in m.values())
                 row.append(f"[wrong gradients]({name}): cosine {cos:.4f} to eager")
             else:
-                row.append(f"[{x(speedup(run_of(name), method))}]({name})")
+                row.append(loop_ratio(run_of(name), method, link=name))
         rows.append(row)
     return table(["model", "workload", *[header for header, _ in OPTION_COLUMNS]], rows)
 
@@ -527,8 +558,8 @@ def hybrids() -> list[str]:
         rows.append([
             MODELS[run["model"]], workload(run), gdn_kernels(run["tree"].get("gdn_kernels")),
             str(int(run["tree"]["levels"])),
-            f"{x(run['token_ceiling'])} / {x(run['flop_ceiling'])}", f"**{x(run['speedup_vs_padded'])}**",
-            x(run["speedup_vs_packed"]), f"{run['pct_of_flop_ceiling']:.0f}%",
+            f"{x(run['token_ceiling'])} / {x(run['flop_ceiling'])}", loop_ratio(run, bold=True),
+            loop_ratio(run, over="flat_packed"), f"{run['pct_of_flop_ceiling']:.0f}%",
             f"{pct(run['tree']['mfu'], 1)} / {pct(run['flat_padded']['mfu'], 1)}",
             x(run["tree"]["peak_gib"] / run["flat_padded"]["peak_gib"]), notes.source(name),
         ])  # fmt: skip
@@ -1210,7 +1241,7 @@ def readme_table() -> str:
         peak = (
             "" if name in PROBES_ON_GPU else f", memory {x(run['tree']['peak_gib'] / run['flat_padded']['peak_gib'])}"
         )
-        return f"[{x(run['speedup_vs_padded'])}](benchmarks/results/{name}), recompute {recompute}{peak}"
+        return f"{loop_ratio(run, link=f'benchmarks/results/{name}')}, recompute {recompute}{peak}"
 
     rows = []
     for model, wl, trainer, eager, compiled in README_ROWS:
