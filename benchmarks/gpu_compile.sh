@@ -83,10 +83,13 @@ for phase in ${PHASES:-tests}; do
       step 380 "$phase" "${ASYNC[@]}" --profile --models qwen3-1.7b --workloads tau2_like \
         --sides reference trl tree trl_compiled --out "$KEEP/async_grpo_h200_qwen3-1.7b_profiled.json" ;;
     gpu-tests-rest)  # the gpu tests the 8-worker run did not finish: the async hybrid and compile-once tests alone,
-      # prefix reuse on CUDA with 4 workers (logs: h200_gpu_tests_async_rest.log, h200_gpu_tests_prefix_reuse.log)
+      # GPT-OSS's precision cells, prefix reuse on CUDA with 4 workers (logs: h200_gpu_tests_async_rest.log,
+      # h200_gpu_tests_precision_gpt_oss.log, h200_gpu_tests_prefix_reuse.log)
       LOG="$KEEP/h200_gpu_tests_async_rest.log" step 150 "$phase-async" python3 -m pytest -v -rfEs -m gpu \
         -p no:cacheprovider tests/test_gpu_async_grpo.py::test_hybrid_log_probs_on_cuda \
         tests/test_gpu_async_grpo.py::test_default_compile_on_cuda_compiles_once_for_all_lengths
+      LOG="$KEEP/h200_gpu_tests_precision_gpt_oss.log" step 120 "$phase-gpt-oss" python3 -m pytest -v -rfEs -m gpu \
+        -p no:cacheprovider tests/test_precision.py -k "gpt_oss and cuda"
       LOG="$KEEP/h200_gpu_tests_prefix_reuse.log" step 360 "$phase-prefix-reuse" python3 -m pytest -v -rfEs -m gpu \
         -p no:cacheprovider -n 4 --timeout 340 tests/test_gpu_prefix_reuse.py ;;
     async-1.7b-tau2)
