@@ -113,11 +113,11 @@ for phase in ${PHASES:-tests}; do
       step "${GENMODES_LIMIT:-450}" "$phase" "${GENMODES[@]}" --modes generate ;;
     generation-modes-static)  # resumes generation-modes' file: HF generate with the static cache (~11-13 s a step)
       step "${GENMODES_LIMIT:-450}" "$phase" "${GENMODES[@]}" --modes static_cache ;;
-    generation-modes-cb)  # continuous batching (~50 s a step): TRL's side alone in one call, then
-      # generation-modes-cb-tree resumes the file with the tree and the reference
-      step 560 "$phase" "${GENMODES[@]}" --modes continuous_batching --sides trl ;;
+    generation-modes-cb)  # continuous batching (~50 s a step, so one warm-up step): TRL's side alone in one call,
+      # then generation-modes-cb-tree resumes the file with the tree and the reference
+      step 560 "$phase" "${GENMODES[@]}" --warmup 1 --modes continuous_batching --sides trl ;;
     generation-modes-cb-tree)
-      step 560 "$phase" "${GENMODES[@]}" --modes continuous_batching --sides tree reference ;;
+      step 560 "$phase" "${GENMODES[@]}" --warmup 1 --modes continuous_batching --sides tree reference ;;
     *) echo "unknown phase $phase" | tee -a "$LOG" ;;
   esac
 done
