@@ -4,6 +4,7 @@
 #
 #   PHASES="async-1.7b-grpo tests" bash benchmarks/gpu_compile.sh      (repository root, .whl/async carried)
 #   PHASES=beyond-grpo bash benchmarks/gpu_compile.sh, then PHASES=beyond-grpo-more (one call each: ~5 + ~6 min)
+#   PHASES=generation-modes bash benchmarks/gpu_compile.sh, then PHASES=generation-modes-static (~7 min each)
 #
 # Phases write into $KEEP (/tmp, which a warm machine keeps between calls made back to back), so a benchmark split
 # over several calls resumes its file (--resume pairs the sides measured earlier with the new ones); everything in
@@ -56,6 +57,8 @@ ASYNC=(python3 benchmarks/bench_async_grpo.py --warmup 2 --steps 8 --resume)
 SYNC=(python3 benchmarks/bench_sync_grpo.py --warmup 2 --steps 8 --resume)
 BEYOND=(python3 benchmarks/bench_trees_beyond_grpo.py --models qwen3-1.7b --warmup 2 --steps 8 --resume
         --out "$KEEP/trees_beyond_grpo_h200_paired.json")
+GENMODES=(python3 benchmarks/bench_generation_modes.py --models qwen3-0.6b --warmup 2 --steps 8 --resume
+          --out "$KEEP/generation_modes_h200_paired.json")
 for phase in ${PHASES:-tests}; do
   case $phase in
     tests)  # every GPU test of a trainer on the default fast path, against TRL (log: h200_gpu_tests_compile.log)
@@ -108,6 +111,16 @@ for phase in ${PHASES:-tests}; do
       step "${BEYOND_LIMIT:-400}" "$phase" "${BEYOND[@]}" --workloads sft_system_prompt dpo_long_prompt ;;
     beyond-grpo-more)  # resumes beyond-grpo's file: per-turn SFT, TreeRewardTrainer, TreeRLOOTrainer (~6 min)
       step 450 "$phase" "${BEYOND[@]}" --workloads sft_agent_turns reward_pairs rloo_groups ;;
+    generation-modes)  # TreeGRPOTrainer vs trl.GRPOTrainer through HF generate: sides trl, tree, then the float32
+      # reference (replays TRL's first step); 10 steps of ~10-16 s a side on the earlier files' numbers
+      step "${GENMODES_LIMIT:-450}" "$phase" "${GENMODES[@]}" --modes generate ;;
+    generation-modes-static)  # resumes generation-modes' file: HF generate with the static cache (~11-13 s a step)
+      step "${GENMODES_LIMIT:-450}" "$phase" "${GENMODES[@]}" --modes static_cache ;;
+    generation-modes-cb)  # continuous batching (~50 s a step, so one warm-up step): TRL's side alone in one call,
+      # then generation-modes-cb-tree resumes the file with the tree and the reference
+      step 560 "$phase" "${GENMODES[@]}" --warmup 1 --modes continuous_batching --sides trl ;;
+    generation-modes-cb-tree)
+      step 560 "$phase" "${GENMODES[@]}" --warmup 1 --modes continuous_batching --sides tree reference ;;
     *) echo "unknown phase $phase" | tee -a "$LOG" ;;
   esac
 done
