@@ -87,11 +87,11 @@ from bench_tree_vs_flat import PEAK_FLOPS  # noqa: E402
 from harness import (  # noqa: E402
     StepClock,
     compile_report,
+    pair_sides,
     paired,
     provenance,
     resume,
     run_rows,
-    sides_agreement,
     write_side,
 )
 
@@ -402,35 +402,22 @@ def side_main(args) -> dict:
 
 
 def _pair(row: dict) -> None:
-    """`row["paired"]` and `row["agreement"]` for every pair of `PAIRS` whose two sides ran: per-step ratios of whole
-    steps (and of the trainer phase and generation), and the agreement (first-step scores against the float32
-    reference, the same batches on every step, no tree fallback); a pair that fails it is marked `failed`."""
-    sides = row["sides"]
-    for candidate, baseline in PAIRS:
-        a, b = sides.get(candidate, {}), sides.get(baseline, {})
-        if "median_step_s" not in a or "median_step_s" not in b:
-            continue
-        key = f"{candidate} vs {baseline}"
-        same = a["batch_digests"] == b["batch_digests"]
-        check = sides_agreement(a, b, sides.get("reference"), "bfloat16")
-        fallbacks = [f for side in (a, b) for f in (side.get("tree_fallback") or []) if f]
-        check.update(same_batches=same, tree_fallback=len(fallbacks),
-                     reference="first_scores" in sides.get("reference", {}))  # fmt: skip
-        check["passed"] = check["passed"] and same and not fallbacks
-        row["agreement"][key] = check
+    """`row["paired"]` and `row["agreement"]` for every pair of `PAIRS` whose two sides ran (`harness.pair_sides`:
+    per-step ratios of whole steps, and the agreement: first-step scores against the float32 reference, the same
+    batches on every step, no tree fallback; a pair that fails it is marked `failed`), with the trainer phase's and
+    generation's own per-step ratios and the trainer phase's share of each ceiling."""
+    for key in pair_sides(row, PAIRS, "bfloat16", lambda a, b: a["batch_digests"] == b["batch_digests"]):
+        a, b = (row["sides"][side] for side in key.split(" vs "))
+        pair = row["paired"][key]
+        pair["same_batches"] = row["agreement"][key]["same_batches"]
         try:
-            pair = {**paired(b["measured_step_s"], a["measured_step_s"]),
-                    "trainer_phase": paired(b["trainer_phase_s"], a["trainer_phase_s"]),
-                    "generation": paired(b["generation_s"], a["generation_s"]),
-                    "same_batches": same, "failed": not check["passed"]}  # fmt: skip
+            pair["trainer_phase"] = paired(b["trainer_phase_s"], a["trainer_phase_s"])
+            pair["generation"] = paired(b["generation_s"], a["generation_s"])
         except (ValueError, ZeroDivisionError) as error:
-            row["paired"][key] = {"error": str(error), "same_batches": same, "failed": True}
+            row["paired"][key] = {"error": str(error), "same_batches": pair["same_batches"], "failed": True}
             continue
-        if a.get("peak_gib") and b.get("peak_gib"):
-            pair["peak_ratio"] = a["peak_gib"] / b["peak_gib"]
         pair["trainer_phase"]["share_of_token_ceiling"] = pair["trainer_phase"]["median"] / a["token_ceiling"]
         pair["trainer_phase"]["share_of_flops_ceiling"] = pair["trainer_phase"]["median"] / a["flops_ceiling"]
-        row["paired"][key] = pair
 
 
 def _summary(row: dict) -> str:
