@@ -15,13 +15,26 @@ gradients for any loss of them, at the memory of one chunk's activations plus th
   accumulate in `.grad` as they would in one backward (the reentrant pattern of `torch.utils.checkpoint(...,
   use_reentrant=True)`, with its limits: `loss.backward()`, not `torch.autograd.grad`).
 
+**State-carrying layers** (hybrids: gated and Kimi delta rule, short convolutions; `hf_tree_attn.recurrent`) are
+handled the same way. A chunk is a forest of its own rows (`recurrent.ChunkRows`) whose segments end at its last row
+and at every row that branches in the whole forest. A root segment of the chunk whose first row's parent lies in an
+earlier chunk (a boundary inside a segment, or a fork above the boundary) starts from the recurrent state after
+that parent, which the earlier chunk kept; one chunk may start several segments from several such states. A short
+convolution of kernel `K` reads the inputs of its rows' ancestors within `K - 1` rows that lie before the chunk, kept
+by the chunks that computed them, in front of its own rows. Both live in per-layer stores keyed by the layer (a
+forward pre-hook names the one running), written in the forward; in the backward the context states / inputs are
+leaves whose gradients go into a float32 store for the earlier chunk, and the chunk's own kept states / inputs
+receive the gradients later chunks sent them, as the keys and values do. Mamba-2's state is not carried (refused).
+
 Cost: one forward without autograd, one recompute and one backward per chunk, what full activation checkpointing
 costs, with every row forwarded once. Memory beyond one chunk: `kept_kv_bytes` in the forward (the kept keys and
 values of every attention layer, held until the backward), and as much again in float32 for their gradients during
-the backward. RNG and autocast states of each chunk's forward are restored for its recompute.
+the backward; on hybrids also the kept recurrent states (one per state-carrying layer and kept row, float32 for the
+torch delta rule) and convolution inputs (`kept_state_bytes`), and their float32 gradients. RNG and autocast
+states of each chunk's forward are restored for its recompute.
 
-What it refuses, before any forward (`prefix_reuse_error`): models `check_tree_model` refuses; layers that carry a
-state from token to token (hybrids: a chunk would have to start from the state its first row inherits); chunked
+What it refuses, before any forward (`prefix_reuse_error`): models `check_tree_model` refuses; Mamba-2 layers
+(Bamba, Nemotron-H, Granite-4 hybrid, Falcon-H1, Zamba2: their state is not carried between chunks); chunked
 attention, layer kinds it does not know and attention temperature tuning (not verified with context rows). The
 way out is `prefix_reuse=False`. Transformers' non-reentrant activation checkpointing inside the model works; the
 reentrant one is refused when its backward runs. Decoder layers compiled by `hf_tree_attn.compile` run eagerly here.
@@ -55,6 +68,7 @@ __all__ = [
     "chunked_forest_logprobs",
     "chunked_forest_scores",
     "kept_kv_bytes",
+    "kept_state_bytes",
     "kv_row_bytes",
     "prefix_reuse_error",
 ]
@@ -133,6 +147,50 @@ def kv_row_bytes(model: torch.nn.Module, dtype: torch.dtype | None = None) -> in
     kv_heads = config_field(config, "num_key_value_heads", default=heads)
     head_dim = config_field(config, "head_dim") or config.hidden_size // heads
     return layers * 2 * kv_heads * head_dim * dtype.itemsize
+
+
+def kept_state_bytes(model: torch.nn.Module, forest: PackedForest, plan: ChunkPlan, dtype: torch.dtype | None = None):
+    """Bytes a hybrid keeps beyond `kept_kv_bytes` for `plan` of `forest`: per state-carrying layer, the recurrent
+    state after every row a later chunk continues (`heads x k_dim x v_dim` in float32, as the torch delta rule keeps
+    it) and the convolution inputs of the rows later chunks' windows reach (`channels` in `dtype`, default the model's
+    parameters'). 0 for a model without such layers. Their float32 gradients take as much again, at most."""
+    from .recurrent import TREE_LAYERS, _class_path
+
+    dtype = dtype or next(model.parameters()).dtype
+    n = forest.num_tree_tokens
+    parent = forest.parent[:n].cpu().numpy().astype(np.int64)
+    states = len(_state_rows(parent, plan.bounds))
+    total = 0
+    for module in unwrap_model(model).modules():
+        if _class_path(type(module)) not in TREE_LAYERS:
+            continue
+        conv = next(c for c in module.modules() if isinstance(c, torch.nn.Conv1d))
+        total += len(_conv_rows(parent, plan.bounds, conv.kernel_size[0])) * conv.in_channels * dtype.itemsize
+        heads = getattr(module, "num_v_heads", getattr(module, "num_heads", 0))
+        k_dim = getattr(module, "head_k_dim", getattr(module, "head_dim", 0))
+        v_dim = getattr(module, "head_v_dim", getattr(module, "head_dim", 0))
+        if TREE_LAYERS[_class_path(type(module))] != "short_conv":
+            total += states * heads * k_dim * v_dim * torch.float32.itemsize
+    return total
+
+
+def _state_rows(parent: np.ndarray, bounds: np.ndarray) -> np.ndarray:
+    """The rows whose state (after them) a later chunk starts from: the parents of rows whose parent lies in an
+    earlier chunk, ascending."""
+    chunk = np.searchsorted(bounds, np.arange(len(parent)), side="right") - 1
+    return np.unique(parent[(parent >= 0) & (parent < bounds[chunk])])
+
+
+def _conv_rows(parent: np.ndarray, bounds: np.ndarray, kernel_size: int) -> np.ndarray:
+    """The rows whose convolution input a later chunk's window reads: ancestors within `kernel_size - 1` rows of one
+    of its rows, before its first row; ascending."""
+    rows = np.arange(len(parent))
+    first = bounds[np.searchsorted(bounds, rows, side="right") - 1]
+    up, reached = rows, [np.zeros(0, dtype=np.int64)]
+    for _ in range(kernel_size - 1):
+        up = np.where(up >= 0, parent[np.maximum(up, 0)], -1)
+        reached.append(up[(up >= 0) & (up < first)])
+    return np.unique(np.concatenate(reached))
 
 
 def chunked_forest_logprobs(
@@ -391,11 +449,8 @@ class _Step:
         from — the parents of rows whose parent lies in an earlier chunk — indexed into a store; and the rows with
         two children or more (where a chunk's segments end, as the forest's do)."""
         if self._state_plan is None:
-            parent, bounds = self.np_parent, self.plan.bounds
-            rows = np.arange(len(parent))
-            chunk = np.searchsorted(bounds, rows, side="right") - 1
-            continues = (parent >= 0) & (parent < bounds[chunk])
-            state_rows = np.unique(parent[continues])
+            parent = self.np_parent
+            state_rows = _state_rows(parent, self.plan.bounds)
             slot = np.full(len(parent), -1, dtype=np.int64)
             slot[state_rows] = np.arange(len(state_rows))
             branching = np.bincount(parent[parent >= 0], minlength=len(parent)) >= 2
@@ -406,14 +461,8 @@ class _Step:
         """`(conv_slot (N,), slots)`: the rows whose convolution input a later chunk's window reads (an ancestor
         within `kernel_size - 1` rows of one of its rows, before its first row), indexed into a store."""
         if kernel_size not in self._conv_plans:
-            parent, bounds = self.np_parent, self.plan.bounds
-            rows = np.arange(len(parent))
-            first = bounds[np.searchsorted(bounds, rows, side="right") - 1]
-            up, reached = rows, []
-            for _ in range(kernel_size - 1):
-                up = np.where(up >= 0, parent[np.maximum(up, 0)], -1)
-                reached.append(up[(up >= 0) & (up < first)])
-            conv_rows = np.unique(np.concatenate(reached)) if reached else np.zeros(0, dtype=np.int64)
+            parent = self.np_parent
+            conv_rows = _conv_rows(parent, self.plan.bounds, kernel_size)
             slot = np.full(len(parent), -1, dtype=np.int64)
             slot[conv_rows] = np.arange(len(conv_rows))
             self._conv_plans[kernel_size] = (slot, len(conv_rows))

@@ -14,8 +14,9 @@ import torch
 from helpers import TOLERANCES, flat_logprobs, forest_case, hybrid_twin_models, multiturn
 
 from hf_tree_attn import forest_logprobs, gather_sequences, pack_forest
+from hf_tree_attn import prefix_reuse as prefix_reuse_module
 from hf_tree_attn.chunked import plan_chunks
-from hf_tree_attn.prefix_reuse import chunked_forest_logprobs, prefix_reuse_error
+from hf_tree_attn.prefix_reuse import chunked_forest_logprobs, kept_state_bytes, prefix_reuse_error
 
 ATOL = TOLERANCES["logps_atol"]
 REL = TOLERANCES["grad_max_rel"]
@@ -192,6 +193,25 @@ def test_kimi_delta_rule_matches_flat_and_the_whole_forest():
     assert got.keys() == whole.keys() and len(got) > 0
     for name, want in whole.items():
         assert (got[name] - want).abs().max().item() <= REL * want.abs().max().item() + 1e-9, name
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "lfm2", "kimi_linear"])
+def test_kept_state_bytes_is_what_is_stored(family, monkeypatch):
+    """`kept_state_bytes` counts the recurrent states and convolution inputs the chunks keep, to the byte."""
+    tree, _ = hybrid_twin_models(family)
+    (forest,) = pack_forest(_sequences(), two_level=False)
+    chunk_rows = -(-forest.num_tree_tokens // 3)
+    stored, forward = [], prefix_reuse_module._Step.forward
+
+    def spy(step):
+        out = forward(step)
+        stored.append(sum(t.numel() * t.element_size() for t in step.rec.values()))
+        return out
+
+    monkeypatch.setattr(prefix_reuse_module._Step, "forward", spy)
+    with torch.no_grad():
+        chunked_forest_logprobs(tree, forest, chunk_rows)
+    assert stored[0] > 0 and stored == [kept_state_bytes(tree, forest, plan_chunks(forest, chunk_rows))]
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "lfm2", "kimi_linear"])
