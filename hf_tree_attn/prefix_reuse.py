@@ -15,13 +15,26 @@ gradients for any loss of them, at the memory of one chunk's activations plus th
   accumulate in `.grad` as they would in one backward (the reentrant pattern of `torch.utils.checkpoint(...,
   use_reentrant=True)`, with its limits: `loss.backward()`, not `torch.autograd.grad`).
 
+**State-carrying layers** (hybrids: gated and Kimi delta rule, short convolutions; `hf_tree_attn.recurrent`) are
+handled the same way. A chunk is a forest of its own rows (`recurrent.ChunkRows`) whose segments end at its last row
+and at every row that branches in the whole forest. A root segment of the chunk whose first row's parent lies in an
+earlier chunk (a boundary inside a segment, or a fork above the boundary) starts from the recurrent state after
+that parent, which the earlier chunk kept; one chunk may start several segments from several such states. A short
+convolution of kernel `K` reads the inputs of its rows' ancestors within `K - 1` rows that lie before the chunk, kept
+by the chunks that computed them, in front of its own rows. Both live in per-layer stores keyed by the layer (a
+forward pre-hook names the one running), written in the forward; in the backward the context states / inputs are
+leaves whose gradients go into a float32 store for the earlier chunk, and the chunk's own kept states / inputs
+receive the gradients later chunks sent them, as the keys and values do. Mamba-2's state is not carried (refused).
+
 Cost: one forward without autograd, one recompute and one backward per chunk, what full activation checkpointing
 costs, with every row forwarded once. Memory beyond one chunk: `kept_kv_bytes` in the forward (the kept keys and
 values of every attention layer, held until the backward), and as much again in float32 for their gradients during
-the backward. RNG and autocast states of each chunk's forward are restored for its recompute.
+the backward; on hybrids also the kept recurrent states (one per state-carrying layer and kept row, float32 for the
+torch delta rule) and convolution inputs (`kept_state_bytes`), and their float32 gradients. RNG and autocast
+states of each chunk's forward are restored for its recompute.
 
-What it refuses, before any forward (`prefix_reuse_error`): models `check_tree_model` refuses; layers that carry a
-state from token to token (hybrids: a chunk would have to start from the state its first row inherits); chunked
+What it refuses, before any forward (`prefix_reuse_error`): models `check_tree_model` refuses; Mamba-2 layers
+(Bamba, Nemotron-H, Granite-4 hybrid, Falcon-H1, Zamba2: their state is not carried between chunks); chunked
 attention, layer kinds it does not know and attention temperature tuning (not verified with context rows). The
 way out is `prefix_reuse=False`. Transformers' non-reentrant activation checkpointing inside the model works; the
 reentrant one is refused when its backward runs. Decoder layers compiled by `hf_tree_attn.compile` run eagerly here.
@@ -36,6 +49,7 @@ of mask per layer kind).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 
 import numpy as np
@@ -54,6 +68,7 @@ __all__ = [
     "chunked_forest_logprobs",
     "chunked_forest_scores",
     "kept_kv_bytes",
+    "kept_state_bytes",
     "kv_row_bytes",
     "prefix_reuse_error",
 ]
@@ -72,20 +87,29 @@ _FIX = (
 def prefix_reuse_error(model: torch.nn.Module) -> str | None:
     """Why `model` cannot run prefix reuse (a message with the reason and the way out), or None. Call
     `check_tree_model` first: this only adds what chunking needs beyond a tree."""
-    from .recurrent import STATE_LAYER_TYPES, TREE_LAYERS, _class_path
+    from .recurrent import _KIND_LAYER_TYPES, CHUNKED_KINDS, STATE_LAYER_TYPES, TREE_LAYERS, _class_path
 
     inner = unwrap_model(model)
     config = inner.config.get_text_config()
     name = type(inner).__name__
     kinds = list(dict.fromkeys(config_field(config, "layer_types", default=()) or ()))
-    state = [k for k in kinds if k in STATE_LAYER_TYPES]
-    state_layers = sorted({type(m).__name__ for m in inner.modules() if _class_path(type(m)) in TREE_LAYERS})
-    if state or state_layers:
-        what = ", ".join(state_layers or state)
+    paths = {type(m): _class_path(type(m)) for m in inner.modules()}
+    layers = {cls: TREE_LAYERS[path] for cls, path in paths.items() if path in TREE_LAYERS}
+    refused = sorted(cls.__name__ for cls, kind in layers.items() if kind not in CHUNKED_KINDS)
+    if refused:
         return (
-            f"{name} has layers that carry a state from token to token ({what}): a chunk would have to start them "
-            "from the state its first row inherits, which prefix reuse does not carry between chunks. " + _FIX
+            f"{name} has Mamba-2 layers ({', '.join(refused)}): prefix reuse carries the state of gated / Kimi "
+            "delta-rule layers and short convolutions from one chunk to the next, not Mamba-2's SSD state (its "
+            "scan, convolution and gating are not verified with states kept between chunks). " + _FIX
         )
+    state_types = {t for kind in layers.values() for t in _KIND_LAYER_TYPES[kind]}
+    untracked = [k for k in kinds if k in STATE_LAYER_TYPES and k not in state_types]
+    if untracked:
+        return (
+            f"{name} has layers that carry a state from token to token (layer types {untracked}) of no class "
+            "prefix reuse knows: it could not start them from the state a chunk's first row inherits. " + _FIX
+        )
+    kinds = [k for k in kinds if k not in state_types]
     unknown = [k for k in kinds if k not in _ATTENTION_KINDS + _PER_TOKEN_KINDS]
     chunk = config_field(config, "attention_chunk_size")
     if unknown or chunk:
@@ -123,6 +147,50 @@ def kv_row_bytes(model: torch.nn.Module, dtype: torch.dtype | None = None) -> in
     kv_heads = config_field(config, "num_key_value_heads", default=heads)
     head_dim = config_field(config, "head_dim") or config.hidden_size // heads
     return layers * 2 * kv_heads * head_dim * dtype.itemsize
+
+
+def kept_state_bytes(model: torch.nn.Module, forest: PackedForest, plan: ChunkPlan, dtype: torch.dtype | None = None):
+    """Bytes a hybrid keeps beyond `kept_kv_bytes` for `plan` of `forest`: per state-carrying layer, the recurrent
+    state after every row a later chunk continues (`heads x k_dim x v_dim` in float32, as the torch delta rule keeps
+    it) and the convolution inputs of the rows later chunks' windows reach (`channels` in `dtype`, default the model's
+    parameters'). 0 for a model without such layers. Their float32 gradients take as much again, at most."""
+    from .recurrent import TREE_LAYERS, _class_path
+
+    dtype = dtype or next(model.parameters()).dtype
+    n = forest.num_tree_tokens
+    parent = forest.parent[:n].cpu().numpy().astype(np.int64)
+    states = len(_state_rows(parent, plan.bounds))
+    total = 0
+    for module in unwrap_model(model).modules():
+        if _class_path(type(module)) not in TREE_LAYERS:
+            continue
+        conv = next(c for c in module.modules() if isinstance(c, torch.nn.Conv1d))
+        total += len(_conv_rows(parent, plan.bounds, conv.kernel_size[0])) * conv.in_channels * dtype.itemsize
+        heads = getattr(module, "num_v_heads", getattr(module, "num_heads", 0))
+        k_dim = getattr(module, "head_k_dim", getattr(module, "head_dim", 0))
+        v_dim = getattr(module, "head_v_dim", getattr(module, "head_dim", 0))
+        if TREE_LAYERS[_class_path(type(module))] != "short_conv":
+            total += states * heads * k_dim * v_dim * torch.float32.itemsize
+    return total
+
+
+def _state_rows(parent: np.ndarray, bounds: np.ndarray) -> np.ndarray:
+    """The rows whose state (after them) a later chunk starts from: the parents of rows whose parent lies in an
+    earlier chunk, ascending."""
+    chunk = np.searchsorted(bounds, np.arange(len(parent)), side="right") - 1
+    return np.unique(parent[(parent >= 0) & (parent < bounds[chunk])])
+
+
+def _conv_rows(parent: np.ndarray, bounds: np.ndarray, kernel_size: int) -> np.ndarray:
+    """The rows whose convolution input a later chunk's window reads: ancestors within `kernel_size - 1` rows of one
+    of its rows, before its first row; ascending."""
+    rows = np.arange(len(parent))
+    first = bounds[np.searchsorted(bounds, rows, side="right") - 1]
+    up, reached = rows, [np.zeros(0, dtype=np.int64)]
+    for _ in range(kernel_size - 1):
+        up = np.where(up >= 0, parent[np.maximum(up, 0)], -1)
+        reached.append(up[(up >= 0) & (up < first)])
+    return np.unique(np.concatenate(reached))
 
 
 def chunked_forest_logprobs(
@@ -261,10 +329,19 @@ class _Step:
         self.end = forest.subtree_end[:n]
         self.parent = forest.parent[:n]
         self.seq_lengths = forest.seq_offsets.diff().cpu()
+        self.np_parent = forest.parent[:n].cpu().numpy().astype(np.int64)
+        self.np_end = forest.subtree_end[:n].cpu().numpy().astype(np.int64)
         self.slot = torch.from_numpy(plan.slot).to(self.device)
         self.kv: dict[torch.nn.Module, tuple[torch.Tensor, torch.Tensor]] = {}  # (1, kv_heads, K, head_dim) each
         self.kv_grad: dict[torch.nn.Module, tuple[torch.Tensor, torch.Tensor]] = {}  # float32, same shapes
         self.states: dict[int, tuple] = {}  # chunk -> RNG states at its forward
+        # State-carrying layers: (module, "scan" | "conv") -> kept states / conv inputs `(slots, ...)`, and their
+        # float32 gradients; `layer` is the state-carrying module now running (set by forward pre-hooks).
+        self.rec: dict[tuple, torch.Tensor] = {}
+        self.rec_grad: dict[tuple, torch.Tensor] = {}
+        self.layer: torch.nn.Module | None = None
+        self._state_plan: tuple | None = None
+        self._conv_plans: dict[int, tuple] = {}
         self.autocast = _autocast_state(self.device.type)
         # What each chunk scores: the rows whose parent it holds (`plan.scored`), or the caller's pairs whose row it
         # holds; then a chunk that scores nothing may still hold rows later chunks read, and must run.
@@ -284,7 +361,7 @@ class _Step:
 
     def forward(self) -> tuple[torch.Tensor, ...]:
         tables: list[torch.Tensor | None] | None = None
-        with torch.no_grad(), eager_layers(self.model):
+        with torch.no_grad(), eager_layers(self.model), self._layer_hooks():
             for c in np.flatnonzero(self.runs).tolist():
                 self.states[c] = _rng_state(self.device)
                 _, items, outputs = self._run(c, backward=False)
@@ -305,13 +382,14 @@ class _Step:
         return tuple(t for t in tables if t is not None)
 
     def backward(self, grads: tuple[torch.Tensor, ...]) -> None:
-        self.kv_grad = {}
+        self.kv_grad, self.rec_grad = {}, {}
         for c in reversed(np.flatnonzero(self.runs).tolist()):
             with contextlib.ExitStack() as stack:
                 stack.enter_context(_restored_rng(self.device, self.states[c]))
                 for autocast in _autocasts(self.autocast):
                     stack.enter_context(autocast)
                 stack.enter_context(eager_layers(self.model))
+                stack.enter_context(self._layer_hooks())
                 stack.enter_context(torch.enable_grad())
                 context, items, values = self._run(c, backward=True)
                 # The outputs the loss reads: a zero gradient (an output only metrics read) adds nothing.
@@ -325,6 +403,9 @@ class _Step:
                     if module in self.kv_grad:  # a later chunk read these rows
                         for tensor, grad in zip(own, self.kv_grad[module]):
                             outputs.append((tensor, grad[:, :, context.own_slots].to(tensor.dtype)))
+                for key, (tensor, slots) in context.rec_own.items():  # kept states / conv inputs later chunks read
+                    if key in self.rec_grad:
+                        outputs.append((tensor, self.rec_grad[key][slots].to(tensor.dtype)))
                 outputs = [(t, g) for t, g in outputs if t.requires_grad]
                 if outputs:
                     torch.autograd.backward([t for t, _ in outputs], [g for _, g in outputs])
@@ -336,7 +417,56 @@ class _Step:
                 for store, leaf in zip(self.kv_grad[module], leaves):
                     if leaf.grad is not None:
                         store.index_add_(2, context.context_slots, leaf.grad.float())
-        self.kv_grad = {}
+            for key, (leaf, slots) in context.rec_leaves.items():
+                if leaf.grad is None:
+                    continue
+                if key not in self.rec_grad:
+                    self.rec_grad[key] = torch.zeros_like(self.rec[key], dtype=torch.float32)
+                self.rec_grad[key].index_add_(0, slots, leaf.grad.float())
+        self.kv_grad, self.rec_grad = {}, {}
+
+    @contextlib.contextmanager
+    def _layer_hooks(self):
+        """Forward pre-hooks on the model's state-carrying layers: `self.layer` is the one running (the key of its
+        kept states; a checkpointed layer's recompute in the backward sets it again)."""
+        from .recurrent import TREE_LAYERS, _class_path
+
+        def enter(module, args):
+            self.layer = module
+
+        handles = [
+            m.register_forward_pre_hook(enter) for m in self.model.modules() if _class_path(type(m)) in TREE_LAYERS
+        ]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+            self.layer = None
+
+    def state_plan(self) -> tuple[np.ndarray, int, np.ndarray]:
+        """`(state_slot (N,), slots, branching (N,) bool)`: the rows whose state (after them) a later chunk starts
+        from — the parents of rows whose parent lies in an earlier chunk — indexed into a store; and the rows with
+        two children or more (where a chunk's segments end, as the forest's do)."""
+        if self._state_plan is None:
+            parent = self.np_parent
+            state_rows = _state_rows(parent, self.plan.bounds)
+            slot = np.full(len(parent), -1, dtype=np.int64)
+            slot[state_rows] = np.arange(len(state_rows))
+            branching = np.bincount(parent[parent >= 0], minlength=len(parent)) >= 2
+            self._state_plan = (slot, len(state_rows), branching)
+        return self._state_plan
+
+    def conv_plan(self, kernel_size: int) -> tuple[np.ndarray, int]:
+        """`(conv_slot (N,), slots)`: the rows whose convolution input a later chunk's window reads (an ancestor
+        within `kernel_size - 1` rows of one of its rows, before its first row), indexed into a store."""
+        if kernel_size not in self._conv_plans:
+            parent = self.np_parent
+            conv_rows = _conv_rows(parent, self.plan.bounds, kernel_size)
+            slot = np.full(len(parent), -1, dtype=np.int64)
+            slot[conv_rows] = np.arange(len(conv_rows))
+            self._conv_plans[kernel_size] = (slot, len(conv_rows))
+        return self._conv_plans[kernel_size]
 
     def _run(self, c: int, backward: bool):
         """Chunk `c` through the model and the LM head: `(context, scored items (E,), the head's outputs (E,) each)`,
@@ -379,6 +509,7 @@ class _Step:
             own_local=(own[kept] - a),
             own_slots=self.slot[a:b][kept],
             backward=backward,
+            rows=(a, b, size),
         )
         inputs = {
             "input_ids": ids[None],
@@ -416,8 +547,13 @@ class ChunkContext:
         own_slots: `(K_c,)` long — their store slots.
     """
 
-    def __init__(self, step, mask_source, context_slots, context_fill, own_local, own_slots, backward):
+    def __init__(self, step, mask_source, context_slots, context_fill, own_local, own_slots, backward, rows):
         self.step = step
+        self.rows = rows  # (first row, end row, padded size)
+        self.rec_leaves: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # key -> (context states, slots)
+        self.rec_own: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # key -> (own kept states, slots)
+        self._recurrent_rows = None
+        self._convs: dict[int, object] = {}
         self.mask_source = mask_source
         self.context_slots = context_slots
         self.context_fill = context_fill
@@ -473,6 +609,154 @@ class ChunkContext:
             torch.cat([context_key.to(key.dtype), key], dim=2),
             torch.cat([context_value.to(value.dtype), value], dim=2),
         )
+
+    # -- state-carrying layers (`hf_tree_attn.recurrent.ChunkRows`)
+
+    def recurrent_rows(self, tree_version):
+        """The chunk as `tree_version` (a kernel's tree version, `hf_tree_attn.recurrent`) gets it: a `ChunkRows`."""
+        from . import recurrent
+
+        if tree_version not in (recurrent.tree_causal_conv1d, recurrent.tree_delta_rule):
+            raise NotImplementedError(
+                f"Prefix reuse does not carry the state of {tree_version.__name__} between chunks. " + _FIX
+            )
+        if self._recurrent_rows is None:
+            self._recurrent_rows = self._build_rows()
+        return self._recurrent_rows
+
+    def _build_rows(self):
+        from .recurrent import ChunkRows
+        from .tree import _segments
+
+        step, device = self.step, self.step.device
+        (a, b, size), n = self.rows, self.rows[1] - self.rows[0]
+        state_slot, state_total, branching = step.state_plan()
+        global_parent = step.np_parent[a:b]
+        parent = np.full(size, -1, dtype=np.int64)
+        parent[:n] = np.where(global_parent >= a, global_parent - a, -1)
+        end = np.arange(1, size + 1, dtype=np.int64)  # padding rows: roots of their own
+        end[:n] = np.minimum(step.np_end[a:b], b) - a
+        breaks = np.zeros(size, dtype=bool)
+        breaks[:n] = branching[a:b]
+        starts, seg_parent, level = _segments(parent, end, breaks)
+        # Root segments (level 0, DFS order): a zero state, or the state after their first row's parent.
+        first = starts[:-1][seg_parent < 0]
+        above = np.full(len(first), -1, dtype=np.int64)
+        real = first < n
+        above[real] = global_parent[first[real]]
+        continues = above >= 0
+        context_slots, index = np.unique(state_slot[above[continues]], return_inverse=True)
+        root_state = np.full(len(first), len(context_slots), dtype=np.int64)
+        root_state[continues] = index.reshape(-1)
+        # Segments whose final state a later chunk starts from, by level, in each level's (DFS) order.
+        last = starts[1:] - 1
+        kept_slot = np.where(last < n, state_slot[a + np.minimum(last, n - 1)], -1)
+        order = np.argsort(level, kind="stable")
+        counts = np.bincount(level)
+        rank = np.empty_like(order)
+        rank[order] = np.arange(len(order)) - np.repeat(np.cumsum(counts) - counts, counts)
+        keep, kept_slots = [], []
+        for lvl in range(len(counts)):
+            segs = np.flatnonzero((level == lvl) & (kept_slot >= 0))
+            keep.append(torch.from_numpy(rank[segs]).to(device) if len(segs) else None)
+            kept_slots.append(kept_slot[segs])
+
+        def tensor(array):
+            return torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64)).to(device)
+
+        return ChunkRows(
+            segment_starts=torch.from_numpy(starts),
+            segment_parent=torch.from_numpy(seg_parent),
+            segment_level=torch.from_numpy(level),
+            parent=torch.from_numpy(parent),
+            num_tree_tokens=size,
+            seq_len=size,
+            root_state=tensor(root_state),
+            state_slots=tensor(context_slots),
+            keep=keep,
+            kept_slots=tensor(np.concatenate(kept_slots)),
+            state_total=state_total,
+            conv=self._conv,
+            layer=self._layer,
+            exchange=self,
+        )
+
+    def _layer(self) -> torch.nn.Module:
+        if self.step.layer is None:
+            raise RuntimeError("A state-carrying kernel ran outside a layer prefix reuse knows. " + _FIX)
+        return self.step.layer
+
+    def _conv(self, kernel_size: int):
+        """The chunk's `ChunkConv` for a kernel of `kernel_size`."""
+        from .recurrent import ChunkConv
+
+        if kernel_size not in self._convs:
+            step, device = self.step, self.step.device
+            (a, b, size), n = self.rows, self.rows[1] - self.rows[0]
+            conv_slot, total = step.conv_plan(kernel_size)
+            global_parent = step.np_parent
+            # The context rows the chunk's windows reach: its rows' ancestors within kernel_size - 1, before `a`.
+            up, reached = np.arange(a, b), []
+            for _ in range(kernel_size - 1):
+                up = np.where(up >= 0, global_parent[np.maximum(up, 0)], -1)
+                reached.append(up[(up >= 0) & (up < a)])
+            context = np.unique(np.concatenate(reached)) if reached else np.zeros(0, dtype=np.int64)
+            p = len(context)
+
+            def local(rows):  # global rows -> indices into [context; own], -1 where neither
+                at = np.searchsorted(context, rows)
+                in_context = (rows >= 0) & (np.append(context, -1)[at] == rows)
+                return np.where(rows >= a, rows - a + p, np.where(in_context, at, -1))
+
+            parent = np.full(p + size, -1, dtype=np.int64)
+            parent[:p] = local(global_parent[context])
+            parent[p : p + n] = local(global_parent[a:b])
+            own = np.flatnonzero(conv_slot[a:b] >= 0)
+
+            @dataclasses.dataclass
+            class Rows:
+                parent: torch.Tensor
+                num_tree_tokens: int
+                seq_len: int
+                _scan_cache: dict
+
+            self._convs[kernel_size] = ChunkConv(
+                forest=Rows(torch.from_numpy(parent), p + size, p + size, {}),
+                context_slots=torch.from_numpy(conv_slot[context]).to(device),
+                own_rows=torch.from_numpy(own).to(device),
+                own_slots=torch.from_numpy(conv_slot[a + own]).to(device),
+                total=total,
+            )
+        return self._convs[kernel_size]
+
+    def read(self, key: tuple, slots: torch.Tensor) -> torch.Tensor | None:
+        """The kept states / conv inputs of earlier chunks at `slots` (`(len(slots), ...)`; a leaf whose gradient
+        goes back to them in the backward), or None where there are none."""
+        if key in self.rec_leaves:
+            if not self.backward:
+                raise NotImplementedError(
+                    f"{type(key[0]).__name__} runs its {key[1]} twice in one forward: prefix reuse keeps one state "
+                    "per layer. " + _FIX
+                )
+            return self.rec_leaves[key][0]  # a checkpointed layer's recompute: the same leaves
+        if len(slots) == 0:
+            return None
+        states = self.step.rec[key].index_select(0, slots)
+        if self.backward:
+            states.requires_grad_()
+        self.rec_leaves[key] = (states, slots)
+        return states
+
+    def write(self, key: tuple, values: torch.Tensor, slots: torch.Tensor, total: int) -> None:
+        """Keep this chunk's `values` (`(len(slots), ...)`) at `slots` for later chunks (forward); in the backward,
+        record them as outputs the gradients later chunks sent them flow back from."""
+        if self.backward:
+            self.rec_own.setdefault(key, (values, slots))  # a recompute's second call keeps the first's
+            return
+        store = self.step.rec.get(key)
+        if store is None:
+            store = self.step.rec[key] = values.new_zeros((total, *values.shape[1:]))
+        store.index_copy_(0, slots, values.to(store.dtype))
 
 
 def _rng_state(device: torch.device) -> tuple:

@@ -36,13 +36,16 @@ from __future__ import annotations
 import functools
 import inspect
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 __all__ = [
+    "CHUNKED_KINDS",
+    "ChunkConv",
+    "ChunkRows",
     "REFUSED_LAYERS",
     "STATE_LAYER_TYPES",
     "TREE_LAYERS",
@@ -82,6 +85,10 @@ _KIND_LAYER_TYPES = {
     "short_conv": ("conv",),
     "mamba2": ("linear_attention", "mamba", "hybrid"),
 }
+
+# The kinds whose state prefix reuse (`hf_tree_attn.prefix_reuse`) carries from one chunk to the next: their tree
+# versions take a `ChunkRows` (a chunk whose segments may start from kept states and whose windows reach kept inputs).
+CHUNKED_KINDS = ("gated_delta_rule", "kimi_delta_rule", "short_conv")
 
 # Every `layer_types` name an implemented kind appears under (the config-level layer-kind check lets them through;
 # `unsupported_recurrent_layers` then judges the classes).
@@ -161,6 +168,63 @@ class _ScanPlan:
     pad_rows: torch.Tensor
 
 
+@dataclass(eq=False)
+class ChunkConv:
+    """A short convolution's view of one prefix-reuse chunk (kernel size `K`): the chunk's rows behind the context
+    rows its windows reach.
+
+    forest: the `P' + S` rows `[context rows; own rows]` as a forest (`parent`, `num_tree_tokens`, `seq_len`), for
+        `_conv_plan`.
+    context_slots: `(P',)` long — store slots of those context rows' inputs (ancestors of the chunk's first row
+        within `K - 1` rows of one of its rows, ascending).
+    own_rows: `(K_c,)` long — the chunk's rows whose inputs later chunks read (indices into the chunk).
+    own_slots: `(K_c,)` long — their store slots; `total`: slots of the whole store.
+    """
+
+    forest: object
+    context_slots: torch.Tensor
+    own_rows: torch.Tensor
+    own_slots: torch.Tensor
+    total: int
+
+
+@dataclass(eq=False)
+class ChunkRows:
+    """One chunk of a prefix-reuse forward (`hf_tree_attn.prefix_reuse`) as the state-carrying layers see it: its
+    `S` rows as a forest of their own (`segment_*`, `parent`, `num_tree_tokens`, `seq_len` as in `PackedForest`,
+    local indices, padding rows roots), whose root segments may continue rows of earlier chunks, and the stores
+    those chunks' states are read from and this chunk's are written to (`exchange.read(key, slots)` /
+    `exchange.write(key, values, slots, total)`, keyed by `(layer(), "scan" | "conv")`).
+
+    Its segments end where a state is kept: at the chunk's last row and at every row branching in the whole forest.
+
+    root_state: `(n_0,)` long — for each root segment (DFS order), the index into `[context states; a zero
+        state]` it starts from.
+    state_slots: `(m,)` long — store slots of the context states (each the state after a row of an earlier chunk
+        whose child starts a root segment here).
+    keep: per level, the indices `(k,)` long (or None) of the segments whose final states later chunks read.
+    kept_slots: `(sum k,)` long — their store slots, level after level; `state_total`: slots of the whole store.
+    conv: `conv(kernel_size) -> ChunkConv`.
+    layer: `layer()` -> the state-carrying module now running (the stores' key).
+    """
+
+    segment_starts: torch.Tensor
+    segment_parent: torch.Tensor
+    segment_level: torch.Tensor
+    parent: torch.Tensor
+    num_tree_tokens: int
+    seq_len: int
+    root_state: torch.Tensor
+    state_slots: torch.Tensor
+    keep: list
+    kept_slots: torch.Tensor
+    state_total: int
+    conv: object
+    layer: object
+    exchange: object
+    _scan_cache: dict = field(default_factory=dict, repr=False)
+
+
 def _ragged_arange(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """`concat(arange(s, s + n) for s, n in zip(starts, lengths))` without a Python loop."""
     offsets = np.cumsum(lengths) - lengths
@@ -237,33 +301,43 @@ def _with_zero_row(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([x[0], x.new_zeros((1, *x.shape[2:]))])
 
 
-def _scan_levels(forest, inputs: list[torch.Tensor], varlen: bool, run) -> torch.Tensor:
+def _scan_levels(
+    forest, inputs: list[torch.Tensor], varlen: bool, run, initial: torch.Tensor | None = None, keep=None
+):
     """Run a state-carrying kernel over `forest` level by level; returns its output `(1, S, ...)` (zeros on padding
-    rows).
+    rows), and with `keep` the final states it names.
 
     Args:
         inputs: `(1, S, ...)` tensors, per row (queries, decays, ...).
         varlen: gather each level's rows into `(1, N, ...)` for a `cu_seqlens` kernel; else a zero-padded batch
             `(n, T, ...)` (the kernel must leave a state unchanged over zero inputs).
-        run: `run(level_inputs, initial_state, level) -> (output, final_state)`; `initial_state` is None on level 0,
-            `(n, ...)` after. `output` is `(1, N, ...)` (varlen) or `(n, T, ...)`.
+        run: `run(level_inputs, initial_state, level) -> (output, final_state)`; `initial_state` is `initial` on
+            level 0, `(n, ...)` after. `output` is `(1, N, ...)` (varlen) or `(n, T, ...)`.
+        initial: `(n_0, ...)` — the states level 0's segments start from (None: zero states).
+        keep: per level, the indices `(k,)` long (or None) of the segments whose final states to return; then the
+            result is `(output, kept final states (sum k, ...))`, level after level.
     """
     plan = _scan_plan(forest, inputs[0].device)
     if not varlen:  # every level's padded batch, `(n * T, ...)` each, from one gather (one gradient scatter back)
         sizes = [level.pad_index.numel() for level in plan.levels]
         padded = [_with_zero_row(x).index_select(0, plan.pad_rows).split(sizes) for x in inputs]
-    outputs, final = [], None
+    outputs, final, kept = [], None, []
     for i, level in enumerate(plan.levels):
-        initial = None if level.parent_slot is None else final.index_select(0, level.parent_slot)
+        if level.parent_slot is not None:
+            initial = final.index_select(0, level.parent_slot)
         if varlen:  # a gather per level: each level's inputs in a buffer of their own (kernels may need aligned data)
             out, final = run([x.index_select(1, level.rows) for x in inputs], initial, level)
             outputs.append(out[0])
         else:
             out, final = run([x[i].unflatten(0, level.pad_index.shape) for x in padded], initial, level)
             outputs.append(out.flatten(0, 1).index_select(0, level.valid_slots))  # no mask: no device sync
+        if keep is not None and keep[i] is not None:
+            kept.append(final.index_select(0, keep[i]))
     values = torch.cat(outputs)
-    full = values.new_zeros((inputs[0].shape[1], *values.shape[1:])).index_copy(0, plan.rows, values)
-    return full[None]
+    full = values.new_zeros((inputs[0].shape[1], *values.shape[1:])).index_copy(0, plan.rows, values)[None]
+    if keep is None:
+        return full
+    return full, (torch.cat(kept) if kept else None)
 
 
 def _bound(original, args, kwargs) -> dict:
@@ -320,6 +394,26 @@ def tree_causal_conv1d(original, forest, *args, **kwargs) -> torch.Tensor:
     """
     call = _bound(original, args, kwargs)
     x, weight, bias, activation = call["hidden_states"], call["weight"], call["bias"], call["activation"]
+    if isinstance(forest, ChunkRows):
+        return _chunk_causal_conv1d(original, forest, x, weight, bias, activation)
+    return _forest_conv1d(original, forest, x, weight, bias, activation)
+
+
+def _chunk_causal_conv1d(original, chunk: ChunkRows, x, weight, bias, activation) -> torch.Tensor:
+    """The convolution over one prefix-reuse chunk: the inputs of its context rows its windows reach (kept by the
+    chunks that computed them) go in front of its own, as rows of a forest that holds both; their outputs are
+    dropped. The own inputs later chunks' windows reach are handed to the store."""
+    plan = chunk.conv(weight.shape[-1])
+    key = (chunk.layer(), "conv")
+    context = chunk.exchange.read(key, plan.context_slots)  # (P', channels) or None
+    chunk.exchange.write(key, x[0].index_select(1, plan.own_rows).T, plan.own_slots, plan.total)
+    if context is None:
+        return _forest_conv1d(original, plan.forest, x, weight, bias, activation)
+    rows = torch.cat([context.T[None].to(x.dtype), x], dim=2)
+    return _forest_conv1d(original, plan.forest, rows, weight, bias, activation)[:, :, context.shape[0] :]
+
+
+def _forest_conv1d(original, forest, x, weight, bias, activation) -> torch.Tensor:
     out = original(x, weight, bias, activation=activation)
     rows, taps = _conv_plan(forest, weight.shape[-1], x.device)
     if rows.numel() == 0:
@@ -356,7 +450,19 @@ def tree_delta_rule(original, forest, *args, **kwargs) -> tuple[torch.Tensor, No
             seqlens["cu_seqlens_cpu"] = level.cu_seqlens_cpu
         return original(q, k, v, g=g, beta=beta, initial_state=initial, output_final_state=True, **extra, **seqlens)
 
-    return _scan_levels(forest, tensors, varlen, run), None
+    if not isinstance(forest, ChunkRows):
+        return _scan_levels(forest, tensors, varlen, run), None
+    # One prefix-reuse chunk: its root segments that continue a row of an earlier chunk start from the state that
+    # chunk kept; the final states of its segments later chunks continue go to the store.
+    key = (forest.layer(), "scan")
+    states = forest.exchange.read(key, forest.state_slots)  # (m, heads, k_dim, v_dim) or None
+    initial = None
+    if states is not None:
+        initial = torch.cat([states, states.new_zeros((1, *states.shape[1:]))]).index_select(0, forest.root_state)
+    out, kept = _scan_levels(forest, tensors, varlen, run, initial=initial, keep=forest.keep)
+    if kept is not None:
+        forest.exchange.write(key, kept, forest.kept_slots, forest.state_total)
+    return out, None
 
 
 def tree_mamba2_chunk_scan(original, forest, *args, **kwargs) -> torch.Tensor:

@@ -106,6 +106,9 @@ def _tree_dispatch(original, tree_version):
     @functools.wraps(original)
     def dispatch(*args, **kwargs):
         forest = kwargs.pop("tree_forest", None)
+        context = kwargs.pop("tree_context", None)
+        if forest is None and context is not None:  # one chunk of a prefix-reuse forward
+            forest = context.recurrent_rows(tree_version)
         if forest is None:
             return original(*args, **kwargs)
         return tree_version(original, forest, *args, **kwargs)

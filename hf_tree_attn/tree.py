@@ -326,13 +326,17 @@ def _first_fit_decreasing(sizes: list[int], budget: int | None) -> list[list[int
     return bins
 
 
-def _segments(parent: np.ndarray, subtree_end: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _segments(
+    parent: np.ndarray, subtree_end: np.ndarray, branching: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """`(segment_starts, segment_parent, segment_level)` of the real rows whose `parent` and `subtree_end` are
-    given (`(N,)` each, DFS preorder; see `PackedForest`)."""
+    given (`(N,)` each, DFS preorder; see `PackedForest`). `branching`: `(N,)` bool — the rows whose children start
+    segments of their own (default: the rows with two children or more; a prefix-reuse chunk also ends its segments
+    at rows branching in the whole forest, whose states later chunks start from)."""
     num_rows = parent.shape[0]
     has_parent = parent >= 0
-    children = np.bincount(parent[has_parent], minlength=num_rows)
-    branching = children >= 2
+    if branching is None:
+        branching = np.bincount(parent[has_parent], minlength=num_rows) >= 2
     # A row starts a segment unless it is the only child of its parent (which then sits right before it).
     is_start = ~has_parent | branching[np.where(has_parent, parent, 0)]
     starts = np.flatnonzero(is_start)

@@ -433,10 +433,12 @@ def test_default_is_unchanged_and_long_sequence_refused_without_it():
         sequence_logprobs(tree, sequences, 100, prefix_reuse=True)
 
 
-def test_hybrid_is_refused():
-    tree, _ = hybrid_twin_models("qwen3_5")
-    assert "carry a state from token to token (Qwen3_5GatedDeltaNet)" in prefix_reuse_error(tree)
-    with pytest.raises(NotImplementedError, match=r"Qwen3_5GatedDeltaNet.*prefix_reuse=False"):
+def test_mamba2_hybrid_is_refused():
+    """Gated / Kimi delta-rule and short-convolution hybrids carry their states between chunks
+    (tests/test_prefix_reuse_hybrid.py); a Mamba-2 hybrid is refused with the reason and the way out."""
+    tree, _ = hybrid_twin_models("bamba")
+    assert "Mamba-2 layers (BambaMixer)" in prefix_reuse_error(tree)
+    with pytest.raises(NotImplementedError, match=r"BambaMixer.*prefix_reuse=False"):
         sequence_logprobs(tree, _trie(2, seed=0), BUDGET, prefix_reuse=True)
 
 

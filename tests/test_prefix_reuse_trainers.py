@@ -130,6 +130,34 @@ def test_grpo_chunked_entropy_matches_trl(tiny, tmp_path, chunked_calls):  # noq
     assert chunked_calls
 
 
+@pytest.fixture(scope="module")
+def tiny_hybrid(tmp_path_factory):
+    """A saved tiny Qwen3.5 (gated delta rule and full attention) with the char tokenizer."""
+    tokenizer = toy_task.build_tokenizer()
+    model = toy_task.build_model(tokenizer, seed=0, model_type="qwen3_5")
+    path = tmp_path_factory.mktemp("tiny_qwen3_5")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path), tokenizer
+
+
+def test_grpo_chunked_hybrid_equals_one_forest(tiny_hybrid, tmp_path, chunked_calls):
+    """A Qwen3.5 hybrid in chunks (its gated-delta-rule states and convolution inputs handed from chunk to chunk),
+    checkpointed in train mode: the loss and every parameter gradient of the one-forest trainer, and of TRL's."""
+    reuse = _grpo(tiny_hybrid, tmp_path, tree_prefix_reuse=True, max_tokens_per_mb=BUDGET)
+    assert "GatedDeltaNet" in type(reuse.model.model.layers[0].linear_attn).__name__
+    whole = _grpo(tiny_hybrid, tmp_path / "whole")
+    trl = _grpo(tiny_hybrid, tmp_path, GRPOTrainer, GRPOConfig)
+    inputs, sequences = _group_inputs(reuse, tiny_hybrid[1], _prompts(SYSTEM))
+    (forest,) = pack_forest(sequences, two_level=False)
+
+    got = _loss_and_grads(reuse, inputs)
+    assert chunked_calls == [plan_chunks(forest, BUDGET).num_chunks] and chunked_calls[0] >= 2
+    _assert_same(got, _loss_and_grads(whole, inputs))
+    _assert_same(got, _loss_and_grads(trl, inputs))
+    assert reuse._metrics["train"]["tree_fallback"] == [0.0]
+
+
 def test_grpo_long_sequence_refused_without_prefix_reuse(tiny, tmp_path):  # noqa: F811
     """A completion as long as the budget: refused at config time without prefix reuse, accepted with it."""
     with pytest.raises(ValueError, match=r"max_tokens_per_mb=128 cannot hold one sequence.*tree_prefix_reuse=True"):
@@ -274,12 +302,10 @@ def _reuse_grpo(model, tmp_path, tokenizer, **overrides):
     )
 
 
-def test_hybrid_refused(tiny, tmp_path):  # noqa: F811
-    """A state-carrying model trains on trees, but not in chunks (its state at a chunk's first row is not kept)."""
-    model, _ = hybrid_twin_models("qwen3_5")
-    with pytest.raises(
-        ValueError, match=r"tree_prefix_reuse=True, but .*Qwen3_5GatedDeltaNet.*tree_prefix_reuse=False"
-    ):
+def test_mamba2_hybrid_refused(tiny, tmp_path):  # noqa: F811
+    """A Mamba-2 hybrid trains on trees, but not in chunks (its SSD state is not carried from chunk to chunk)."""
+    model, _ = hybrid_twin_models("bamba")
+    with pytest.raises(ValueError, match=r"tree_prefix_reuse=True, but .*BambaMixer.*tree_prefix_reuse=False"):
         _reuse_grpo(model, tmp_path, tiny[1])
 
 
@@ -298,13 +324,13 @@ def test_reentrant_checkpointing_refused(tiny, tmp_path):  # noqa: F811
 
 
 def test_sft_refusal_goes_through_the_head_trainer(sft_tiny, tmp_path):
-    model, _ = hybrid_twin_models("qwen3_5")
+    model, _ = hybrid_twin_models("bamba")
     args = TreeSFTConfig(
         output_dir=str(tmp_path), use_cpu=True, report_to="none", max_length=None, tree_prefix_reuse=True,
         max_tokens_per_mb=BUDGET,
     )  # fmt: skip
     dataset = Dataset.from_dict({"text": [test_tree_sft.SYSTEM + "a."] * 4})
-    with pytest.raises(ValueError, match=r"tree_prefix_reuse=True, but .*Qwen3_5GatedDeltaNet"):
+    with pytest.raises(ValueError, match=r"tree_prefix_reuse=True, but .*BambaMixer"):
         TreeSFTTrainer(model, args, train_dataset=dataset, processing_class=sft_tiny[1])
 
 
