@@ -557,6 +557,33 @@ def test_prefix_reuse_same_as_trl_async(family, tmp_path, monkeypatch):
         np.testing.assert_allclose([e[key] for e in tree_logs], [e[key] for e in trl_logs], rtol=1e-5, err_msg=key)
 
 
+@pytest.mark.parametrize("family", ["qwen3_5", "lfm2"])
+def test_prefix_reuse_on_hybrids_equals_one_forest_per_row(family, tmp_path):
+    """Hybrids TRL refuses (Gated DeltaNet, short convolutions): with `tree_prefix_reuse=True` each step's rows are
+    one forest in chunks that hand the recurrent and convolution states across chunk boundaries. Every micro-batch's
+    loss equals the same trainer's without prefix reuse (fp32, 1e-5); each step's gradients are within the bound
+    tests/test_recurrent.py sets for these layers of a float64 run without prefix reuse (1e-5 of the largest entry
+    plus twice the fp32 run's own error): the chunked Gated DeltaNet scan rounds differently where a chunk boundary
+    cuts it."""
+    import test_coverage
+
+    path = save_model(test_coverage.tiny_config(family), tmp_path / "model")
+    samples = _reuse_samples(path)
+    run = dict(max_steps=3, gradient_accumulation_steps=3, token_budget=REUSE_BUDGET)
+    _, row_losses, row_grads = train(True, path, samples, tmp_path / "rows", **run)
+    _, reuse_losses, reuse_grads = train(True, path, samples, tmp_path / "reuse", tree_prefix_reuse=True, **run)
+    exact = train(True, path, samples, tmp_path / "f64", model_init_kwargs={"dtype": torch.float64}, **run)[2]
+    assert len(reuse_losses) == len(row_losses) == 9
+    assert any(abs(loss) > 1e-3 for loss in row_losses)  # the comparison is not vacuous
+    np.testing.assert_allclose(reuse_losses, row_losses, rtol=1e-5, atol=TOLERANCES["logps_atol"])
+    for step, (got, flat, want) in enumerate(zip(reuse_grads.steps, row_grads.steps, exact.steps, strict=True)):
+        for name, grad in want.items():
+            own = (flat[name].double() - grad).abs().max().item()
+            bound = TOLERANCES["grad_max_rel"] * grad.abs().max().item() + 2 * own
+            worst = (got[name].double() - grad).abs().max().item()
+            assert worst <= bound, f"step {step}, {name}: {worst} > {bound}"
+
+
 def test_prefix_reuse_forwards_each_step_token_once(tmp_path, monkeypatch):
     """The rows the model forwards in a step (counted at its embedding, outside the chunks' recompute) are the step's
     unique tokens, also what TRL's `batch/forwarded_tokens_per_step` logs: fewer than the rows' own tries hold where
@@ -657,7 +684,7 @@ def test_prefix_reuse_config_refusals(tmp_path, overrides, match):
 @pytest.mark.parametrize(
     "family, extra, match",
     [
-        ("bamba", {}, r"Mamba-2 layers \(BambaMixer\)"),  # a Mamba-2 hybrid: its state is not carried between chunks
+        ("nemotron_h", {}, r"Mamba-2 layers \(NemotronHMamba2Mixer\)"),  # its state is not carried across chunks
         ("qwen3_moe", dict(router_aux_loss_coef=0.01), r"MoE load-balancing loss.*router_aux_loss_coef=0.01"),
         ("qwen3", dict(gradient_checkpointing_kwargs={"use_reentrant": True}), r"'use_reentrant': True"),
     ],
