@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from trl.experimental.async_grpo import AsyncGRPOConfig
 
-from .core import BLOCK, CompileOptions
+from .core import BLOCK, CompileOptions, check_prefix_reuse_fields
 from .forest_step import PolicyForwardOptions
 
 __all__ = ["TreeAsyncGRPOConfig"]
@@ -36,7 +36,7 @@ class TreeAsyncGRPOConfig(PolicyForwardOptions, CompileOptions, AsyncGRPOConfig)
             "conversation's history) is forwarded once per step instead of once per row. Same loss, normalised per "
             "row as TRL does, and same gradients. Costs one recompute per chunk in the backward and holds the keys / "
             "values of the prefixes later chunks read until the step's last micro-batch. Refused at init for "
-            "state-carrying (hybrid) models, an MoE load-balancing loss, several processes, FSDP / DeepSpeed, "
+            "Mamba-2 hybrids, an MoE load-balancing loss, several processes, FSDP / DeepSpeed, "
             "reentrant gradient checkpointing, tree_activation_budget_gib and token_budget=0 (no token budget to "
             "size the chunks)."
         },
@@ -53,20 +53,8 @@ class TreeAsyncGRPOConfig(PolicyForwardOptions, CompileOptions, AsyncGRPOConfig)
 
     def __post_init__(self):
         super().__post_init__()
-        if not isinstance(self.tree_prefix_reuse, bool):
-            raise TypeError(f"tree_prefix_reuse={self.tree_prefix_reuse!r} must be True or False.")
         budget = self.tree_prefix_reuse_budget_gib
-        if budget is not None:
-            if isinstance(budget, bool) or not isinstance(budget, int | float) or not budget > 0:
-                raise ValueError(
-                    f"tree_prefix_reuse_budget_gib={budget!r} must be a number of GiB > 0 (e.g. 40), or None for "
-                    "chunks of token_budget rows."
-                )
-            if not self.tree_prefix_reuse:
-                raise ValueError(
-                    f"tree_prefix_reuse_budget_gib={budget} sizes prefix reuse's chunks, but tree_prefix_reuse=False: "
-                    "set tree_prefix_reuse=True, or leave the budget None."
-                )
+        check_prefix_reuse_fields(self.tree_prefix_reuse, budget, "token_budget")
         if not self.tree_prefix_reuse:
             return
         if self.token_budget is not None and self.token_budget <= 0:

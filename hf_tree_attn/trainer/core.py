@@ -44,6 +44,7 @@ __all__ = [
     "TreeOptions",
     "TreeTrainerMixin",
     "block_budget",
+    "check_prefix_reuse_fields",
     "prefix_reuse_refusal",
     "prefix_reuse_rows",
     "restore_stock_attention",
@@ -174,25 +175,12 @@ class TreeOptions(CompileOptions):
         if isinstance(ratio, bool) or not isinstance(ratio, int | float) or not 0.0 < ratio <= 1.0:
             raise ValueError(f"tree_max_token_ratio={ratio!r} must be in (0, 1]; use 1.0 to always pack trees.")
         budget = self.max_tokens_per_mb
-        if not isinstance(self.tree_prefix_reuse, bool):
-            raise TypeError(f"tree_prefix_reuse={self.tree_prefix_reuse!r} must be True or False.")
+        check_prefix_reuse_fields(self.tree_prefix_reuse, self.tree_prefix_reuse_budget_gib, "max_tokens_per_mb")
         if self.tree_prefix_reuse and budget is None:
             raise ValueError(
                 "tree_prefix_reuse=True scores a forest in chunks of max_tokens_per_mb rows, but max_tokens_per_mb="
                 "None (one forest, one forward): set max_tokens_per_mb (e.g. 8192), or leave tree_prefix_reuse=False."
             )
-        reuse_budget = self.tree_prefix_reuse_budget_gib
-        if reuse_budget is not None:
-            if isinstance(reuse_budget, bool) or not isinstance(reuse_budget, int | float) or not reuse_budget > 0:
-                raise ValueError(
-                    f"tree_prefix_reuse_budget_gib={reuse_budget!r} must be a number of GiB > 0 (e.g. 40), or None "
-                    "for chunks of max_tokens_per_mb rows."
-                )
-            if not self.tree_prefix_reuse:
-                raise ValueError(
-                    f"tree_prefix_reuse_budget_gib={reuse_budget} sizes prefix reuse's chunks, but tree_prefix_reuse="
-                    "False: set tree_prefix_reuse=True (with max_tokens_per_mb), or leave the budget None."
-                )
         if budget is None:
             return
         if isinstance(budget, bool) or not isinstance(budget, int):
@@ -334,6 +322,25 @@ def restore_stock_attention(models, reason: str) -> None:
                 f"and {type(inner).__name__} cannot switch implementation after loading, so TRL's path cannot run it "
                 "either. Load it with attn_implementation='eager' (or 'sdpa')."
             )
+
+
+def check_prefix_reuse_fields(reuse, budget_gib, rows: str) -> None:
+    """Raise for a `tree_prefix_reuse` that is not a bool, or a `tree_prefix_reuse_budget_gib` that is not None or a
+    number of GiB > 0, or is set without prefix reuse; `rows` names the field whose rows size the chunks."""
+    if not isinstance(reuse, bool):
+        raise TypeError(f"tree_prefix_reuse={reuse!r} must be True or False.")
+    if budget_gib is None:
+        return
+    if isinstance(budget_gib, bool) or not isinstance(budget_gib, int | float) or not budget_gib > 0:
+        raise ValueError(
+            f"tree_prefix_reuse_budget_gib={budget_gib!r} must be a number of GiB > 0 (e.g. 40), or None for chunks "
+            f"of {rows} rows."
+        )
+    if not reuse:
+        raise ValueError(
+            f"tree_prefix_reuse_budget_gib={budget_gib} sizes prefix reuse's chunks, but tree_prefix_reuse=False: set "
+            f"tree_prefix_reuse=True (with {rows}), or leave the budget None."
+        )
 
 
 def prefix_reuse_refusal(trainer, models) -> str | None:
