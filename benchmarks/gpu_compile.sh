@@ -53,6 +53,7 @@ step() {  # step <seconds> <name> <command...>: run with a limit, log it, print 
   echo "=== $name: rc ${PIPESTATUS[0]}, $((SECONDS - start)) s" | tee -a "$LOG"
 }
 
+read -r -a GRPO_SIDES <<< "${GRPO_SIDES:-reference trl tree trl_compiled tree_eager}"
 ASYNC=(python3 benchmarks/bench_async_grpo.py --warmup 2 --steps 8 --resume)
 SYNC=(python3 benchmarks/bench_sync_grpo.py --warmup 2 --steps 8 --resume)
 BEYOND=(python3 benchmarks/bench_trees_beyond_grpo.py --models qwen3-1.7b --warmup 2 --steps 8 --resume
@@ -69,16 +70,16 @@ for phase in ${PHASES:-tests}; do
       LOG="$KEEP/h200_gpu_tests_all.log" step 540 "$phase" python3 -m pytest -v -rfEs -m gpu -p no:cacheprovider -n 8 \
         --timeout 300 tests --ignore tests/test_gpu_recurrent.py --ignore tests/test_gpu_deepspeed.py ;;
     async-1.7b-grpo)  # the float32 reference first (agreement), TRL's defaults, the tree, then the compiled sides
-      step 300 "$phase" "${ASYNC[@]}" --models qwen3-1.7b --workloads grpo_mixed \
-        --sides reference trl tree trl_compiled tree_eager --out "$KEEP/async_grpo_h200_qwen3-1.7b_paired.json" ;;
+      step "${GRPO_LIMIT:-300}" "$phase" "${ASYNC[@]}" --models qwen3-1.7b --workloads grpo_mixed \
+        --sides "${GRPO_SIDES[@]}" --out "$KEEP/async_grpo_h200_qwen3-1.7b_paired.json" ;;
     async-1.7b-profiled)  # both 1.7B rows, one more step per side under the torch profiler (where its time goes)
       step 270 "$phase-grpo" "${ASYNC[@]}" --profile --models qwen3-1.7b --workloads grpo_mixed \
         --sides reference trl tree trl_compiled --out "$KEEP/async_grpo_h200_qwen3-1.7b_profiled.json"
       step 240 "$phase-tau2" "${ASYNC[@]}" --profile --models qwen3-1.7b --workloads tau2_like \
         --sides reference trl tree --out "$KEEP/async_grpo_h200_qwen3-1.7b_profiled.json" ;;
-    prefix-reuse-tests)  # prefix reuse on CUDA, both attention paths (log: h200_gpu_tests_prefix_reuse.log)
-      LOG="$KEEP/h200_gpu_tests_prefix_reuse.log" step 300 "$phase" python3 -m pytest -v -rfEs -m gpu \
-        -p no:cacheprovider tests/test_gpu_prefix_reuse.py ;;
+    prefix-reuse-tests)  # prefix reuse on CUDA, both attention paths, 4 workers (log: h200_gpu_tests_prefix_reuse.log)
+      LOG="$KEEP/h200_gpu_tests_prefix_reuse.log" step "${PREFIX_REUSE_LIMIT:-360}" "$phase" python3 -m pytest -v \
+        -rfEs -m gpu -p no:cacheprovider -n 4 tests/test_gpu_prefix_reuse.py ;;
     tau2-tree)  # resumes async-1.7b-profiled's file (the committed one where $KEEP has none): its tau2_like row,
       # with TRL's regionally compiled side
       [ -f "$KEEP/async_grpo_h200_qwen3-1.7b_profiled.json" ] \
@@ -86,17 +87,15 @@ for phase in ${PHASES:-tests}; do
       step 380 "$phase" "${ASYNC[@]}" --profile --models qwen3-1.7b --workloads tau2_like \
         --sides reference trl tree trl_compiled --out "$KEEP/async_grpo_h200_qwen3-1.7b_profiled.json" ;;
     gpu-tests-rest)  # the gpu tests the 8-worker run did not finish: the async hybrid and compile-once tests alone,
-      # GPT-OSS's precision cells, prefix reuse on CUDA with 4 workers (logs: h200_gpu_tests_async_rest.log,
-      # h200_gpu_tests_precision_gpt_oss.log, h200_gpu_tests_prefix_reuse.log)
+      # then GPT-OSS's precision cells (logs: h200_gpu_tests_async_rest.log, h200_gpu_tests_precision_gpt_oss.log);
+      # prefix reuse on CUDA is the prefix-reuse-tests phase
       LOG="$KEEP/h200_gpu_tests_async_rest.log" step 150 "$phase-async" python3 -m pytest -v -rfEs -m gpu \
         -p no:cacheprovider tests/test_gpu_async_grpo.py::test_hybrid_log_probs_on_cuda \
         tests/test_gpu_async_grpo.py::test_default_compile_on_cuda_compiles_once_for_all_lengths
-      LOG="$KEEP/h200_gpu_tests_precision_gpt_oss.log" step 120 "$phase-gpt-oss" python3 -m pytest -v -rfEs -m gpu \
-        -p no:cacheprovider tests/test_precision.py -k "gpt_oss and cuda"
-      LOG="$KEEP/h200_gpu_tests_prefix_reuse.log" step 360 "$phase-prefix-reuse" python3 -m pytest -v -rfEs -m gpu \
-        -p no:cacheprovider -n 4 --timeout 340 tests/test_gpu_prefix_reuse.py ;;
-    async-1.7b-tau2)
-      step 250 "$phase" "${ASYNC[@]}" --models qwen3-1.7b --workloads tau2_like \
+      LOG="$KEEP/h200_gpu_tests_precision_gpt_oss.log" step 100 "$phase-gpt-oss" python3 -m pytest -v -rfEs -m gpu \
+        -p no:cacheprovider tests/test_precision.py -k "gpt_oss and cuda" ;;
+    async-1.7b-tau2)  # resumes async-1.7b-grpo's file: the tau2_like row (TRL's compiled side compiles ~90 s)
+      step "${TAU2_LIMIT:-340}" "$phase" "${ASYNC[@]}" --models qwen3-1.7b --workloads tau2_like \
         --sides reference trl tree trl_compiled --out "$KEEP/async_grpo_h200_qwen3-1.7b_paired.json" ;;
     async-8b)
       step 480 "$phase" "${ASYNC[@]}" --models qwen3-8b --workloads grpo_mixed tau2_like --sides trl tree \
