@@ -45,11 +45,12 @@ transformers.__version__, 'trl', trl.__version__, 'accelerate', accelerate.__ver
   echo "commit ${HF_TREE_ATTN_COMMIT:-unknown} dirty ${HF_TREE_ATTN_DIRTY:-0}"
 } 2>&1 | tee -a "$LOG"
 
-step() {  # step <seconds> <name> <command...>: run with a limit, log it, print the elapsed time
+step() {  # step <seconds> <name> <command...>: run with a limit, log it (Python's warnings dropped, pytest's summary
+  # kept), print the elapsed time
   local limit=$1 name=$2 start=$SECONDS
   shift 2
   echo "=== $name (limit ${limit}s)" | tee -a "$LOG"
-  timeout "$limit" "$@" 2>&1 | grep -v -i -E "warn|^\[transformers\]|Loading weights|Callback$|^:|^\{'" | tee -a "$LOG"
+  timeout "$limit" "$@" 2>&1 | grep -v -E "Warning:|warnings\.warn|^\[transformers\]|Loading weights|Callback$|^:|^\{'" | tee -a "$LOG"
   echo "=== $name: rc ${PIPESTATUS[0]}, $((SECONDS - start)) s" | tee -a "$LOG"
 }
 

@@ -66,6 +66,8 @@ SOURCES = {
     "async_grpo_h200_qwen3-1.7b_profiled.json": "compile-async-1.7b-profiled",
     "h200_gpu_tests_all.log": "gpu-tests-all",
     "h200_gpu_tests_prefix_reuse.log": "gpu-tests-prefix-reuse",
+    "h200_gpu_tests_async_rest.log": "gpu-tests-rest",
+    "h200_gpu_tests_precision_gpt_oss.log": "gpu-tests-rest",
     "async_grpo_h200_qwen3-1.7b.json": "async-grpo",
     "async_grpo_h200_qwen3-8b.json": "async-grpo",
     "async_grpo_h200_qwen3-1.7b_prefix_kernels.json": "async-grpo-prefix-kernels",
@@ -294,6 +296,10 @@ GPU_TEST_LOGS = {  # log: the tests it ran
     "`test_recompute.py`; 8 pytest workers on one GPU, transformers 5.24",
     "h200_gpu_tests_prefix_reuse.log": "`test_gpu_prefix_reuse.py`: prefix reuse on CUDA (dense masks and "
     "FlexAttention) against per-sequence fp32 forwards",
+    "h200_gpu_tests_async_rest.log": "`test_gpu_async_grpo.py`'s hybrid log-probs test and its compile-once test "
+    "(rows of 15 or 16 blocks: one compile for every forest length), each alone on the GPU",
+    "h200_gpu_tests_precision_gpt_oss.log": "`test_precision.py`'s 24 GPT-OSS CUDA cells on the continuous-routing "
+    "model (every token to all 4 experts), FlexAttention compiled with autocast off and the shared-prefix kernels",
     "h200_gpu_tests_kernels.log": "`test_prefix_attention.py`, `test_kernels.py`, `test_gpu.py`, "
     "`test_grpo_trainer.py`: the shared-prefix kernels where the CUDA rule picks them",
     "h200_gpu_tests_kernels_always.log": "the same with the kernels on every two-level forest "
@@ -367,15 +373,15 @@ NOTES = {
     "sync_grpo_h200_qwen3-1.7b.json": "ran before the CUDA rule waited for recurring shapes: forests the size rule "
     "picked took the shared-prefix kernels, in the mixed-length row with shapes new to cuDNN at every step (a graph "
     "build on the host each time); the rule now runs those on FlexAttention. Not re-measured since.",
-    "async_grpo_h200_qwen3-1.7b_paired.json": "the tree's 4th step (the 2nd measured) took 8.78 s against ~1.28 s "
-    "for the others: a compile inside the run (3 graphs in the tree's process), not attributed yet; it is the 0.20x "
-    "of the range. TRL with accelerate's regional compile made 3 graphs and ran at its eager speed (1.82 s vs 1.91 s "
-    "median), so these rows do not reproduce a faster compiled TRL. Found since, on CPU: the benchmark's stand-in "
-    "for TRL's Hub kernel (`tests/trl_varlen.py`'s `use_kernel`) built a `SimpleNamespace` inside every attention "
-    "call, a graph break for dynamo, so each compiled TRL layer was split at its attention; the stand-in now returns "
-    "a prebuilt object (no break on that line), not re-measured on the GPU. The tree's layers were compiled "
-    "throughout (28 / 28 after the run). The git "
-    "commit was corrected by hand (the GPU machine's copy named an older one); the tree sent was that commit, clean.",
+    "async_grpo_h200_qwen3-1.7b_paired.json": "two calls made back to back on one machine (`earlier_runs`), both at "
+    "the file's commit, with the benchmark's stand-in for TRL's Hub kernel no longer breaking TRL's compiled layers "
+    "at their attention: TRL with accelerate's regional compile made 4 graphs, no graph break, 28 / 28 layers "
+    "compiled, and ran 1.46 s a step against its eager 1.94 s (first step 68.6 s). The tree's layers compiled once "
+    "(2 graphs, first step 104.9 s on a machine with no inductor cache; 52.6 s in the `tau2_like` call, which loaded "
+    "the first call's cache). The tree's step times vary with the step's forest (1.24 to 1.94 s), TRL's with "
+    "its padded micro-batches (1.30 to 1.87 s), not in step with each other: hence the paired range. In "
+    "`tau2_like`, TRL's compiled side did not finish within the call's 340 s limit (its compile takes about 70 s); "
+    "the earlier measurement of that side ran with the graph break and is not kept.",
     "async_grpo_h200_qwen3-1.7b_profiled.json": "three calls: `grpo_mixed` at commit 9d622e1 (its tree side one "
     "uncommitted script change off it, `earlier_runs`), `tau2_like` at the file's commit. `trl_compiled` did not "
     "finish in either row's call (the `tau2_like` call's 380 s limit stopped it): TRL's compiled side is in "
@@ -404,11 +410,13 @@ NOTES = {
     "119 GiB all in float32): not within one H200 as the planner prices it; a per-layer recompute of the chunk, or "
     "attention over the kept store without "
     "the concatenation, would cut that term.",
-    "trees_beyond_grpo_h200_paired.json": "two calls made back to back (`earlier_runs`): the first ran "
-    "`sft_system_prompt` and was stopped in `dpo_long_prompt` by its time limit, the second ran `dpo_long_prompt` "
-    "and was stopped before `sft_agent_turns` started; `reward_pairs` and `rloo_groups` not run. The tree's first "
-    "step holds the compile of its layers (73 s and 78 s; the second call's machine kept the first's inductor cache, "
-    "yet the DPO trainer's graphs compiled anew).",
+    "trees_beyond_grpo_h200_paired.json": "four calls (`earlier_runs`): `sft_system_prompt` and `dpo_long_prompt` at "
+    "commit a8cc451 (two calls made back to back, the first stopped in `dpo_long_prompt` by its time limit), "
+    "`sft_agent_turns` and `reward_pairs` at commit e4ba9c3 (stopped before `rloo_groups` by its 450 s limit), "
+    "`rloo_groups` at the file's commit (e4ba9c3 too; the library code of all four calls is the same but for "
+    "prefix reuse, off in every row). The tree's first step holds the compile of its layers (50 to 90 s). TRL's "
+    "trainers pad each micro-batch to its longest sequence, so a row's ratio can pass its token ceiling (the tree "
+    "saves the shared tokens and the padding both), as TRL's MFU shows.",
     "h200_gpu_tests_all.log": "7 of 316 failed. Five `test_precision.py` cells, GPT-OSS with bf16 weights on the "
     "two-level forest in training mode (checkpointing `all` / `auto`, and bf16 autocast): the tree's log-prob error "
     "against float32 is 0.122, flat's 0.038, over the bound 0.103; the same model in eval mode, on the deep forest, "
@@ -416,13 +424,15 @@ NOTES = {
     "reproduces 0.1221 / 0.0382 exactly): one prompt token's top-2-of-4 expert choice in layer 0 has a float32 margin "
     "(0.020) below the bf16 noise of the router logits (0.022, flat and tree alike), and FlexAttention's rounding of "
     "the sink layers, as close to float32 as eager's, falls on the other side of that tie; the test's GPT-OSS now "
-    "routes each token to all 4 experts (continuous routing), not re-run on a GPU. These workers had also hit "
+    "routes each token to all 4 experts (continuous routing): its 24 CUDA cells pass "
+    "(`h200_gpu_tests_precision_gpt_oss.log`). These workers had also hit "
     "dynamo's recompile limit on `flex_attention` (autocast on / off), after which it runs its eager reference; the "
     "compiled FlexAttention now runs with autocast off (one graph). `test_hybrid_log_probs_on_cuda` hit its 300 s "
     "limit in the float32 "
     "CPU reference beside seven other workers. `test_default_compile_on_cuda_compiles_once_for_all_lengths` saw "
     "one forest length only (its budget filled every row to the same 128-token blocks), so it could not check what "
-    "it claims: its budget was changed so rows fill 15 or 16 blocks, not re-run on a GPU since.",
+    "it claims: its budget was changed so rows fill 15 or 16 blocks. Both passed since, each alone on the GPU "
+    "(`h200_gpu_tests_async_rest.log`).",
     "h200_gpu_tests_prefix_reuse.log": "the call's 90 s limit stopped it after 5 of 14 tests, all passed: the dense "
     "path split 2, 3 and 8 ways, FlexAttention split 2 and 3 ways; the 4x-budget sequence, the bf16 bound and the "
     "sibling-leakage cases did not run. Prefix reuse stays refused on CUDA unless `HF_TREE_ATTN_PREFIX_REUSE_CUDA` "
@@ -479,10 +489,6 @@ PENDING = {
     "through_trainer": [
         "DeepSpeed ZeRO step times (ZeRO-2 / ZeRO-3 are tested equal to TRL on one H200, not timed)",
     ],
-    "beyond_grpo": [
-        "`sft_agent_turns`, `reward_pairs` (`TreeRewardTrainer`) and `rloo_groups` (`TreeRLOOTrainer`) on the harness "
-        "(stage `beyond-grpo-paired`); the `sft_agent_turns` row above is older code",
-    ],
     "hybrids": [
         "the fp32 parity tests on fla + TileLang under their present gradient bound (the tree may lose twice what the "
         "kernels alone lose): its inputs were measured, Qwen3.5 `in_proj_a` 0.968 / 0.988 (K = 128 / 64) against "
@@ -493,6 +499,8 @@ PENDING = {
     ],
     "balance": ["FSDP2 on two H200s, Qwen3-1.7B shape, balanced vs not (stage `balance-fsdp2`)"],
     "peers": [
+        "Qwen3-1.7B `tau2_like` against TRL with accelerate's regional compile (its compile did not finish within the "
+        "call; the earlier measurement ran with the benchmark's graph break)",
         "AReaL's tree-training code, same workloads",
         "TRL's own tree packing on its FlashAttention-3 kernel from the Hub (the rows above ran FlashAttention-2)",
         "Qwen3.5-2B on `TreeAsyncGRPOTrainer`; `TreeAsyncGRPOTrainer`'s hybrids on fla's kernels",
@@ -501,10 +509,7 @@ PENDING = {
     ],
     "gpu_tests": [
         "`test_gpu_recurrent.py` and `test_gpu_deepspeed.py` on the present code (their last logs are below)",
-        "`test_gpu_async_grpo.py`'s compile-once test at its corrected budget, and its hybrid test alone",
         "`test_gpu_prefix_reuse.py`: 9 of its 14 tests",
-        "`test_precision.py`'s GPT-OSS CUDA cells on its continuous-routing model, with the compiled FlexAttention "
-        "run with autocast off (`gpu_compile.sh`'s gpu-tests-rest phase)",
         "prefix reuse on hybrids and in `TreeAsyncGRPOTrainer` (CPU-tested; CUDA opt-in)",
     ],
     "gradients": [

@@ -935,10 +935,13 @@ def test_outcome(name: str) -> str:
     for line in lines:
         if match := re.match(r"tests/\S+::(\S+)", line):
             current = match.group(1)
-        if (match := re.search(r"\b(PASSED|FAILED|SKIPPED|ERROR)$", line.strip())) and current:  # -v
+        if (match := re.search(r"\b(PASSED|FAILED|SKIPPED|ERROR)(\s+\[\s*\d+%\])?$", line.strip())) and current:  # -v
             outcomes.append(match.group(1).lower())
             failed += [current] * (match.group(1) == "FAILED")
             current = None
+        if match := re.match(r"^\[gw\d+\] \[\s*\d+%\] (PASSED|FAILED|SKIPPED|ERROR) tests/\S+::(\S+)", line):  # -v -n
+            outcomes.append(match.group(1).lower())
+            failed += [match.group(2)] * (match.group(1) == "FAILED" and match.group(2) not in failed)
         if match := re.match(r"^([.FEsx]+)\s+\[\s*\d+%\]$", line):  # -q
             outcomes += [marks[mark] for mark in match.group(1)]
         if match := re.match(r"^FAILED tests/\S+::(\S+)", line):

@@ -215,13 +215,14 @@ for stage in "$@"; do
       bash benchmarks/gpu_async.sh
       mv "$OUT/gpu_async.log" "$OUT/h200_gpu_async.log" ;;
     compile-async-1.7b)  # TreeAsyncGRPOTrainer on its default compiled layers vs TRL's AsyncGRPOTrainer at its defaults
-      # and with accelerate's regional compile, paired per step (gpu_compile.sh's async rows; ~9 min over two calls made
-      # back to back, the second resuming the file; carry .whl/async)
+      # and with accelerate's regional compile, paired per step (gpu_compile.sh's async-1.7b-grpo and async-1.7b-tau2
+      # phases, GRPO_SIDES="reference trl tree trl_compiled" GRPO_LIMIT=380; two calls made back to back, the second
+      # resuming the file; carry .whl/async)
       python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/async/*.whl
-      PYTHONPATH=/tmp/site:$PWD timeout 300 python3 benchmarks/bench_async_grpo.py --warmup 2 --steps 8 --resume \
-        --models qwen3-1.7b --workloads grpo_mixed --sides reference trl tree trl_compiled tree_eager \
+      PYTHONPATH=/tmp/site:$PWD timeout 380 python3 benchmarks/bench_async_grpo.py --warmup 2 --steps 8 --resume \
+        --models qwen3-1.7b --workloads grpo_mixed --sides reference trl tree trl_compiled \
         --out "$OUT/async_grpo_h200_qwen3-1.7b_paired.json" 2>&1 | grep -E "^qwen|^  |rror:"
-      PYTHONPATH=/tmp/site:$PWD timeout 370 python3 benchmarks/bench_async_grpo.py --warmup 2 --steps 8 --resume \
+      PYTHONPATH=/tmp/site:$PWD timeout 340 python3 benchmarks/bench_async_grpo.py --warmup 2 --steps 8 --resume \
         --models qwen3-1.7b --workloads tau2_like --sides reference trl tree trl_compiled \
         --out "$OUT/async_grpo_h200_qwen3-1.7b_paired.json" 2>&1 | grep -E "^qwen|^  |rror:" ;;
     compile-async-1.7b-profiled)  # the same rows, one more step per side under the torch profiler (gpu_compile.sh's
@@ -242,15 +243,30 @@ for stage in "$@"; do
       PYTHONPATH=/tmp/site:$PWD timeout 190 python3 benchmarks/bench_sync_grpo.py --warmup 2 --steps 8 --resume \
         --models qwen3-1.7b --workloads grpo_mixed --sides tree \
         --out "$OUT/sync_grpo_h200_qwen3-1.7b_paired.json" 2>&1 | grep -E "^qwen|^  |rror:" ;;
-    beyond-grpo-paired)  # TreeSFTTrainer / TreeDPOTrainer (and the reward and RLOO trainers) vs TRL's, each side in
-      # its own process, paired per step (gpu_compile.sh's beyond-grpo and beyond-grpo-more phases; carry .whl)
+    beyond-grpo-paired)  # TreeSFTTrainer / TreeDPOTrainer, the reward and RLOO trainers vs TRL's, each side in its own
+      # process, paired per step (gpu_compile.sh's beyond-grpo and beyond-grpo-more phases, the last row by itself;
+      # calls made back to back, each resuming the file; carry .whl)
       python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/async/*.whl
-      PYTHONPATH=/tmp/site:$PWD timeout 335 python3 benchmarks/bench_trees_beyond_grpo.py --models qwen3-1.7b \
+      PYTHONPATH=/tmp/site:$PWD timeout 450 python3 benchmarks/bench_trees_beyond_grpo.py --models qwen3-1.7b \
         --warmup 2 --steps 8 --resume --workloads sft_system_prompt dpo_long_prompt \
         --out "$OUT/trees_beyond_grpo_h200_paired.json" 2>&1 | grep -E "^qwen|^  |rror:"
       PYTHONPATH=/tmp/site:$PWD timeout 450 python3 benchmarks/bench_trees_beyond_grpo.py --models qwen3-1.7b \
         --warmup 2 --steps 8 --resume --workloads dpo_long_prompt sft_agent_turns \
+        --out "$OUT/trees_beyond_grpo_h200_paired.json" 2>&1 | grep -E "^qwen|^  |rror:"
+      PYTHONPATH=/tmp/site:$PWD timeout 450 python3 benchmarks/bench_trees_beyond_grpo.py --models qwen3-1.7b \
+        --warmup 2 --steps 8 --resume --workloads sft_agent_turns reward_pairs rloo_groups \
+        --out "$OUT/trees_beyond_grpo_h200_paired.json" 2>&1 | grep -E "^qwen|^  |rror:"
+      PYTHONPATH=/tmp/site:$PWD timeout 450 python3 benchmarks/bench_trees_beyond_grpo.py --models qwen3-1.7b \
+        --warmup 2 --steps 8 --resume --workloads rloo_groups \
         --out "$OUT/trees_beyond_grpo_h200_paired.json" 2>&1 | grep -E "^qwen|^  |rror:" ;;
+    gpu-tests-rest)  # the async hybrid and compile-once tests alone, GPT-OSS's CUDA precision cells (gpu_compile.sh's
+      # gpu-tests-rest phase; transformers 5.24 from .whl/common)
+      timeout 150 python3 -m pytest -v -rfEs -m gpu -p no:cacheprovider \
+        tests/test_gpu_async_grpo.py::test_hybrid_log_probs_on_cuda \
+        tests/test_gpu_async_grpo.py::test_default_compile_on_cuda_compiles_once_for_all_lengths 2>&1 \
+        | grep -v DEBUG > "$OUT/h200_gpu_tests_async_rest.log"
+      timeout 100 python3 -m pytest -v -rfEs -m gpu -p no:cacheprovider tests/test_precision.py -k "gpt_oss and cuda" \
+        2>&1 | grep -v DEBUG > "$OUT/h200_gpu_tests_precision_gpt_oss.log" ;;
     gpu-tests-all)  # every gpu-marked test but the hybrid kernels' and DeepSpeed's, 8 workers on one GPU (~9 min;
       # gpu_compile.sh's gpu-tests phase, transformers 5.24 from .whl/common)
       timeout 540 python3 -m pytest -v -rfEs -m gpu -p no:cacheprovider -n 8 --timeout 300 tests \
