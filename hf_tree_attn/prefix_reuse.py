@@ -8,11 +8,13 @@ gradients for any loss of them, at the memory of one chunk's activations plus th
   values of its rows that later chunks read (a per-layer store indexed by `ChunkPlan.slot`), and attends over
   `[its context rows' keys and values, gathered from the store; its own]` with the chunk's mask `(1, 1, S, P + S)`
   (`hf_tree_attn.masks.ContextMaskSource`). Each token is scored by the chunk holding its parent row.
-- **backward**: the chunks in reverse, each recomputed with autograd on, its context keys and values fresh leaf
-  tensors; one `torch.autograd.backward` per chunk from its log-probs / entropies (the incoming gradients) and its
-  own kept keys and values (the gradients later chunks sent them); the leaves' gradients are then added into a
-  float32 gradient store at the context rows, for the earlier chunks that computed them. Parameter gradients
-  accumulate in `.grad` as they would in one backward (the reentrant pattern of `torch.utils.checkpoint(...,
+- **backward**: the chunks in reverse, each recomputed with autograd on; one `torch.autograd.backward` per chunk
+  from its log-probs / entropies (the incoming gradients) and its own kept keys and values (the gradients later
+  chunks sent them). Each layer's context keys and values are gathered from the store by an autograd node
+  (`_GatherKept`) that adds the gradient it receives into a float32 gradient store at the context rows, for the
+  earlier chunks that computed them, when the backward reaches that layer: no layer's context is held until the
+  chunk's backward ends, and where the model checkpoints its layers only the running layer's is alive. Parameter
+  gradients accumulate in `.grad` as they would in one backward (the reentrant pattern of `torch.utils.checkpoint(...,
   use_reentrant=True)`, with its limits: `loss.backward()`, not `torch.autograd.grad`).
 
 **State-carrying layers** (hybrids: gated and Kimi delta rule, short convolutions; `hf_tree_attn.recurrent`) are
@@ -409,14 +411,6 @@ class _Step:
                 outputs = [(t, g) for t, g in outputs if t.requires_grad]
                 if outputs:
                     torch.autograd.backward([t for t, _ in outputs], [g for _, g in outputs])
-            for module, leaves in context.leaves.items():
-                if not any(leaf.grad is not None for leaf in leaves):
-                    continue
-                if module not in self.kv_grad:
-                    self.kv_grad[module] = tuple(torch.zeros_like(t, dtype=torch.float32) for t in self.kv[module])
-                for store, leaf in zip(self.kv_grad[module], leaves):
-                    if leaf.grad is not None:
-                        store.index_add_(2, context.context_slots, leaf.grad.float())
             for key, (leaf, slots) in context.rec_leaves.items():
                 if leaf.grad is None:
                     continue
@@ -530,15 +524,35 @@ class _Step:
         return context, items, tuple(outputs)
 
 
+class _GatherKept(torch.autograd.Function):
+    """The kept keys (`index=0`) or values (`1`) of `module` at `slots` for a chunk's backward pass, `(1, kv_heads,
+    P, head_dim)`: their gradient is added, as autograd reaches this node, into the float32 store the earlier chunks
+    read theirs from (`step.kv_grad[module]`). Nothing is held per layer until the chunk's backward ends: where the
+    model checkpoints its layers, one layer's context keys and values are alive at a time."""
+
+    @staticmethod
+    def forward(ctx, anchor, step, module, index, slots):
+        ctx.step, ctx.module, ctx.index, ctx.slots = step, module, index, slots
+        return step.kv[module][index].index_select(2, slots)
+
+    @staticmethod
+    def backward(ctx, grad):
+        step, module = ctx.step, ctx.module
+        if module not in step.kv_grad:
+            step.kv_grad[module] = tuple(torch.zeros_like(t, dtype=torch.float32) for t in step.kv[module])
+        step.kv_grad[module][ctx.index].index_add_(2, ctx.slots, grad.float())
+        return None, None, None, None, None
+
+
 class ChunkContext:
     """What `tree_flex_attention` needs to run one chunk of a prefix-reuse forward (passed as `tree_context`).
 
     `attend(module, key, value)` returns `[context keys; own keys]` and the same for values, `(1, kv_heads, P + S,
     head_dim)`, and records what the chunk's pass needs: in the forward, the own rows later chunks read go into the
-    store; in the backward, the context keys and values are leaf tensors (`leaves`) whose gradients go back to the
+    store; in the backward, the context keys and values come from `_GatherKept`, whose gradients go back to the
     chunks that computed them, and the own kept rows' keys and values (`own`) receive the gradients later chunks
     sent them. A second call of one module in a backward pass is the recompute of non-reentrant activation
-    checkpointing: it gets the same leaves.
+    checkpointing: it gathers again (the same operations as the first call).
 
     Attributes:
         mask_source: the chunk's `ContextMaskSource` (its masks must be the ones the layers get).
@@ -560,13 +574,16 @@ class ChunkContext:
         self.own_local = own_local
         self.own_slots = own_slots
         self.backward = backward
-        self.leaves: dict[torch.nn.Module, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.attended: set[torch.nn.Module] = set()
         self.own: dict[torch.nn.Module, tuple[torch.Tensor, torch.Tensor]] = {}
+        # What the context keys and values hang from in the backward (`_GatherKept`): it needs an input that
+        # requires a gradient for autograd to reach it.
+        self.anchor = torch.zeros((), device=step.device, requires_grad=True) if backward else None
 
     @torch.compiler.disable
     def attend(self, module, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         own = (key[:, :, self.own_local], value[:, :, self.own_local])
-        if module in self.leaves:
+        if module in self.attended:
             if not self.backward:
                 raise NotImplementedError(
                     f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) attends twice in one "
@@ -574,8 +591,7 @@ class ChunkContext:
                     "attention module. " + _FIX
                 )
             # A checkpoint's recompute: the same operations as the first call (it counts the tensors autograd
-            # saves), the same leaves; the first call's `own` stays what the chunk's backward starts from.
-            context_key, context_value = self.leaves[module]
+            # saves); the first call's `own` stays what the chunk's backward starts from.
         else:
             if self.backward and not torch.is_grad_enabled():
                 raise NotImplementedError(
@@ -584,6 +600,7 @@ class ChunkContext:
                     "checkpointing with gradient_checkpointing_kwargs={'use_reentrant': False}, or use "
                     "prefix_reuse=False."
                 )
+            self.attended.add(module)
             store = self.step.kv.get(module)
             if store is None:
                 slots = len(self.step.plan.kept_rows)
@@ -595,11 +612,13 @@ class ChunkContext:
             else:
                 for kept, rows in zip(store, own):
                     kept.index_copy_(2, self.own_slots, rows.to(kept.dtype))
+        store = self.step.kv[module]
+        if self.backward:
+            context_key, context_value = (
+                _GatherKept.apply(self.anchor, self.step, module, i, self.context_slots) for i in range(2)
+            )
+        else:
             context_key, context_value = (t.index_select(2, self.context_slots) for t in store)
-            if self.backward:
-                context_key.requires_grad_()
-                context_value.requires_grad_()
-            self.leaves[module] = (context_key, context_value)
         if self.context_fill:
             context_key, context_value = (
                 torch.cat([t, t.new_zeros(*t.shape[:2], self.context_fill, t.shape[3])], dim=2)

@@ -5,13 +5,16 @@ backward, while one chunk is recomputed with autograd on and every kept key and 
 
     peak = the chunk's layer activations        one chunk recomputed whole, or what the model's own checkpointing
                                                 keeps of it (priced by `hf_tree_attn.recompute`)
-         + the chunk's context                  3 x (P_c + K_c) rows of keys and values, at float32 width
+         + the chunk's context                  P_c rows of keys and values in the layers it does not checkpoint,
+                                                one layer's worth 3 times and once at float32 width, 2 x K_c rows
          + kept_kv = kept rows x `kv_row_bytes`  every kept key and value, in their dtype, from the forward on
          + kv_grad = the same in float32         their gradients, on their way back to the chunks that made them
 
-`P_c` is the chunk's context (the ancestors of its first row) and `K_c` its own rows later chunks read: the chunk
-holds its context rows as leaves, their concatenation with its own keys and their gradients, and copies of its own
-kept rows with the gradients later chunks sent them. The largest chunk counts, padded to `block` rows.
+`P_c` is the chunk's context (the ancestors of its first row) and `K_c` its own rows later chunks read. A layer
+gathers its context keys and values when it runs and lets them go with it (`prefix_reuse._GatherKept`): a layer
+that is not checkpointed keeps their concatenation with its own keys for its backward; the layer running in the
+backward holds them gathered, concatenated, their gradient and its float32 copy. The chunk also holds copies of its
+own kept rows with the gradients later chunks sent them. The largest chunk counts, padded to `block` rows.
 
 Smaller chunks hold fewer activations but usually keep more rows: every chunk boundary keeps the root path above it,
 so more boundaries keep more of the tries' prompts and long sequences. Usually, not always: which rows are kept
@@ -172,9 +175,9 @@ def _arrays(forest: PackedForest) -> tuple[np.ndarray, np.ndarray]:
     return end, depth
 
 
-def _estimate(arrays, chunk_rows: int, block: int, prices: tuple[int, int, int]) -> tuple[int, int, int, int]:
+def _estimate(arrays, chunk_rows: int, block: int, prices: tuple) -> tuple[int, int, int, int]:
     end, depth = arrays
-    per_token, row, row_fp32 = prices
+    per_token, row, row_fp32, uncheckpointed, num_layers = prices
     num_rows = len(end)
     rows = np.arange(num_rows, dtype=np.int64)
     kept = (rows // chunk_rows + 1) * chunk_rows < end  # the first boundary after the row is inside its subtree
@@ -183,14 +186,15 @@ def _estimate(arrays, chunk_rows: int, block: int, prices: tuple[int, int, int])
     context = depth[starts]  # a row's ancestors are the rows above it in its sequence
     own = np.bincount(rows[kept] // chunk_rows, minlength=len(starts))
     layers = padded * per_token
-    held = 3 * (context + own) * row_fp32
+    held = context * (row * uncheckpointed + 3 * row + row_fp32) // num_layers + 2 * own * row
     peak = int(np.argmax(layers + held))
     count = int(kept.sum())
     return int(layers[peak]), int(held[peak]), count * row, count * row_fp32
 
 
-def _prices(model: torch.nn.Module, dtype: torch.dtype | None) -> tuple[int, int, int]:
-    """`(bytes per chunk row of layer activations, kept bytes per row in dtype, and at float32 width)`."""
+def _prices(model: torch.nn.Module, dtype: torch.dtype | None) -> tuple[int, int, int, int, int]:
+    """`(bytes per chunk row of layer activations, kept bytes per row in dtype, and at float32 width, the layers
+    not checkpointed, all layers)`."""
     error = budget_error(model)
     if error is not None:
         raise NotImplementedError(error[0].upper() + error[1:])
@@ -203,4 +207,5 @@ def _prices(model: torch.nn.Module, dtype: torch.dtype | None) -> tuple[int, int
     whole, checkpointed = activation_bytes(config, dtype_bytes=weights.element_size() if weights is not None else 4)
     count = sum(layer.gradient_checkpointing and layer.training for layer in layers)
     per_token = _kept_bytes(config.num_hidden_layers, count, whole, checkpointed, 0)
-    return per_token, kv_row_bytes(model, dtype), kv_row_bytes(model, torch.float32)
+    num_layers = config.num_hidden_layers
+    return per_token, kv_row_bytes(model, dtype), kv_row_bytes(model, torch.float32), num_layers - count, num_layers

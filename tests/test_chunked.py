@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import random
+import weakref
 
 import numpy as np
 import pytest
@@ -265,6 +266,29 @@ def test_train_mode_with_non_reentrant_checkpointing_matches_flat():
     _enable_checkpointing(tree, use_reentrant=False)
     assert all(layer.gradient_checkpointing for layer in tree.model.layers)
     _check_against_flat(tree, ref, _trie(3, seed=30))
+
+
+def test_checkpointed_chunk_holds_one_layers_context_at_a_time(monkeypatch):
+    """With every layer checkpointed, a chunk's backward gathers each layer's context keys and values when it needs
+    them and lets them go with the layer: when one is gathered, no other layer's is alive (held until the chunk's
+    backward ended, every layer's context would be), and the gradients still equal flat's."""
+    tree, ref = twin_models("qwen3", num_hidden_layers=4, layer_types=["full_attention"] * 4)
+    tree.train()
+    _enable_checkpointing(tree, use_reentrant=False)
+    gathered, alive_at_gather = [], []
+    forward = prefix_reuse_module._GatherKept.forward
+
+    def recording(ctx, anchor, step, module, index, slots):
+        out = forward(ctx, anchor, step, module, index, slots)
+        if len(slots):
+            alive_at_gather.append({m for m, ref_ in gathered if ref_() is not None and m is not module})
+            gathered.append((module, weakref.ref(out)))
+        return out
+
+    monkeypatch.setattr(prefix_reuse_module._GatherKept, "forward", staticmethod(recording))
+    _check_against_flat(tree, ref, _trie(3, seed=31))
+    assert len({m for m, _ in gathered}) == 4 and len(alive_at_gather) >= 16  # 4 layers x K, V x 2 chunks x 2 runs
+    assert all(not others for others in alive_at_gather), [len(o) for o in alive_at_gather]
 
 
 def test_recompute_repeats_the_forward_under_dropout_and_autocast():

@@ -63,7 +63,13 @@ def _oracle(model, forest, chunk_rows: int, block: int, kv_dtype: torch.dtype):
         a, b = plan.bounds[c], plan.bounds[c + 1]
         padded = -(-(b - a) // block) * block
         own = int((plan.slot[a:b] >= 0).sum())
-        peaks.append((padded * per_token, 3 * (len(plan.context[c]) + own) * row * 4))
+        # Context: the layers not checkpointed keep it (concatenated with their own keys), the one running in the
+        # backward holds it gathered, concatenated, its gradient (in the keys' dtype) and that at float32 width.
+        per_layer = row // LAYERS
+        kept_by_layers = (0 if checkpointing else LAYERS) * per_layer * kv_dtype.itemsize
+        running = 3 * per_layer * kv_dtype.itemsize + per_layer * 4
+        context = len(plan.context[c]) * (kept_by_layers + running) + 2 * own * row * kv_dtype.itemsize
+        peaks.append((padded * per_token, context))
     activations, context = max(peaks, key=sum)
     return activations, context, kept * row * kv_dtype.itemsize, kept * row * 4
 
