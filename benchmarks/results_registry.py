@@ -403,13 +403,13 @@ NOTES = {
     "114.1 s, compiled its layers on a fresh machine (dynamo 110.0 s, of which inductor's forward graph 78.2 s and "
     "backward 14.8 s). TRL's `GRPOTrainer` pads each micro-batch to its longest sequence (prompts up to 6,000 "
     "tokens), which its MFU (model FLOPs of the step's prefix forest, one formula for both sides) shows.",
-    "prefix_reuse_plan_cpu.json": "the context term dominates the long rows: a chunk holds its context rows' keys "
-    "and values as float32 leaves, their concatenation with its own and their gradients, for every layer at once "
-    "while it is recomputed whole. The 96k-token trajectory at the Qwen3-8B shape is estimated at 106 GiB at best "
-    "beyond weights, gradients and AdamW state (89 GiB at 8B with bf16 weights and gradients and float32 moments, "
-    "119 GiB all in float32): not within one H200 as the planner prices it; a per-layer recompute of the chunk, or "
-    "attention over the kept store without "
-    "the concatenation, would cut that term.",
+    "prefix_reuse_plan_cpu.json": "the planner's estimates, with every layer checkpointed and bf16 keys and values: "
+    "a chunk's context keys and values are gathered layer by layer in its backward and let go with the layer, so its "
+    "context costs about one layer's worth (it was every layer's, three times at float32 width: 74 GiB of the 8B "
+    "trajectory's 127 GiB at 32k-row chunks). What remains is the kept keys and values of every row a later chunk "
+    "reads and their float32 gradients, 37 GiB of the 96k trajectory's 62.5 GiB at 8B (43.7 GiB at the least, "
+    "2,176-row chunks). Beside an 8B model's bf16 weights and gradients and float32 AdamW moments (89 GiB), that "
+    "least is 133 GiB: within one H200's 140 GiB by the estimate, with little to spare; not yet run on a GPU.",
     "trees_beyond_grpo_h200_paired.json": "four calls (`earlier_runs`): `sft_system_prompt` and `dpo_long_prompt` at "
     "commit a8cc451 (two calls made back to back, the first stopped in `dpo_long_prompt` by its time limit), "
     "`sft_agent_turns` and `reward_pairs` at commit e4ba9c3 (stopped before `rloo_groups` by its 450 s limit), "
