@@ -415,6 +415,33 @@ def test_async_collator_rollout_sample_and_loss_contract():
         assert getattr(outputs, field) is not None
 
 
+def test_trainer_loop_fetches_each_steps_micro_batches_before_training_on_them():
+    """`transformers.Trainer.get_batch_samples`, which `TreeAsyncGRPOTrainer` overrides (prefix reuse scores a
+    step's micro-batches together): its parameters and result, and the training loop calling it for each optimizer
+    step before that step's `training_step` calls, on the installed transformers."""
+    import transformers
+
+    module = pytest.importorskip("trl.experimental.async_grpo")
+    hook = transformers.Trainer.get_batch_samples
+    assert _unwrapped_params(hook) == ["self", "epoch_iterator", "num_batches", "device"]
+    assert "return batch_samples, num_items_in_batch" in inspect.getsource(hook)
+    assert "get_batch_samples" not in vars(module.AsyncGRPOTrainer)  # TRL's class leaves transformers' in place
+    from hf_tree_attn.trainer import TreeAsyncGRPOTrainer
+
+    assert _unwrapped_params(TreeAsyncGRPOTrainer.get_batch_samples) == _unwrapped_params(hook)
+    assert "get_batch_samples" in trl_compat.get_batch_samples.__code__.co_names
+    loops = [  # `_inner_training_loop` in 5.17.0, `_run_epoch` in 5.24.0
+        source
+        for name, function in vars(transformers.Trainer).items()
+        if callable(function) and name != "get_batch_samples"
+        and "self.get_batch_samples(" in (source := inspect.getsource(function))
+    ]  # fmt: skip
+    assert len(loops) == 1, "transformers' training loop no longer fetches a step's micro-batches in one place"
+    (loop,) = loops
+    fetch = loop.index("batch_samples, num_items_in_batch = self.get_batch_samples(epoch_iterator, num_batches,")
+    assert fetch < loop.index("for i, inputs in enumerate(batch_samples):") < loop.index("self.training_step(model")
+
+
 def test_experimental_names_load_on_first_use():
     code = (
         "import sys\n"

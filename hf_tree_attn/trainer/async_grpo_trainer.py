@@ -369,7 +369,7 @@ class TreeAsyncGRPOTrainer(AsyncGRPOTrainer):
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         """Transformers' fetch of one optimizer step's micro-batches; with prefix reuse, they become one forest
         (`_ReuseStep`), scored at the first micro-batch."""
-        batch_samples, num_items_in_batch = super().get_batch_samples(epoch_iterator, num_batches, device)
+        batch_samples, num_items_in_batch = trl_compat.get_batch_samples(super(), epoch_iterator, num_batches, device)
         self._reuse_step = None
         if self.args.tree_prefix_reuse and batch_samples:
             self._reuse_step = _ReuseStep(batch_samples, step_forest(batch_samples))

@@ -15,7 +15,11 @@ The hooks the trainers override keep TRL's names and parameters (an override mus
   `_calculate_rewards`, and `_generate_single_turn`, whose parameters and result differ between the two
   (`generate_single_turn`, `rloo_generate_single_turn`);
 - `trl.DPOTrainer`: `_precompute_ref_logps`;
-- `trl.experimental.async_grpo.AsyncGRPOTrainer`: `_log_step_metrics`.
+- `trl.experimental.async_grpo.AsyncGRPOTrainer`: `_log_step_metrics`;
+- `transformers.Trainer`, under TRL's trainers: `get_batch_samples`, which its training loop calls once per optimizer
+  step to fetch that step's micro-batches before their `training_step` calls (`TreeAsyncGRPOTrainer` scores them
+  as one forest with `tree_prefix_reuse`); public in name, not documented as a hook, read in transformers 5.17.0 and
+  5.24.0.
 
 TRL's trainers change between minor releases, so this module, and with it `hf_tree_attn.trainer`, imports only with
 the TRL it is tested on (`TRL_REQUIREMENT`, pinned alike in `setup.cfg`): any other is an `ImportError` naming the
@@ -54,6 +58,7 @@ __all__ = [
     "fused_forward_closure",
     "generate_and_score_completions",
     "generate_single_turn",
+    "get_batch_samples",
     "generation_step",
     "get_per_token_logps_and_entropies",
     "is_trl_fused_forward",
@@ -311,6 +316,13 @@ def log_step_metrics(parent) -> None:
     """TRL's `AsyncGRPOTrainer._log_step_metrics()` through `parent` (`super()`): one optimizer step's timing,
     batch and throughput metrics (1.16.0)."""
     parent._log_step_metrics()
+
+
+def get_batch_samples(parent, epoch_iterator, num_batches, device) -> tuple[list, torch.Tensor | int | None]:
+    """`transformers.Trainer.get_batch_samples(epoch_iterator, num_batches, device)` through `parent` (`super()`):
+    `(the optimizer step's micro-batches, num_items_in_batch)`, fetched before the step's first `training_step`
+    (transformers 5.17.0 to 5.24.0)."""
+    return parent.get_batch_samples(epoch_iterator, num_batches, device)
 
 
 def collator_log_metrics(collator, rows, all_examples, padded) -> None:
