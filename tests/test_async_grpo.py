@@ -557,6 +557,44 @@ def test_prefix_reuse_same_as_trl_async(family, tmp_path, monkeypatch):
         np.testing.assert_allclose([e[key] for e in tree_logs], [e[key] for e in trl_logs], rtol=1e-5, err_msg=key)
 
 
+@pytest.mark.parametrize("weights", ["float32", "bfloat16"])
+def test_prefix_reuse_as_close_to_float32_as_trl_under_bf16(weights, tmp_path, monkeypatch):
+    """`tree_prefix_reuse=True` under TRL's mixed precision on the CPU (`bf16=True`, fp32 or bf16 weights): each
+    step's forest in chunks (kept keys and values in the compute dtype, their gradients in float32) is as close to
+    the float32 run (TRL's trainer, plain-torch attention, fp32 weights) as TRL's own packing under the same
+    precision, by `test_as_close_to_float32_as_trl_under_bf16`'s bound: the micro-batch losses as one vector and
+    every optimizer step's gradients within twice TRL's error plus one bf16 rounding. Replayed ratios keep 0.1 from
+    the clip edges (that test says why)."""
+    path = save_model(tiny_family_config("qwen3"), tmp_path / "model")
+    samples = _away_from_clip(_reuse_samples(path), path, margin=0.1)
+    run = dict(max_steps=2, gradient_accumulation_steps=3, token_budget=REUSE_BUDGET)
+    _, ref_losses, ref_grads = train(False, path, samples, tmp_path / "fp32", **run)
+    mixed = dict(bf16=True, dtype=weights, **run)
+    _, trl_losses, trl_grads = train(False, path, samples, tmp_path, **mixed)
+    from hf_tree_attn.trainer import forest_step
+
+    chunked, scored = [], forest_step.chunked_forest_logprobs
+
+    def spy(model, forest, max_tokens_per_mb, **kwargs):
+        chunked.append(forest.num_tree_tokens)
+        return scored(model, forest, max_tokens_per_mb, **kwargs)
+
+    monkeypatch.setattr(forest_step, "chunked_forest_logprobs", spy)
+    _, tree_losses, tree_grads = train(True, path, samples, tmp_path, tree_prefix_reuse=True, **mixed)
+
+    assert len(chunked) == 2 and min(chunked) > REUSE_BUDGET  # each step one forest, in more than one chunk
+    assert len(tree_losses) == len(trl_losses) == len(ref_losses) == 6
+    assert trl_losses != ref_losses  # autocast is on: the comparison is not vacuous
+    u = torch.finfo(torch.bfloat16).eps / 2
+    ref, trl_l, tree_l = (torch.tensor(x) for x in (ref_losses, trl_losses, tree_losses))
+    tree_error, trl_error = (tree_l - ref).norm(), (trl_l - ref).norm()
+    assert tree_error <= 2 * trl_error + u * ref.norm(), (tree_l, trl_l, ref)
+    assert len(tree_grads.steps) == len(trl_grads.steps) == len(ref_grads.steps) == 2
+    for step, (got, want, exact) in enumerate(zip(tree_grads.steps, trl_grads.steps, ref_grads.steps)):
+        tree_error, trl_error = (relative_error(grads, exact) for grads in (got, want))
+        assert tree_error <= 2 * trl_error + u, (step, tree_error, trl_error)
+
+
 @pytest.mark.parametrize("family", ["qwen3_5", "lfm2"])
 def test_prefix_reuse_on_hybrids_equals_one_forest_per_row(family, tmp_path):
     """Hybrids TRL refuses (Gated DeltaNet, short convolutions): with `tree_prefix_reuse=True` each step's rows are
