@@ -17,16 +17,16 @@ gradients for any loss of them, at the memory of one chunk's activations plus th
   gradients accumulate in `.grad` as they would in one backward (the reentrant pattern of `torch.utils.checkpoint(...,
   use_reentrant=True)`, with its limits: `loss.backward()`, not `torch.autograd.grad`).
 
-**State-carrying layers** (hybrids: gated and Kimi delta rule, short convolutions; `hf_tree_attn.recurrent`) are
-handled the same way. A chunk is a forest of its own rows (`recurrent.ChunkRows`) whose segments end at its last row
-and at every row that branches in the whole forest. A root segment of the chunk whose first row's parent lies in an
-earlier chunk (a boundary inside a segment, or a fork above the boundary) starts from the recurrent state after
-that parent, which the earlier chunk kept; one chunk may start several segments from several such states. A short
-convolution of kernel `K` reads the inputs of its rows' ancestors within `K - 1` rows that lie before the chunk, kept
-by the chunks that computed them, in front of its own rows. Both live in per-layer stores keyed by the layer (a
-forward pre-hook names the one running), written in the forward; in the backward the context states / inputs are
-leaves whose gradients go into a float32 store for the earlier chunk, and the chunk's own kept states / inputs
-receive the gradients later chunks sent them, as the keys and values do. Mamba-2's state is not carried (refused).
+**State-carrying layers** (hybrids: gated and Kimi delta rule, Mamba-2, short convolutions;
+`hf_tree_attn.recurrent`) are handled the same way. A chunk is a forest of its own rows (`recurrent.ChunkRows`)
+whose segments end at its last row and at every row that branches in the whole forest. A root segment of the chunk
+whose first row's parent lies in an earlier chunk (a boundary inside a segment, or a fork above the boundary) starts
+from the recurrent state after that parent, which the earlier chunk kept; one chunk may start several segments from
+several such states. A short convolution of kernel `K` reads the inputs of its rows' ancestors within `K - 1` rows
+that lie before the chunk, kept by the chunks that computed them, in front of its own rows. Both live in per-layer
+stores keyed by the layer (a forward pre-hook names the one running), written in the forward; in the backward the
+context states / inputs are leaves whose gradients go into a float32 store for the earlier chunk, and the chunk's
+own kept states / inputs receive the gradients later chunks sent them, as the keys and values do.
 
 Cost: one forward without autograd, one recompute and one backward per chunk, what full activation checkpointing
 costs, with every row forwarded once. Memory beyond one chunk: `kept_kv_bytes` in the forward (the kept keys and
@@ -35,10 +35,9 @@ the backward; on hybrids also the kept recurrent states (one per state-carrying 
 torch delta rule) and convolution inputs (`kept_state_bytes`), and their float32 gradients. RNG and autocast
 states of each chunk's forward are restored for its recompute.
 
-What it refuses, before any forward (`prefix_reuse_error`): models `check_tree_model` refuses; Mamba-2 layers
-(Bamba, Nemotron-H, Granite-4 hybrid, Falcon-H1, Zamba2: their state is not carried between chunks); chunked
-attention, layer kinds it does not know and attention temperature tuning (not verified with context rows). The
-way out is `prefix_reuse=False`. Transformers' non-reentrant activation checkpointing inside the model works; the
+What it refuses, before any forward (`prefix_reuse_error`): models `check_tree_model` refuses; chunked attention,
+layer kinds it does not know and attention temperature tuning (not verified with context rows). The way out is
+`prefix_reuse=False`. Transformers' non-reentrant activation checkpointing inside the model works; the
 reentrant one is refused when its backward runs. Decoder layers compiled by `hf_tree_attn.compile` run eagerly here.
 
 Devices: on CPU the chunk masks are dense and attention runs through SDPA / HF's eager math (softcap, sinks). On
@@ -100,9 +99,8 @@ def prefix_reuse_error(model: torch.nn.Module) -> str | None:
     refused = sorted(cls.__name__ for cls, kind in layers.items() if kind not in CHUNKED_KINDS)
     if refused:
         return (
-            f"{name} has Mamba-2 layers ({', '.join(refused)}): prefix reuse carries the state of gated / Kimi "
-            "delta-rule layers and short convolutions from one chunk to the next, not Mamba-2's SSD state (its "
-            "scan, convolution and gating are not verified with states kept between chunks). " + _FIX
+            f"{name} has state-carrying layers ({', '.join(refused)}) whose state prefix reuse does not carry from "
+            f"one chunk to the next (it carries those of {', '.join(CHUNKED_KINDS)} layers). " + _FIX
         )
     state_types = {t for kind in layers.values() for t in _KIND_LAYER_TYPES[kind]}
     untracked = [k for k in kinds if k in STATE_LAYER_TYPES and k not in state_types]
@@ -171,7 +169,10 @@ def kept_state_bytes(model: torch.nn.Module, forest: PackedForest, plan: ChunkPl
         heads = getattr(module, "num_v_heads", getattr(module, "num_heads", 0))
         k_dim = getattr(module, "head_k_dim", getattr(module, "head_dim", 0))
         v_dim = getattr(module, "head_v_dim", getattr(module, "head_dim", 0))
-        if TREE_LAYERS[_class_path(type(module))] != "short_conv":
+        kind = TREE_LAYERS[_class_path(type(module))]
+        if kind == "mamba2":  # the SSD state: heads x head_dim x ssm_state_size, float32 in the torch scan
+            k_dim, v_dim = module.head_dim, module.ssm_state_size
+        if kind != "short_conv":
             total += states * heads * k_dim * v_dim * torch.float32.itemsize
     return total
 
@@ -635,7 +636,8 @@ class ChunkContext:
         """The chunk as `tree_version` (a kernel's tree version, `hf_tree_attn.recurrent`) gets it: a `ChunkRows`."""
         from . import recurrent
 
-        if tree_version not in (recurrent.tree_causal_conv1d, recurrent.tree_delta_rule):
+        carried = (recurrent.tree_causal_conv1d, recurrent.tree_delta_rule, recurrent.tree_mamba2_chunk_scan)
+        if tree_version not in (*carried, recurrent._unfused_in_tree):
             raise NotImplementedError(
                 f"Prefix reuse does not carry the state of {tree_version.__name__} between chunks. " + _FIX
             )

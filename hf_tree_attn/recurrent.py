@@ -88,7 +88,7 @@ _KIND_LAYER_TYPES = {
 
 # The kinds whose state prefix reuse (`hf_tree_attn.prefix_reuse`) carries from one chunk to the next: their tree
 # versions take a `ChunkRows` (a chunk whose segments may start from kept states and whose windows reach kept inputs).
-CHUNKED_KINDS = ("gated_delta_rule", "kimi_delta_rule", "short_conv")
+CHUNKED_KINDS = ("gated_delta_rule", "kimi_delta_rule", "short_conv", "mamba2")
 
 # Every `layer_types` name an implemented kind appears under (the config-level layer-kind check lets them through;
 # `unsupported_recurrent_layers` then judges the classes).
@@ -488,7 +488,20 @@ def tree_mamba2_chunk_scan(original, forest, *args, **kwargs) -> torch.Tensor:
             initial_states=initial, dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=True,
         )  # fmt: skip
 
-    return _scan_levels(forest, [call["hidden_states"], dt, call["B"], call["C"]], False, run)
+    inputs = [call["hidden_states"], dt, call["B"], call["C"]]
+    if not isinstance(forest, ChunkRows):
+        return _scan_levels(forest, inputs, False, run)
+    # One prefix-reuse chunk, as `tree_delta_rule`: root segments continuing a row of an earlier chunk start from the
+    # SSM state `(heads, head_dim, state)` that chunk kept; the states later chunks continue from go to the store.
+    key = (forest.layer(), "scan")
+    states = forest.exchange.read(key, forest.state_slots)
+    initial = None
+    if states is not None:
+        initial = torch.cat([states, states.new_zeros((1, *states.shape[1:]))]).index_select(0, forest.root_state)
+    out, kept = _scan_levels(forest, inputs, False, run, initial=initial, keep=forest.keep)
+    if kept is not None:
+        forest.exchange.write(key, kept, forest.kept_slots, forest.state_total)
+    return out
 
 
 def _unfused_in_tree(original, forest, *args, **kwargs) -> None:

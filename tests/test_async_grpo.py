@@ -722,7 +722,6 @@ def test_prefix_reuse_config_refusals(tmp_path, overrides, match):
 @pytest.mark.parametrize(
     "family, extra, match",
     [
-        ("nemotron_h", {}, r"Mamba-2 layers \(NemotronHMamba2Mixer\)"),  # its state is not carried across chunks
         ("qwen3_moe", dict(router_aux_loss_coef=0.01), r"MoE load-balancing loss.*router_aux_loss_coef=0.01"),
         ("qwen3", dict(gradient_checkpointing_kwargs={"use_reentrant": True}), r"'use_reentrant': True"),
     ],

@@ -457,11 +457,15 @@ def test_default_is_unchanged_and_long_sequence_refused_without_it():
         sequence_logprobs(tree, sequences, 100, prefix_reuse=True)
 
 
-def test_mamba2_hybrid_is_refused():
-    """Gated / Kimi delta-rule and short-convolution hybrids carry their states between chunks
-    (tests/test_prefix_reuse_hybrid.py); a Mamba-2 hybrid is refused with the reason and the way out."""
+def test_a_state_it_does_not_carry_is_refused(monkeypatch):
+    """Gated / Kimi delta-rule, Mamba-2 and short-convolution hybrids carry their states between chunks
+    (tests/test_prefix_reuse_hybrid.py); a state-carrying kind that is not carried (here Mamba-2, taken out of the
+    carried kinds) is refused with the reason and the way out."""
+    from hf_tree_attn import recurrent
+
+    monkeypatch.setattr(recurrent, "CHUNKED_KINDS", tuple(k for k in recurrent.CHUNKED_KINDS if k != "mamba2"))
     tree, _ = hybrid_twin_models("bamba")
-    assert "Mamba-2 layers (BambaMixer)" in prefix_reuse_error(tree)
+    assert "state-carrying layers (BambaMixer)" in prefix_reuse_error(tree)
     with pytest.raises(NotImplementedError, match=r"BambaMixer.*prefix_reuse=False"):
         sequence_logprobs(tree, _trie(2, seed=0), BUDGET, prefix_reuse=True)
 

@@ -100,7 +100,7 @@ class _Reference:
         return logps.detach(), entropy.detach()
 
 
-@pytest.fixture(scope="module", params=["qwen3_5", "lfm2"])
+@pytest.fixture(scope="module", params=["qwen3_5", "lfm2", "bamba", "falcon_h1", "zamba2"])
 def reference(request):
     return _Reference(request.param)
 
@@ -195,7 +195,7 @@ def test_kimi_delta_rule_matches_flat_and_the_whole_forest():
         assert (got[name] - want).abs().max().item() <= REL * want.abs().max().item() + 1e-9, name
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "lfm2", "kimi_linear"])
+@pytest.mark.parametrize("family", ["qwen3_5", "lfm2", "kimi_linear", "bamba"])
 def test_kept_state_bytes_is_what_is_stored(family, monkeypatch):
     """`kept_state_bytes` counts the recurrent states and convolution inputs the chunks keep, to the byte."""
     tree, _ = hybrid_twin_models(family)
@@ -214,16 +214,6 @@ def test_kept_state_bytes_is_what_is_stored(family, monkeypatch):
     assert stored[0] > 0 and stored == [kept_state_bytes(tree, forest, plan_chunks(forest, chunk_rows))]
 
 
-@pytest.mark.parametrize("family", ["qwen3_5", "lfm2", "kimi_linear"])
+@pytest.mark.parametrize("family", ["qwen3_5", "lfm2", "kimi_linear", "bamba", "nemotron_h", "falcon_h1"])
 def test_supported_hybrids_are_accepted(family):
     assert prefix_reuse_error(hybrid_twin_models(family)[0]) is None
-
-
-@pytest.mark.parametrize("family, layer", [("bamba", "BambaMixer"), ("nemotron_h", "NemotronHMamba2Mixer")])
-def test_mamba2_is_refused_with_the_reason(family, layer):
-    tree, _ = hybrid_twin_models(family)
-    error = prefix_reuse_error(tree)
-    assert error is not None and f"Mamba-2 layers ({layer})" in error and "prefix_reuse=False" in error
-    (forest,) = pack_forest([[5, 6, 7], [5, 6, 8]], two_level=False)
-    with pytest.raises(NotImplementedError, match=rf"{layer}.*prefix_reuse=False"):
-        chunked_forest_logprobs(tree, forest, 2)

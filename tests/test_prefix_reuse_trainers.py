@@ -302,11 +302,22 @@ def _reuse_grpo(model, tmp_path, tokenizer, **overrides):
     )
 
 
-def test_mamba2_hybrid_refused(tiny, tmp_path):  # noqa: F811
-    """A Mamba-2 hybrid trains on trees, but not in chunks (its SSD state is not carried from chunk to chunk)."""
+def test_grpo_chunked_mamba2_hybrid_equals_one_forest(tiny, tmp_path, chunked_calls):  # noqa: F811
+    """A Mamba-2 hybrid (Bamba) in chunks, its SSD states and convolution inputs handed from chunk to chunk: the loss
+    and every parameter gradient of the one-forest trainer, and of TRL's."""
     model, _ = hybrid_twin_models("bamba")
-    with pytest.raises(ValueError, match=r"tree_prefix_reuse=True, but .*BambaMixer.*tree_prefix_reuse=False"):
-        _reuse_grpo(model, tmp_path, tiny[1])
+    model.save_pretrained(tmp_path / "bamba")
+    bamba = (str(tmp_path / "bamba"), tiny[1])
+    reuse = _grpo(bamba, tmp_path, tree_prefix_reuse=True, max_tokens_per_mb=BUDGET)
+    assert type(reuse.model.model.layers[0].mamba).__name__ == "BambaMixer"
+    whole = _grpo(bamba, tmp_path / "whole")
+    trl = _grpo(bamba, tmp_path, GRPOTrainer, GRPOConfig)
+    inputs, sequences = _group_inputs(reuse, tiny[1], _prompts(SYSTEM))
+    (forest,) = pack_forest(sequences, two_level=False)
+    got = _loss_and_grads(reuse, inputs)
+    assert chunked_calls == [plan_chunks(forest, BUDGET).num_chunks] and chunked_calls[0] >= 2
+    _assert_same(got, _loss_and_grads(whole, inputs))
+    _assert_same(got, _loss_and_grads(trl, inputs))
 
 
 def test_moe_aux_loss_refused(tiny, tmp_path):  # noqa: F811
