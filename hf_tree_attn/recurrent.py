@@ -340,6 +340,14 @@ def _scan_levels(
     return full, (torch.cat(kept) if kept else None)
 
 
+def _kernel_function(original):
+    """The Python function behind `original` (`transformers_compat.kernel_function`: transformers 5.25 makes the
+    modeling modules' kernel functions module instances of `kernels`)."""
+    from .transformers_compat import kernel_function  # imported here: transformers_compat imports this module
+
+    return kernel_function(original)
+
+
 def _bound(original, args, kwargs) -> dict:
     """The call's arguments by parameter name (defaults filled), without the catch-all `**kwargs`."""
     signature = inspect.signature(original)
@@ -368,7 +376,7 @@ def _hub_wrapper_state(original) -> dict:
     `implementation`, `is_new_implementation`, `applicable_params` — or {} for any other function. Read once per
     function: the tree asks at every layer's forward."""
     try:
-        return dict(inspect.getclosurevars(original).nonlocals)
+        return dict(inspect.getclosurevars(_kernel_function(original)).nonlocals)
     except TypeError:  # not a Python function
         return {}
 
@@ -383,7 +391,7 @@ def _kernel_params(original) -> set[str]:
     """The parameter names the kernel behind `original` takes (transformers' wrapper passes on only those of the
     implementation it resolved, `applicable_params`)."""
     params = _hub_wrapper_state(original).get("applicable_params")
-    return set(params) if params is not None else set(inspect.signature(original).parameters)
+    return set(params) if params is not None else set(inspect.signature(_kernel_function(original)).parameters)
 
 
 def tree_causal_conv1d(original, forest, *args, **kwargs) -> torch.Tensor:
@@ -392,6 +400,7 @@ def tree_causal_conv1d(original, forest, *args, **kwargs) -> torch.Tensor:
     `original` runs over the DFS row; the rows whose `K - 1` predecessors are not their ancestors are recomputed
     from their ancestor window (zeros above a root) and replace those outputs.
     """
+    original = _kernel_function(original)
     call = _bound(original, args, kwargs)
     x, weight, bias, activation = call["hidden_states"], call["weight"], call["bias"], call["activation"]
     if isinstance(forest, ChunkRows):
@@ -436,6 +445,7 @@ def tree_delta_rule(original, forest, *args, **kwargs) -> tuple[torch.Tensor, No
     decay) `(1, S, v_heads)` or `(1, S, heads, k_dim)`, beta `(1, S, v_heads)`. Returns `(output (1, S, v_heads,
     v_dim), None)`. A zero-padded slot (`g = 0`, `beta = 0`) leaves the state unchanged.
     """
+    original = _kernel_function(original)
     call = _bound(original, args, kwargs)
     _no_cache(original.__name__, call.get("initial_state"), call.get("output_final_state"), kwargs.get("cu_seqlens"))
     tensors = [call[name] for name in list(call)[:5]]  # query, key, value, g, beta (torch or fla names)
@@ -472,6 +482,7 @@ def tree_mamba2_chunk_scan(original, forest, *args, **kwargs) -> torch.Tensor:
     `(1, S, groups, state)`, D, dt_bias, dt_softplus, dt_limit. The time step is discretised here exactly as the
     kernel does, so that padded slots can get `dt = 0`: no decay, no input — the state passes unchanged.
     """
+    original = _kernel_function(original)
     call = _bound(original, args, kwargs)
     _no_cache(original.__name__, call.get("initial_states"), call.get("return_final_states"), kwargs.get("seq_idx"))
     dt = call["dt"]

@@ -33,27 +33,49 @@ alone would do: a forward of `TreeDataCollator`'s micro-batches need not pass th
 `dense_mask()` / `block_mask()` skips `tree_flex`'s mask function, and `tree_flex_attention` first runs after the
 state-carrying layers placed before the first attention layer. Replacing the functions after a model is built is
 enough because the layers look their kernels up as module globals at every call (no layer class keeps one on
-`self`, in 5.17.0 and 5.24.0).
+`self`, in 5.17.0, 5.24.0 and 5.25.0; the per-layer copies of 5.25, below, are reached only through the module
+global).
+
+**What changed in 5.25.** Two things, both handled here:
+
+- The layers no longer call `causal_conv1d_fn` and `mamba2_chunk_scan` from their forwards: they call the module's
+  `causal_conv1d_forward` (the conv state of the cache, then `causal_conv1d_fn`) and `mamba2_scan_forward` (the
+  recurrent state of the cache, then `mamba2_chunk_scan`), each passing the model kwargs on. `_REACHED_THROUGH`
+  names these intermediate functions; `install()` checks that the layer passes the kwargs to the intermediate one and
+  that it passes them to the target (a version whose chain breaks is refused by the gate, as before). The targets
+  themselves, their arguments and what they compute are unchanged, so the tree versions are too.
+- transformers now depends on the `kernels` package, whose `use_kernel_forward_from_hub` turns each decorated
+  module-level function into a module instance (`Func`) that routes a call to a per-layer copy (which `kernelize`
+  may swap for a Hub kernel). A module-level function may thus be such an instance; `kernel_function` gives the
+  Python function behind it (transformers' own, with its resolved implementation), which the tree versions read and
+  call. Without a tree the dispatchers call the instance itself, with the same arguments.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
 from torch.nn.attention.flex_attention import BlockMask
 
 from . import recurrent
 
-__all__ = ["TRANSFORMERS_CHECKED", "WRAPPED_FUNCTIONS", "WrappedFunction", "install"]
+__all__ = ["TRANSFORMERS_CHECKED", "WRAPPED_FUNCTIONS", "WrappedFunction", "install", "kernel_function"]
 
-TRANSFORMERS_CHECKED = "5.24.0"  # the release every target below was read in
+TRANSFORMERS_CHECKED = "5.25.0"  # the release every target below was read in
+_ALSO_READ = ("5.24.0",)  # releases every target was also read in
 _GPU_IMAGE = "5.17.0"  # also read in, for the modules it has (from its wheel's source)
 _NEWER_THAN_GPU_IMAGE = ("lfm3", "lara_mini", "bailing_hybrid")  # families added after 5.17.0
 
 _RECURRENT_MASK = "create_recurrent_attention_mask"
+
+# Target → the module-level function of the same modeling module through which the layers reach it, passing the
+# model kwargs on (transformers 5.25; in 5.17 and 5.24 the layer forwards call the targets themselves).
+_REACHED_THROUGH = {"causal_conv1d_fn": "causal_conv1d_forward", "mamba2_chunk_scan": "mamba2_scan_forward"}
 
 # Function name → what its replacement does in a tree forward.
 _DOES = {
@@ -91,7 +113,9 @@ def _wrapped_functions() -> tuple[WrappedFunction, ...]:
     for path, kind in recurrent.TREE_LAYERS.items():
         module, layer = path.rsplit(".", 1)
         family = module.split(".")[2]
-        checked = (TRANSFORMERS_CHECKED,) if family in _NEWER_THAN_GPU_IMAGE else (_GPU_IMAGE, TRANSFORMERS_CHECKED)
+        checked = (*_ALSO_READ, TRANSFORMERS_CHECKED)
+        if family not in _NEWER_THAN_GPU_IMAGE:
+            checked = (_GPU_IMAGE, *checked)
         for attribute, tree_version in {**recurrent._TREE_KERNELS[kind], _RECURRENT_MASK: None}.items():
             rows.append(WrappedFunction(module, attribute, layer, _DOES[attribute], checked, tree_version))
     return tuple(rows)
@@ -100,10 +124,49 @@ def _wrapped_functions() -> tuple[WrappedFunction, ...]:
 WRAPPED_FUNCTIONS: tuple[WrappedFunction, ...] = _wrapped_functions()
 
 
+@functools.cache
+def kernel_function(function):
+    """The Python function behind a module-level kernel function of a modeling module: `function` itself, or, for
+    the module instance `kernels`' `use_kernel_forward_from_hub` makes of a decorated function (a dependency of
+    transformers from 5.25 on), the function it calls when no Hub kernel was swapped in."""
+    if isinstance(function, torch.nn.Module) and hasattr(function, "kernel_layer_name"):
+        return inspect.getclosurevars(type(function).forward).nonlocals["func"]
+    return function
+
+
+def _function_source(function) -> str:
+    try:
+        return inspect.getsource(inspect.unwrap(kernel_function(function)))
+    except (OSError, TypeError):
+        return ""
+
+
+def _kwargs_break(module, entry: WrappedFunction) -> str | None:
+    """Why the model kwargs do not reach `entry.attribute` from its layer's forward, or None when they do: called
+    with `**kwargs` by the forward, or by the module function of `_REACHED_THROUGH` that the forward calls so."""
+    cls = getattr(module, entry.layer, None)
+    if cls is None:
+        return f"this transformers' {entry.module} has no `{entry.layer}`"
+    if recurrent._passes_kwargs(cls, entry.attribute):
+        return None
+    via = _REACHED_THROUGH.get(entry.attribute)
+    if via is not None and recurrent._passes_kwargs(cls, via):
+        if recurrent._calls_with_kwargs(_function_source(getattr(module, via, None)), rf"\b{entry.attribute}"):
+            return None
+        return (
+            f"this transformers' `{via}` does not pass the model kwargs on to `{entry.attribute}`, so the tree cannot "
+            "reach it"
+        )
+    return (
+        f"this transformers' {entry.layer}.forward does not pass the model kwargs to `{entry.attribute}`, so the tree "
+        "cannot reach it"
+    )
+
+
 def _tree_dispatch(original, tree_version):
     """`original` unless the call carries `tree_forest`; then `tree_version(original, forest, *args, **kwargs)`."""
 
-    @functools.wraps(original)
+    @functools.wraps(kernel_function(original))
     def dispatch(*args, **kwargs):
         forest = kwargs.pop("tree_forest", None)
         context = kwargs.pop("tree_context", None)
@@ -155,12 +218,8 @@ def install() -> None:
                     f"this transformers' {entry.module} has no `{entry.attribute}` to run per segment"
                 )
             continue
-        cls = getattr(module, entry.layer, None)
-        if entry.tree_version is not None and (cls is None or not recurrent._passes_kwargs(cls, entry.attribute)):
-            recurrent._UNAVAILABLE[path] = (
-                f"this transformers' {entry.layer}.forward does not pass the model kwargs to `{entry.attribute}`, so "
-                "the tree cannot reach it"
-            )
+        if entry.tree_version is not None and (why := _kwargs_break(module, entry)) is not None:
+            recurrent._UNAVAILABLE[path] = why
         if hasattr(current, "tree_original"):
             continue
         if entry.tree_version is None:

@@ -5,6 +5,7 @@ bit-identical to transformers' own."""
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import subprocess
 import sys
@@ -18,14 +19,15 @@ from helpers import hybrid_twin_models
 
 from hf_tree_attn import pack_forest, recurrent, transformers_compat
 from hf_tree_attn.support import tree_support_error
-from hf_tree_attn.transformers_compat import TRANSFORMERS_CHECKED, WRAPPED_FUNCTIONS
+from hf_tree_attn.transformers_compat import TRANSFORMERS_CHECKED, WRAPPED_FUNCTIONS, kernel_function
 
 _MASK = "create_recurrent_attention_mask"
 _GDN = ("causal_conv1d_fn", "torch_chunk_gated_delta_rule", _MASK)
 _KDA = ("causal_conv1d_fn", "chunk_kimi_delta_attention", _MASK)
 _CONV = ("causal_conv1d_fn", _MASK)
 _MAMBA2 = ("causal_conv1d_fn", "mamba2_chunk_scan", "mamba2_split_conv1d_scan_combined", _MASK)
-# family → the functions replaced in `transformers.models.<family>.modeling_<family>`, read in transformers 5.24.0.
+# family → the functions replaced in `transformers.models.<family>.modeling_<family>`, read in transformers 5.24.0
+# and 5.25.0.
 EXPECTED = {
     "qwen3_5": _GDN,
     "qwen3_5_moe": _GDN,
@@ -107,7 +109,8 @@ def test_every_target_exists_in_the_installed_transformers_and_is_replaced():
         function = getattr(sys.modules[entry.module], entry.attribute)
         original = function.tree_original
         assert callable(original) and not hasattr(original, "tree_original")
-        assert original.__name__ == entry.attribute  # transformers' own, under the name the layers call
+        # transformers' own (from 5.25 a `kernels` module instance around it), under the name the layers call
+        assert kernel_function(original).__name__ == entry.attribute
         assert f"{entry.module}.{entry.layer}" not in recurrent._UNAVAILABLE
     for entry in set(WRAPPED_FUNCTIONS) - set(served):  # a family this transformers lacks: refused, by the gate
         assert f"{entry.module}.{entry.layer}" in recurrent._UNAVAILABLE
@@ -180,3 +183,55 @@ def test_a_forward_without_a_tree_is_bit_identical_with_them_replaced(family, mo
     want = run()
     assert len(got) == len(want) > 2
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def _fake_modeling_module(passes_on: bool, tmp_path, monkeypatch) -> types.ModuleType:
+    """A modeling module shaped like transformers 5.25's: the layer reaches `causal_conv1d_fn` through the module's
+    `causal_conv1d_forward`, which passes the model kwargs on (or, `passes_on=False`, drops them). Written to a file:
+    the check reads the functions' source."""
+    conv_call = "causal_conv1d_fn(x, weight, None, **kwargs)" if passes_on else "causal_conv1d_fn(x, weight, None)"
+    name = f"fake_modeling_{passes_on}"
+    source = f"""
+        import torch
+
+        def causal_conv1d_fn(x, weight, bias=None, activation=None, **kwargs):
+            return x
+
+        def causal_conv1d_forward(conv1d, x, cache, layer_idx, **kwargs):
+            weight = conv1d.weight
+            return {conv_call}
+
+        class FakeShortConv(torch.nn.Module):
+            def forward(self, x, **kwargs):
+                return causal_conv1d_forward(self.conv, x, None, 0, **kwargs)
+        """
+    (tmp_path / f"{name}.py").write_text(textwrap.dedent(source))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return importlib.import_module(name)
+
+
+@pytest.mark.parametrize("passes_on", [True, False])
+def test_a_target_reached_through_an_intermediate_function_needs_the_kwargs_all_the_way(
+    passes_on, tmp_path, monkeypatch
+):
+    module = _fake_modeling_module(passes_on, tmp_path, monkeypatch)
+    entry = transformers_compat.WrappedFunction(
+        module.__name__, "causal_conv1d_fn", "FakeShortConv", "", (TRANSFORMERS_CHECKED,), lambda *a: None
+    )
+    why = transformers_compat._kwargs_break(module, entry)
+    if passes_on:
+        assert why is None
+    else:
+        assert why is not None and "`causal_conv1d_forward` does not pass the model kwargs on to" in why
+
+
+def test_kernel_function_is_the_function_behind_a_kernels_module():
+    kernels = pytest.importorskip("kernels")
+
+    def conv(x, weight, bias=None, **kwargs):
+        return x
+
+    func_module = kernels.use_kernel_forward_from_hub("conv")(conv)
+    assert isinstance(func_module, torch.nn.Module)
+    assert kernel_function(func_module) is conv
+    assert kernel_function(conv) is conv
