@@ -26,7 +26,7 @@ import sys
 import torch
 
 from .attention import registration_error
-from .recurrent import STATE_LAYER_TYPES, kwargs_breaks, unsupported_recurrent_layers
+from .recurrent import STATE_LAYER_TYPES, kwargs_breaks, tree_layer_types, unsupported_recurrent_layers
 from .transformers_compat import install as install_transformers_wrappers
 
 __all__ = [
@@ -522,6 +522,14 @@ def _state_layer_error(model: torch.nn.Module) -> str | None:
             name: f"{where}, so a tree forward's `tree_forest` cannot reach it and its state would run across branches"
             for name, where in kwargs_breaks(base).items()
         }
+    if not refused and getattr(model, "use_kernels", False) and tree_layer_types(model):
+        return (
+            f"{type(model).__name__} was loaded with use_kernels=True: Hugging Face Hub kernels (the `kernels` "
+            "package) may replace a state-carrying layer's forward or its kernel functions (transformers maps "
+            "Qwen3_5GatedDeltaNet to a Hub layer on some GPUs), which bypasses the tree's dispatch, so the layer's "
+            "state would run across branches. Load the model without use_kernels=True (the tree picks "
+            "flash-linear-attention's and causal-conv1d's kernels itself where they are installed)."
+        )
     if not refused:
         return None
     reasons = "; ".join(f"{name}: {why}" for name, why in refused.items())

@@ -26,6 +26,7 @@ from helpers import (
     hybrid_twin_models,
     multiturn,
     oracle_segments,
+    twin_models,
 )
 from transformers import AutoModelForCausalLM
 
@@ -525,6 +526,23 @@ def test_gate_refuses_an_unknown_state_carrying_layer(monkeypatch):
     monkeypatch.delitem(recurrent.TREE_LAYERS, "transformers.models.lfm2.modeling_lfm2.Lfm2ShortConv")
     with pytest.raises(NotImplementedError, match=r"Lfm2ShortConv: a state-carrying layer the tree does not know"):
         check_tree_model(tree)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "bamba"])
+def test_a_hybrid_loaded_with_hub_kernels_is_refused(family):
+    """`use_kernels=True` lets Hugging Face Hub kernels replace a state-carrying layer's forward (transformers maps
+    Qwen3_5GatedDeltaNet to one on some GPUs), out of the tree's dispatch: refused with the reason and the way out.
+    The `kernels` package is not installed here, so the flag `from_pretrained(..., use_kernels=True)` sets is set
+    directly; an attention-only model with it is not refused (its Hub kernels act per token)."""
+    tree, _ = hybrid_twin_models(family)
+    check_tree_model(tree)
+    tree._use_kernels = True  # what PreTrainedModel.use_kernels reads
+    assert tree.use_kernels
+    with pytest.raises(NotImplementedError, match=r"use_kernels=True.*Load the model without use_kernels=True"):
+        check_tree_model(tree)
+    dense, _ = twin_models("qwen3")
+    dense._use_kernels = True
+    check_tree_model(dense)
 
 
 class _DropsKwargs(torch.nn.Module):
