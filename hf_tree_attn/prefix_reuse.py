@@ -613,13 +613,12 @@ class ChunkContext:
             else:
                 for kept, rows in zip(store, own):
                     kept.index_copy_(2, self.own_slots, rows.to(kept.dtype))
-        store = self.step.kv[module]
         if self.backward:
             context_key, context_value = (
                 _GatherKept.apply(self.anchor, self.step, module, i, self.context_slots) for i in range(2)
             )
         else:
-            context_key, context_value = (t.index_select(2, self.context_slots) for t in store)
+            context_key, context_value = (t.index_select(2, self.context_slots) for t in self.step.kv[module])
         if self.context_fill:
             context_key, context_value = (
                 torch.cat([t, t.new_zeros(*t.shape[:2], self.context_fill, t.shape[3])], dim=2)
@@ -636,8 +635,8 @@ class ChunkContext:
         """The chunk as `tree_version` (a kernel's tree version, `hf_tree_attn.recurrent`) gets it: a `ChunkRows`."""
         from . import recurrent
 
-        carried = (recurrent.tree_causal_conv1d, recurrent.tree_delta_rule, recurrent.tree_mamba2_chunk_scan)
-        if tree_version not in (*carried, recurrent._unfused_in_tree):
+        carried = {f for kind in recurrent.CHUNKED_KINDS for f in recurrent._TREE_KERNELS[kind].values()}
+        if tree_version not in carried:
             raise NotImplementedError(
                 f"Prefix reuse does not carry the state of {tree_version.__name__} between chunks. " + _FIX
             )

@@ -348,6 +348,23 @@ def _kernel_function(original):
     return kernel_function(original)
 
 
+def _scan(forest, inputs: list[torch.Tensor], varlen: bool, run) -> torch.Tensor:
+    """`_scan_levels` over a forest, or over one prefix-reuse chunk (`ChunkRows`): there, its root segments that
+    continue a row of an earlier chunk start from the state that chunk kept (`(m, ...)`, read from the exchange),
+    and the final states of its segments later chunks continue go to the store."""
+    if not isinstance(forest, ChunkRows):
+        return _scan_levels(forest, inputs, varlen, run)
+    key = (forest.layer(), "scan")
+    states = forest.exchange.read(key, forest.state_slots)
+    initial = None
+    if states is not None:
+        initial = torch.cat([states, states.new_zeros((1, *states.shape[1:]))]).index_select(0, forest.root_state)
+    out, kept = _scan_levels(forest, inputs, varlen, run, initial=initial, keep=forest.keep)
+    if kept is not None:
+        forest.exchange.write(key, kept, forest.kept_slots, forest.state_total)
+    return out
+
+
 def _bound(original, args, kwargs) -> dict:
     """The call's arguments by parameter name (defaults filled), without the catch-all `**kwargs`."""
     signature = inspect.signature(original)
@@ -460,19 +477,7 @@ def tree_delta_rule(original, forest, *args, **kwargs) -> tuple[torch.Tensor, No
             seqlens["cu_seqlens_cpu"] = level.cu_seqlens_cpu
         return original(q, k, v, g=g, beta=beta, initial_state=initial, output_final_state=True, **extra, **seqlens)
 
-    if not isinstance(forest, ChunkRows):
-        return _scan_levels(forest, tensors, varlen, run), None
-    # One prefix-reuse chunk: its root segments that continue a row of an earlier chunk start from the state that
-    # chunk kept; the final states of its segments later chunks continue go to the store.
-    key = (forest.layer(), "scan")
-    states = forest.exchange.read(key, forest.state_slots)  # (m, heads, k_dim, v_dim) or None
-    initial = None
-    if states is not None:
-        initial = torch.cat([states, states.new_zeros((1, *states.shape[1:]))]).index_select(0, forest.root_state)
-    out, kept = _scan_levels(forest, tensors, varlen, run, initial=initial, keep=forest.keep)
-    if kept is not None:
-        forest.exchange.write(key, kept, forest.kept_slots, forest.state_total)
-    return out, None
+    return _scan(forest, tensors, varlen, run), None
 
 
 def tree_mamba2_chunk_scan(original, forest, *args, **kwargs) -> torch.Tensor:
@@ -499,20 +504,7 @@ def tree_mamba2_chunk_scan(original, forest, *args, **kwargs) -> torch.Tensor:
             initial_states=initial, dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=True,
         )  # fmt: skip
 
-    inputs = [call["hidden_states"], dt, call["B"], call["C"]]
-    if not isinstance(forest, ChunkRows):
-        return _scan_levels(forest, inputs, False, run)
-    # One prefix-reuse chunk, as `tree_delta_rule`: root segments continuing a row of an earlier chunk start from the
-    # SSM state `(heads, head_dim, state)` that chunk kept; the states later chunks continue from go to the store.
-    key = (forest.layer(), "scan")
-    states = forest.exchange.read(key, forest.state_slots)
-    initial = None
-    if states is not None:
-        initial = torch.cat([states, states.new_zeros((1, *states.shape[1:]))]).index_select(0, forest.root_state)
-    out, kept = _scan_levels(forest, inputs, False, run, initial=initial, keep=forest.keep)
-    if kept is not None:
-        forest.exchange.write(key, kept, forest.kept_slots, forest.state_total)
-    return out
+    return _scan(forest, [call["hidden_states"], dt, call["B"], call["C"]], False, run)
 
 
 def _unfused_in_tree(original, forest, *args, **kwargs) -> None:
