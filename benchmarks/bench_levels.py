@@ -2,9 +2,12 @@
 
 A 20-turn agent tree (one branch point per turn, so ~21 levels) and a GRPO group (2 levels) go through one Gated
 DeltaNet scan (`hf_tree_attn.recurrent.tree_delta_rule` with transformers' kernel — its torch reference, or
-flash-linear-attention's varlen kernel on CUDA where installed), forward + backward, against
+flash-linear-attention's varlen kernel on CUDA where installed), forward + backward, level by level (`by_level`),
+against
 
   one_call   the same number of tokens as ONE sequence in one kernel call: the floor for these tokens;
+  two_pass   the tree in two kernel calls whatever its depth (`recurrent._scan_two_pass`, which the tree takes from
+             `recurrent.TWO_PASS_MIN_LEVELS` levels on), with its agreement to the level loop on the same inputs;
   one_level  (CUDA varlen only) the forest's segments all as roots in one varlen call: the same segments without
              the hand-down (wrong states, timing only).
 
@@ -82,6 +85,22 @@ def _time(fn, repeats: int, device, host: bool = False):
     return (total, returned) if host else total
 
 
+def agreement(by_level, two_pass, inputs, rows: int) -> dict:
+    """The two paths on the same inputs: the largest output difference over the largest output, and the least
+    cosine between their input gradients (q, k, v, decay, beta)."""
+    results = []
+    for fn in (by_level, two_pass):
+        for t in inputs:
+            t.grad = None
+        out = fn(keep=True)[:, :rows].float()
+        results.append((out, [t.grad.float().flatten() for t in inputs]))
+    (a, grads_a), (b, grads_b) = results
+    cosines = [
+        torch.nn.functional.cosine_similarity(x.double(), y.double(), dim=0).item() for x, y in zip(grads_a, grads_b)
+    ]
+    return {"output_max_diff_rel": ((a - b).abs().max() / a.abs().max()).item(), "grad_cosine_min": min(cosines)}
+
+
 def measure(sequences, heads: int, dim: int, device, dtype, repeats: int, route: str | None = None) -> dict:
     (forest,) = hf_tree_attn.pack_forest(sequences)
     forest = forest.to(device)
@@ -97,19 +116,26 @@ def measure(sequences, heads: int, dim: int, device, dtype, repeats: int, route:
 
     tree_inputs, flat_inputs = inputs(size), inputs(forest.num_tree_tokens)
 
-    def by_level(f=forest):
+    def by_level(f=forest, keep=False):
         q, k, v, decay, beta = tree_inputs
         out, _ = recurrent.tree_delta_rule(kernel, f, q, k, v, g=decay, beta=beta, use_qk_l2norm_in_kernel=True)
         out.float().sum().backward()
+        return out.detach() if keep else None
 
     def one_call():
         q, k, v, decay, beta = flat_inputs
         out, _ = kernel(q, k, v, g=decay, beta=beta, use_qk_l2norm_in_kernel=True)
         out.float().sum().backward()
 
+    def with_path(two_pass: bool, fn):
+        """`fn` with the delta rule in two calls (`recurrent._scan_two_pass`) or level by level, whatever the depth."""
+        return mock.patch.object(recurrent, "TWO_PASS_MIN_LEVELS", 1 if two_pass else 10**9)(fn)
+
+    by_level, two_pass = with_path(False, by_level), with_path(True, by_level)
     varlen = recurrent._use_varlen(kernel, device)
     with gdn_kernels.KernelProbe() as probe:
         by_level_s, by_level_host_s = _time(by_level, repeats, device, host=True)
+    two_pass_s, two_pass_host_s = _time(two_pass, repeats, device, host=True)
     result = {
         "sequences": len(sequences),
         "total_tokens": sum(map(len, sequences)),
@@ -125,6 +151,9 @@ def measure(sequences, heads: int, dim: int, device, dtype, repeats: int, route:
     }
     if route is not None and (problem := gdn_kernels.route_problem(route, probe.calls)) is not None:
         result["route_problem"] = problem
+    result["two_pass_s"], result["two_pass_host_s"] = two_pass_s, two_pass_host_s
+    result["two_pass_over_one_call"] = two_pass_s / result["one_call_s"] - 1
+    result["two_pass_agreement"] = agreement(by_level, two_pass, tree_inputs, forest.num_tree_tokens)
     result["by_level_over_one_call"] = result["by_level_s"] / result["one_call_s"] - 1
     result["per_level_ms"] = 1e3 * (result["by_level_s"] - result["one_call_s"]) / forest.num_levels
     if result["host_bounds"]:  # the same scan with the kernel reading its boundaries back from the device per call
@@ -188,6 +217,8 @@ def main():
             line += f"  (bounds read back per call: {run['by_level_device_bounds_s']:.4f}s,"
             line += f" {run['per_level_ms_device_bounds']:.2f} ms/level)"
         line += f"  host returned at {run['by_level_host_s']:.4f}s"
+        line += f"  two calls {run['two_pass_s']:.4f}s (+{100 * run['two_pass_over_one_call']:.1f}%,"
+        line += f" vs level by level: {run['two_pass_agreement']})"
         if "one_level_s" in run:
             line += f"  one level {run['one_level_s']:.4f}s (+{100 * run['by_level_over_one_level']:.1f}%)"
         print(line + f"  [{run['kernels']}]" + ("  KERNEL MISMATCH" if "route_problem" in run else ""), flush=True)

@@ -3,7 +3,8 @@
 Trainer phase = old-logprob forward (no grad) + policy forward + backward, gradient checkpointing on, logits
 only for scored (completion) tokens, bf16, random weights from configs shaped like Qwen3, Gemma-3-1B (sliding-window
 layers) or Qwen3.5 (no download). Qwen3.5 (hybrid: 3 Gated DeltaNet layers per full-attention layer) runs its
-recurrent layers segment by segment, level by level (flash-linear-attention's varlen kernel where installed); its
+recurrent layers segment by segment (level by level, or in two calls on deep trees: `--delta-rule-two-pass-from`;
+flash-linear-attention's varlen kernel where installed); its
 packed flat baseline is a forest without sharing (one root segment per sequence: one varlen call, a document mask).
 
 Methods, all on the same model object (`attn_implementation="tree_flex"`):
@@ -79,6 +80,7 @@ from harness import LOGPROB_BOUND, MIN_MEASURED_STEPS, agreement, paired, proven
 from transformers import AutoModelForCausalLM, Gemma3TextConfig, Qwen3_5TextConfig, Qwen3Config
 
 import hf_tree_attn
+from hf_tree_attn import recurrent
 from hf_tree_attn.logprobs import _final_hidden_states, forest_logprobs, lm_head_logprobs
 from hf_tree_attn.masks import TreeMaskSource
 from hf_tree_attn.recompute import (
@@ -763,6 +765,13 @@ def main():
         help="Gated DeltaNet kernels for every method (benchmarks/gdn_kernels.py); fla_triton lifts fla's Hopper "
         "refusal, which the models' K = 128 tiles allow",
     )
+    parser.add_argument(
+        "--delta-rule-two-pass-from",
+        type=int,
+        default=None,
+        help="the tree's delta rule runs in two kernel calls on forests of at least this many levels, level by level "
+        "below (hf_tree_attn.recurrent.TWO_PASS_MIN_LEVELS; default: the package's)",
+    )
     parser.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run (--models tiny)")
     parser.add_argument("--dtype", choices=list(LOGPROB_BOUND), default=None,
                         help="the model's dtype (default: bfloat16 on CUDA, float32 elsewhere)")  # fmt: skip
@@ -786,6 +795,8 @@ def main():
         GDN_ROUTE = args.gdn_route
         stack.enter_context(gdn_kernels.select(args.gdn_route, lift_guard=True))
     gdn_kernels.install_probes()
+    if args.delta_rule_two_pass_from is not None:
+        recurrent.TWO_PASS_MIN_LEVELS = args.delta_rule_two_pass_from
 
     device = torch.device(args.device)
     dtype_name = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
@@ -802,6 +813,7 @@ def main():
         **provenance(**{k: v for k, v in gdn_kernels.versions().items() if k not in ("torch", "transformers", "gpu")}),
         "gdn_route": args.gdn_route,
         "gdn_resolved": gdn_kernels.resolved_kernels(),
+        "delta_rule_two_pass_from": recurrent.TWO_PASS_MIN_LEVELS,
         "max_tokens_per_mb": args.max_tokens_per_mb,
         "kernels": {
             "liger": args.liger,

@@ -7,15 +7,28 @@
 # Each stage writes the result file of the same name as the committed one; benchmarks/results/README.md ("Result
 # files") lists which stage made which file, and every JSON records its exact command, GPU and versions.
 # Needs torch with CUDA, transformers, trl, datasets, accelerate, peft (and liger-kernel for the `--liger` stages,
-# pytest-xdist for the test stages that pass `-n`). On a machine without network, put their wheels in .whl/: they
-# are installed into /tmp/site first.
+# pytest-xdist for the test stages that pass `-n`). On a machine without network, put their wheels in .whl/ (at its
+# top, or as benchmarks/gpu_compile.sh lays them out: .whl/async, .whl/common, .whl/hub): they are installed into
+# /tmp/site and /tmp/common first.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 TOKENIZERS_PARALLELISM=false NCCL_NVLS_ENABLE=0
-if [ -d .whl ] && [ ! -d /tmp/site/trl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    >/dev/null 2>&1 || exit 1
-fi
+for wheels in ".whl/*.whl" ".whl/async/*.whl"; do
+  if compgen -G "$wheels" >/dev/null && [ ! -d /tmp/site/trl ]; then
+    # shellcheck disable=SC2086
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $wheels \
+      >/dev/null 2>&1 || exit 1
+  fi
+done
 export PYTHONPATH=/tmp/site:$PWD
+if compgen -G ".whl/common/*.whl" >/dev/null && [ ! -d /tmp/common/transformers ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/common \
+    .whl/common/*.whl >/dev/null 2>&1 || exit 1
+  if ! PYTHONPATH=/tmp/common python3 -c "import transformers" 2>/dev/null && compgen -G ".whl/hub/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/common \
+      .whl/hub/*.whl >/dev/null 2>&1 || exit 1
+  fi
+fi
+[ -d /tmp/common/transformers ] && export PYTHONPATH=/tmp/common:$PYTHONPATH
 export OUT=${OUT:-/tmp/h200_out}  # exported: the job scripts some stages run write there too
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
@@ -28,6 +41,15 @@ quiet() { grep -v -i warn | grep -v "^\[transformers\]" | tail -"${1:-20}"; }
 # backward on Hopper with Triton < 3.7.1 (wrong gradients, fla-org/flash-linear-attention#640); the image has
 # Triton 3.6.
 without_fla() { rm -rf /tmp/site/fla /tmp/site/fla_core* /tmp/site/flash_linear_attention*; }
+# fla 0.6 on its Triton kernels (the `fla_triton` route of benchmarks/gdn_kernels.py), with its autotuning results
+# from earlier calls (benchmarks/hybrid_env.sh says which); installed once per machine.
+with_fla06() {
+  if [ ! -d /tmp/fla06/fla ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fla06 .whl/hybrid/fla06/*.whl || return 1
+    mkdir -p /tmp/triton && tar xzf benchmarks/cache/triton_autotune_h200.tgz -C /tmp/triton
+  fi
+  export PYTHONPATH=/tmp/fla06:$PYTHONPATH TRITON_CACHE_DIR=/tmp/triton FLA_CACHE_RESULTS=1
+}
 # The last lines of a pytest log that say what passed and what failed.
 summary() { grep -E "FAILED|ERROR|passed|failed" "$1" | tail -"${2:-20}"; }
 
@@ -101,6 +123,24 @@ for stage in "$@"; do
       mv "$OUT/kernel_checks.json" "$OUT/hybrid_kernel_checks_h200.json"
       mv "$OUT/hybrid_gpu.log" "$OUT/hybrid_kernels_h200.log"
       mv "$OUT/gpu_tests_hybrid_kernels.log" "$OUT/h200_gpu_tests_hybrid_kernels.log" ;;
+    # The delta rule in two kernel calls vs level by level, on fla 0.6's Triton kernels (carry .whl/hybrid/fla06 and
+    # .whl/common): the kernel alone, the route's parity tests, and Qwen3.5-0.8B's 20-turn agent row both ways (two
+    # calls back to back on one warm machine: hybrid-two-pass, then hybrid-two-pass-rows).
+    hybrid-two-pass)
+      with_fla06
+      timeout 150 python3 benchmarks/bench_levels.py --device cuda --heads 16 --dim 128 --scale 1 --repeats 5 \
+        --gdn-route fla_triton --out "$OUT/levels_h200_fla_triton.json" 2>&1 | quiet 4
+      timeout 330 python3 -m pytest -v -s -rfEs -m gpu -p no:cacheprovider tests/test_gpu_recurrent.py \
+        -k "fla_triton and (two_calls or each_kernel_route or varlen_and_padded)" >"$OUT/h200_gpu_tests_two_pass.log" 2>&1
+      summary "$OUT/h200_gpu_tests_two_pass.log" 40 ;;
+    hybrid-two-pass-rows)
+      with_fla06
+      timeout 280 python3 benchmarks/bench_tree_vs_flat.py --models qwen3.5-0.8b --workloads agent_20_turns \
+        --scale 0.25 --repeats 2 --gdn-route fla_triton \
+        --out "$OUT/tree_vs_flat_h200_qwen3.5-0.8b_agent20_fla_triton.json" 2>&1 | quiet 4
+      timeout 280 python3 benchmarks/bench_tree_vs_flat.py --models qwen3.5-0.8b --workloads agent_20_turns \
+        --scale 0.25 --repeats 2 --gdn-route fla_triton --delta-rule-two-pass-from 1000 \
+        --out "$OUT/tree_vs_flat_h200_qwen3.5-0.8b_agent20_fla_triton_level_loop.json" 2>&1 | quiet 4 ;;
     # gpu_hybrid_rows.sh: two calls made back to back on one (warm) machine, the first filling the compile and autotuning
     # caches in /tmp beside the route's parity tests, the second timing the rows (carry .whl/hybrid; ~9 min each)
     hybrid-rows-warm)  # fla + TileLang: the route's 10 parity tests and one untimed run of each 0.8B benchmark

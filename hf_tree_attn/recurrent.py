@@ -10,6 +10,13 @@ level::
       5 ─ 6 ┬ 7 ─ 8                             level 1:  [7 8], [9]       scan(7 8 | state₀), scan(9 | state₀)
             └ 9
 
+A delta rule (gated, Kimi) needs no more than two calls, however deep the forest: its state is linear in the state
+it starts from, so one call over the segments whose final states are read (from zero, with `K` extra value columns
+that start from the identity) gives each of them as a `K × K` map of its initial state plus a constant; the initial
+states are then handed down with one small matrix product per level, and a second call runs every segment from its
+own (`_scan_two_pass`, from `TWO_PASS_MIN_LEVELS` levels on: on flash-linear-attention's kernels a call costs
+milliseconds of launches however few its rows).
+
 A short causal convolution of kernel `K` needs no levels: row `r` reads itself and its `K - 1` nearest ancestors.
 The convolution runs over the whole DFS row, and only rows whose `K - 1` DFS predecessors are not their ancestors
 (the first `K - 1` rows of a segment) are recomputed from their ancestor window. Attention layers keep using
@@ -85,6 +92,11 @@ _KIND_LAYER_TYPES = {
     "short_conv": ("conv",),
     "mamba2": ("linear_attention", "mamba", "hybrid"),
 }
+
+# A delta rule over a forest at least this many levels deep runs in two kernel calls (`_scan_two_pass`) instead of
+# one per level: the second call redoes the first's segments, so below this depth the level loop does less work for
+# as many calls.
+TWO_PASS_MIN_LEVELS = 3
 
 # The kinds whose state prefix reuse (`hf_tree_attn.prefix_reuse`) carries from one chunk to the next: their tree
 # versions take a `ChunkRows` (a chunk whose segments may start from kept states and whose windows reach kept inputs).
@@ -231,42 +243,105 @@ def _ragged_arange(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return np.repeat(starts - offsets, lengths) + np.arange(int(lengths.sum()))
 
 
+def _segments_level(starts: np.ndarray, lengths: np.ndarray, seq_len: int, device, parent_slot=None) -> _Level:
+    """A `_Level` over the segments at DFS rows `starts` `(n,)` of lengths `lengths` `(n,)` (numpy), in that order."""
+
+    def tensor(array):
+        return torch.as_tensor(array, dtype=torch.long).to(device)
+
+    width = np.arange(int(lengths.max()))
+    valid = width[None] < lengths[:, None]
+    bounds_cpu = torch.as_tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.long)
+    return _Level(
+        rows=tensor(_ragged_arange(starts, lengths)),
+        cu_seqlens=bounds_cpu.to(device),
+        cu_seqlens_cpu=bounds_cpu,
+        pad_index=tensor(np.where(valid, starts[:, None] + width[None], seq_len)),
+        valid_slots=tensor(np.flatnonzero(valid)),
+        parent_slot=None if parent_slot is None else tensor(parent_slot),
+    )
+
+
+def _level_order(forest) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[np.ndarray], np.ndarray]:
+    """`(starts, lengths, parent, per-level segment ids (DFS order inside a level), slot)`: `slot[s]` is segment
+    `s`'s index inside its level."""
+    bounds = forest.segment_starts.cpu().numpy()
+    level = forest.segment_level.cpu().numpy()
+    order = np.argsort(level, kind="stable")  # by level, DFS order inside a level
+    counts = np.bincount(level)
+    first = np.cumsum(counts) - counts
+    slot = np.empty_like(order)
+    slot[order] = np.arange(order.size) - np.repeat(first, counts)
+    per_level = [order[first[lvl] : first[lvl] + counts[lvl]] for lvl in range(counts.size)]
+    return bounds[:-1], np.diff(bounds), forest.segment_parent.cpu().numpy(), per_level, slot
+
+
 def _scan_plan(forest, device: torch.device) -> _ScanPlan:
     key = ("levels", device)
     if key not in forest._scan_cache:
-        bounds = forest.segment_starts.cpu().numpy()
-        parent = forest.segment_parent.cpu().numpy()
-        level = forest.segment_level.cpu().numpy()
-        starts, lengths = bounds[:-1], np.diff(bounds)
-        order = np.argsort(level, kind="stable")  # by level, DFS order inside a level
-        counts = np.bincount(level)
-        first = np.cumsum(counts) - counts
-        slot = np.empty_like(order)
-        slot[order] = np.arange(order.size) - np.repeat(first, counts)  # index of a segment inside its level
-
-        def tensor(array, dtype=torch.long):
-            return torch.as_tensor(array, dtype=dtype).to(device)
-
-        levels = []
-        for lvl in range(counts.size):
-            segs = order[first[lvl] : first[lvl] + counts[lvl]]
-            seg_starts, seg_lengths = starts[segs], lengths[segs]
-            width = np.arange(int(seg_lengths.max()))
-            valid = width[None] < seg_lengths[:, None]
-            pad_index = np.where(valid, seg_starts[:, None] + width[None], forest.seq_len)
-            bounds_cpu = torch.as_tensor(np.concatenate([[0], np.cumsum(seg_lengths)]), dtype=torch.long)
-            levels.append(
-                _Level(
-                    rows=tensor(_ragged_arange(seg_starts, seg_lengths)),
-                    cu_seqlens=bounds_cpu.to(device),
-                    cu_seqlens_cpu=bounds_cpu,
-                    pad_index=tensor(pad_index),
-                    valid_slots=tensor(np.flatnonzero(valid)),
-                    parent_slot=tensor(slot[parent[segs]]) if lvl else None,
-                )
-            )
+        starts, lengths, parent, per_level, slot = _level_order(forest)
+        levels = [
+            _segments_level(starts[segs], lengths[segs], forest.seq_len, device, slot[parent[segs]] if lvl else None)
+            for lvl, segs in enumerate(per_level)
+        ]
         forest._scan_cache[key] = _ScanPlan(
             levels, torch.cat([lv.rows for lv in levels]), torch.cat([lv.pad_index.flatten() for lv in levels])
+        )
+    return forest._scan_cache[key]
+
+
+@dataclass
+class _TwoPassPlan:
+    """A forest's segments as `_scan_two_pass` runs them: two batches, and the hand-down between them.
+
+    needed: the segments whose final state is read (a child continues it, or `keep` names it), level after level —
+        the first call's batch (None if there are none).
+    every: all segments, level after level — the second call's batch (its rows are `_ScanPlan.rows`).
+    level_sizes: per level, how many segments it holds.
+    needed_counts: per level, how many of `needed`'s segments are on it.
+    needed_index: per level, `(m,)` long — their indices among the level's segments.
+    parent_needed: per level after the first, `(n,)` long — each segment's parent among the previous level's needed
+        segments.
+    keep_index: per level, `(k,)` long or None — the kept segments among the level's needed segments.
+    """
+
+    needed: _Level | None
+    every: _Level
+    level_sizes: list[int]
+    needed_counts: list[int]
+    needed_index: list[torch.Tensor]
+    parent_needed: list[torch.Tensor | None]
+    keep_index: list[torch.Tensor | None]
+
+
+def _two_pass_plan(forest, device: torch.device, keep) -> _TwoPassPlan:
+    key = ("two_pass", device)
+    if key not in forest._scan_cache:
+        starts, lengths, parent, per_level, slot = _level_order(forest)
+        read = np.zeros(starts.size, dtype=bool)
+        read[parent[parent >= 0]] = True
+        for lvl, kept in enumerate(keep or ()):
+            if kept is not None:
+                read[per_level[lvl][kept.cpu().numpy()]] = True
+        position = np.full(starts.size, -1)  # a needed segment's index among its level's needed segments
+        needed_index, keep_index, parent_needed = [], [], []
+        for lvl, segs in enumerate(per_level):
+            inside = np.flatnonzero(read[segs])
+            position[segs[inside]] = np.arange(inside.size)
+            needed_index.append(torch.as_tensor(inside).to(device))
+            kept = keep[lvl] if keep is not None and lvl < len(keep) else None
+            keep_index.append(None if kept is None else torch.as_tensor(position[segs[kept.cpu().numpy()]]).to(device))
+            parent_needed.append(torch.as_tensor(position[parent[segs]]).to(device) if lvl else None)
+        needed = np.concatenate([segs[read[segs]] for segs in per_level])
+        every = np.concatenate(per_level)
+        forest._scan_cache[key] = _TwoPassPlan(
+            needed=_segments_level(starts[needed], lengths[needed], forest.seq_len, device) if needed.size else None,
+            every=_segments_level(starts[every], lengths[every], forest.seq_len, device),
+            level_sizes=[segs.size for segs in per_level],
+            needed_counts=[int(read[segs].sum()) for segs in per_level],
+            needed_index=needed_index,
+            parent_needed=parent_needed,
+            keep_index=keep_index,
         )
     return forest._scan_cache[key]
 
@@ -340,6 +415,73 @@ def _scan_levels(
     return full, (torch.cat(kept) if kept else None)
 
 
+def _gather(x: torch.Tensor, level: _Level, varlen: bool) -> torch.Tensor:
+    """`x` `(1, S, ...)` at `level`'s rows: `(1, N, ...)` (varlen) or its zero-padded batch `(n, T, ...)`."""
+    if varlen:
+        return x.index_select(1, level.rows)
+    return _with_zero_row(x).index_select(0, level.pad_index.flatten()).unflatten(0, level.pad_index.shape)
+
+
+def _ungather(out: torch.Tensor, level: _Level, varlen: bool) -> torch.Tensor:
+    """A kernel's output on `_gather`'s layout back to one row per real slot, `(N, ...)` in `level.rows` order."""
+    return out[0] if varlen else out.flatten(0, 1).index_select(0, level.valid_slots)
+
+
+def _scan_two_pass(
+    forest, inputs: list[torch.Tensor], varlen: bool, run, initial: torch.Tensor | None = None, keep=None
+):
+    """`_scan_levels` for a delta rule in two kernel calls, whatever the depth; same arguments and result.
+
+    A delta rule's state `h` `(heads, K, V)` is linear in the state it starts from, each of its `V` columns on its
+    own: a segment that starts from `h0` ends in `M @ h0 + F`, where `F` is its final state from a zero start and
+    `M` `(heads, K, K)` the final state of `K` extra value columns that start from the identity and read zero values.
+    The first call runs every segment whose final state is read, from zero, with `[value, 0]` and `[0 | I]`; the
+    initial states are then handed down level by level with one small matrix product each; the second call runs
+    every segment from its own initial state. Autograd carries the gradients back through both calls.
+    """
+    plan = _two_pass_plan(forest, inputs[0].device, keep)
+    value = inputs[2]
+    k_dim, v_dim = inputs[1].shape[-1], value.shape[-1]
+    state = torch.promote_types(value.dtype, torch.float32)  # the kernels keep their states in float32 or wider
+    finals = None
+    if plan.needed is not None:
+        first = [_gather(x, plan.needed, varlen) for x in inputs]
+        v = first[2]
+        first[2] = torch.cat([v, v.new_zeros((*v.shape[:-1], k_dim))], dim=-1)
+        n, heads = len(plan.needed.cu_seqlens_cpu) - 1, v.shape[-2]
+        eye = torch.eye(k_dim, dtype=state, device=v.device).expand(n, heads, k_dim, k_dim)
+        _, end = run(first, torch.cat([eye.new_zeros((n, heads, k_dim, v_dim)), eye], dim=-1), plan.needed)
+        finals = end.split(plan.needed_counts)
+    heads = value.shape[-2]
+    starts, kept, previous = [], [], None
+    for lvl, count in enumerate(plan.needed_counts):
+        if lvl:
+            start = previous.index_select(0, plan.parent_needed[lvl])
+        elif initial is not None:
+            start = initial
+        else:  # roots start from zero
+            start = value.new_zeros((plan.level_sizes[0], heads, k_dim, v_dim), dtype=state)
+        starts.append(start)
+        if count:
+            end = finals[lvl]
+            with torch.autocast(end.device.type, enabled=False):  # the hand-down in float32, as the kernels keep it
+                previous = torch.baddbmm(
+                    end[..., :v_dim].flatten(0, 1),
+                    end[..., v_dim:].flatten(0, 1),
+                    start.index_select(0, plan.needed_index[lvl]).to(end.dtype).flatten(0, 1),
+                ).unflatten(0, end.shape[:2])
+            if plan.keep_index[lvl] is not None:
+                kept.append(previous.index_select(0, plan.keep_index[lvl]))
+    out, _ = run(
+        [_gather(x, plan.every, varlen) for x in inputs], torch.cat([s.to(state) for s in starts]), plan.every
+    )
+    values = _ungather(out, plan.every, varlen)
+    full = values.new_zeros((inputs[0].shape[1], *values.shape[1:])).index_copy(0, plan.every.rows, values)[None]
+    if keep is None:
+        return full
+    return full, (torch.cat(kept) if kept else None)
+
+
 def _kernel_function(original):
     """The Python function behind `original` (`transformers_compat.kernel_function`: transformers 5.25 makes the
     modeling modules' kernel functions module instances of `kernels`)."""
@@ -348,18 +490,22 @@ def _kernel_function(original):
     return kernel_function(original)
 
 
-def _scan(forest, inputs: list[torch.Tensor], varlen: bool, run) -> torch.Tensor:
+def _scan(forest, inputs: list[torch.Tensor], varlen: bool, run, linear: bool = False) -> torch.Tensor:
     """`_scan_levels` over a forest, or over one prefix-reuse chunk (`ChunkRows`): there, its root segments that
     continue a row of an earlier chunk start from the state that chunk kept (`(m, ...)`, read from the exchange),
-    and the final states of its segments later chunks continue go to the store."""
+    and the final states of its segments later chunks continue go to the store. `linear`: the kernel is a delta rule
+    (`_scan_two_pass` applies), which runs in two calls on forests `TWO_PASS_MIN_LEVELS` or more levels deep."""
+    scan = _scan_levels
+    if linear and len(_scan_plan(forest, inputs[0].device).levels) >= TWO_PASS_MIN_LEVELS:
+        scan = _scan_two_pass
     if not isinstance(forest, ChunkRows):
-        return _scan_levels(forest, inputs, varlen, run)
+        return scan(forest, inputs, varlen, run)
     key = (forest.layer(), "scan")
     states = forest.exchange.read(key, forest.state_slots)
     initial = None
     if states is not None:
         initial = torch.cat([states, states.new_zeros((1, *states.shape[1:]))]).index_select(0, forest.root_state)
-    out, kept = _scan_levels(forest, inputs, varlen, run, initial=initial, keep=forest.keep)
+    out, kept = scan(forest, inputs, varlen, run, initial=initial, keep=forest.keep)
     if kept is not None:
         forest.exchange.write(key, kept, forest.kept_slots, forest.state_total)
     return out
@@ -477,7 +623,7 @@ def tree_delta_rule(original, forest, *args, **kwargs) -> tuple[torch.Tensor, No
             seqlens["cu_seqlens_cpu"] = level.cu_seqlens_cpu
         return original(q, k, v, g=g, beta=beta, initial_state=initial, output_final_state=True, **extra, **seqlens)
 
-    return _scan(forest, tensors, varlen, run), None
+    return _scan(forest, tensors, varlen, run, linear=True), None
 
 
 def tree_mamba2_chunk_scan(original, forest, *args, **kwargs) -> torch.Tensor:

@@ -79,9 +79,9 @@ def _tolerance(route: str, dtype: torch.dtype) -> tuple[float, float]:
     return TOLERANCES[(dtype, precision)]
 
 
-def _sequences(seed: int) -> list[list[int]]:
-    """GRPO-like groups crossing 128-token blocks (duplicates, a prefix of another, 1-token sequences) and a
-    20-turn agent tree (~21 levels)."""
+def _sequences(seed: int, turns: int = 20) -> list[list[int]]:
+    """GRPO-like groups crossing 128-token blocks (duplicates, a prefix of another, 1-token sequences) and an
+    agent tree of `turns` turns (~`turns + 1` levels)."""
     rng = random.Random(seed)
     seqs = []
     for _ in range(2):
@@ -90,7 +90,7 @@ def _sequences(seed: int) -> list[list[int]]:
             seqs.append(prompt + [rng.randrange(1, 256) for _ in range(rng.randrange(1, 200))])
         seqs += [list(seqs[-1]), prompt[: rng.randrange(1, len(prompt))]]
     history = [rng.randrange(1, 256) for _ in range(200)]
-    for _ in range(20):
+    for _ in range(turns):
         history = history + [rng.randrange(1, 256) for _ in range(rng.randrange(4, 30))]
         responses = [[rng.randrange(1, 256) for _ in range(rng.randrange(8, 60))] for _ in range(2)]
         seqs += [history + r for r in responses]
@@ -258,3 +258,38 @@ def test_varlen_and_padded_level_batches_agree_on_gpu(route, name, monkeypatch):
         padded, _ = hf_tree_attn.forest_logprobs(model, forest, return_entropy=False)
     assert (problem := gdn_kernels.route_problem(route, probe.calls, backward=False)) is None, problem
     torch.testing.assert_close(varlen, padded, atol=1e-3 if dtype == torch.float32 else 6e-2, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("turns", [1, 4, 20, 39])
+@pytest.mark.parametrize("name", ["qwen3_5_k128", "qwen3_next_k128"])
+@pytest.mark.parametrize("route", gdn_kernels.FLA_ROUTES)
+def test_two_calls_and_the_level_loop_agree_on_gpu(route, name, turns, dtype, monkeypatch):
+    """The delta rule in two kernel calls (`recurrent._scan_two_pass`) and level by level, on the same forest (2 to
+    40 levels), weights and kernels: log-probs within the route's bound, and parameter gradients as close as the
+    route's bound asks of the tree against the float32 reference."""
+    config, head_dim = GDN_CONFIGS[name]
+    if (reason := gdn_kernels.unavailable(route, head_dim, dtype, lift_guard=True)) is not None:
+        pytest.skip(reason)
+    atol, min_cos = _tolerance(route, dtype)
+    seqs = _sequences(seed=3, turns=turns)
+    levels = hf_tree_attn.pack_forest(seqs)[0].num_levels
+    weights, results = _weights(seqs), {}
+    for path, min_levels in (("two calls", 1), ("level by level", 10**9)):
+        monkeypatch.setattr(recurrent, "TWO_PASS_MIN_LEVELS", min_levels)
+        model = _build(config, "tree_flex", dtype)
+        with gdn_kernels.select(route, lift_guard=True), gdn_kernels.KernelProbe() as probe:
+            logps = hf_tree_attn.sequence_logprobs(model, seqs, max_tokens_per_mb=4096)
+            _backward(logps, weights)
+        assert (problem := gdn_kernels.route_problem(route, probe.calls)) is None, problem
+        results[path] = [lp.detach() for lp in logps], {n: p.grad.float() for n, p in model.named_parameters()}
+    (two, two_grads), (loop, loop_grads) = results["two calls"], results["level by level"]
+    error = _max_error(two, loop)
+    model.zero_grad()
+    for n, p in model.named_parameters():
+        p.grad = two_grads[n].to(p.dtype)
+    worst = _assert_gradients_close(model, loop_grads, min_cos)
+    print(f"{route} {name} {dtype} {levels} levels: max |logp two calls - level by level| {error:.3g}, worst "
+          f"gradient cosine {worst:.6f}", flush=True)  # fmt: skip
+    for a, b in zip(two, loop):
+        torch.testing.assert_close(a, b, atol=atol, rtol=0)

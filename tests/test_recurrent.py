@@ -241,6 +241,97 @@ def test_tree_delta_rule_is_exact_in_float64(per_channel_decay, varlen, monkeypa
     assert (got[:, forest.num_tree_tokens :] == 0).all(), "padding rows get zeros"
 
 
+def _varlen_oracle(q, k, v, g, beta, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False,
+                   cu_seqlens=None, cu_seqlens_cpu=None):  # fmt: skip
+    """A `cu_seqlens` kernel, as flash-linear-attention's, built from the oracle."""
+    bounds = cu_seqlens.tolist()
+    assert cu_seqlens_cpu.device.type == "cpu" and cu_seqlens_cpu.tolist() == bounds  # the host copy
+    outs, finals = [], []
+    for n, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+        init = None if initial_state is None else initial_state[n : n + 1]
+        piece = [t[:, a:b] for t in (q, k, v, g, beta)]
+        o, s = _delta_rule_oracle(*piece, init, True, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+        outs.append(o)
+        finals.append(s)
+    return torch.cat(outs, 1), torch.cat(finals)
+
+
+_TWO_PASS_CASES = [*FOREST_CASES, "agent_5_turns", "agent_45_turns"]
+
+
+def _two_pass_forest(case: str):
+    if case.startswith("agent_"):
+        turns = int(case.split("_")[1])
+        return pack_forest(multiturn(random.Random(turns), turns=turns), pad_multiple=16)[0]
+    return _forest(case, seed=4)
+
+
+@pytest.mark.parametrize("per_channel_decay", [False, True], ids=["gdn", "kimi"])
+@pytest.mark.parametrize("varlen", [False, True], ids=["padded", "varlen"])
+@pytest.mark.parametrize("case", _TWO_PASS_CASES)
+def test_two_pass_delta_rule_equals_each_sequence(case, varlen, per_channel_decay, monkeypatch):
+    """The two-call delta rule (every forest, 1 to 40+ levels) gives each sequence's own outputs and gradients, in
+    float64, with a value width unlike the key width; and so does the level loop on the same inputs."""
+    forest = _two_pass_forest(case)
+    if case == "agent_45_turns":
+        assert forest.num_levels >= 40
+    q, k, _, g, beta = _delta_rule_inputs(forest, torch.float64, per_channel_decay)
+    v = torch.randn(1, forest.seq_len, 2, 5, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    tensors = [q, k, v.requires_grad_(), g, beta]
+    kernel = _delta_rule_oracle
+    if varlen:
+        kernel = _varlen_oracle
+        monkeypatch.setattr(recurrent, "_use_varlen", lambda original, device: True)
+    w = torch.randn(forest.seq_len, 2, 5, generator=torch.Generator().manual_seed(2), dtype=torch.float64)[None]
+    runs = {}
+    for name, min_levels in (("two_pass", 1), ("level_loop", 10**6)):
+        monkeypatch.setattr(recurrent, "TWO_PASS_MIN_LEVELS", min_levels)
+        got, _ = recurrent.tree_delta_rule(kernel, forest, *tensors[:3], g=g, beta=beta, use_qk_l2norm_in_kernel=True)
+        runs[name] = got, torch.autograd.grad((got * w)[:, : forest.num_tree_tokens].sum(), tensors)
+
+    def alone(q, k, v, g, beta):
+        return _delta_rule_oracle(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0]
+
+    results = _per_sequence(forest, alone, tensors)
+    want_grads = torch.autograd.grad(_first_visit_sum(results, w, seq_dim=1), tensors)
+    for got, grads in runs.values():
+        for pos, want in results:
+            torch.testing.assert_close(got[:, pos], want, **KERNEL_TOL[torch.float64])
+        for name, a, b in zip(["q", "k", "v", "g", "beta"], grads, want_grads):
+            torch.testing.assert_close(a, b, **KERNEL_TOL[torch.float64], msg=lambda m, name=name: f"d/d{name}: {m}")
+        assert (got[:, forest.num_tree_tokens :] == 0).all(), "padding rows get zeros"
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["padded", "varlen"])
+def test_two_pass_starts_from_given_states_and_keeps_the_named_ones(varlen):
+    """As a prefix-reuse chunk runs it: roots start from given states, and the final states `keep` names (leaves
+    among them) come back, equal to the level loop's, values and gradients."""
+    forest = _two_pass_forest("agent_5_turns")
+    tensors = _delta_rule_inputs(forest, torch.float64, per_channel_decay=False)
+    plan = recurrent._scan_plan(forest, tensors[0].device)
+    roots = plan.levels[0].cu_seqlens.numel() - 1
+    initial = torch.randn(roots, 2, 8, 8, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    initial.requires_grad_()
+    keep = [torch.arange(len(level.cu_seqlens) - 1)[::2] if i % 2 else None for i, level in enumerate(plan.levels)]
+    kernel = _varlen_oracle if varlen else _delta_rule_oracle
+
+    def run(level_inputs, start, level):
+        q, k, v, g, beta = level_inputs
+        bounds = {"cu_seqlens": level.cu_seqlens, "cu_seqlens_cpu": level.cu_seqlens_cpu} if varlen else {}
+        return kernel(q, k, v, g, beta, start, True, use_qk_l2norm_in_kernel=True, **bounds)
+
+    results = []
+    for scan in (recurrent._scan_two_pass, recurrent._scan_levels):
+        out, kept = scan(forest, tensors, varlen, run, initial=initial, keep=keep)
+        loss = (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum() + kept.pow(2).sum()
+        results.append((out, kept, torch.autograd.grad(loss, [*tensors, initial])))
+    (out, kept, grads), (want_out, want_kept, want_grads) = results
+    torch.testing.assert_close(out, want_out, **KERNEL_TOL[torch.float64])
+    torch.testing.assert_close(kept, want_kept, **KERNEL_TOL[torch.float64])
+    for a, b in zip(grads, want_grads):
+        torch.testing.assert_close(a, b, **KERNEL_TOL[torch.float64])
+
+
 @pytest.mark.parametrize("module, name", [("qwen3_5", "torch_chunk_gated_delta_rule"),
                                           ("kimi_linear", "chunk_kimi_delta_attention")])  # fmt: skip
 def test_tree_delta_rule_with_transformers_kernel(module, name):
