@@ -124,7 +124,7 @@ for stage in "$@"; do
       mv "$OUT/hybrid_gpu.log" "$OUT/hybrid_kernels_h200.log"
       mv "$OUT/gpu_tests_hybrid_kernels.log" "$OUT/h200_gpu_tests_hybrid_kernels.log" ;;
     # The delta rule in two kernel calls vs level by level, on fla 0.6's Triton kernels (carry .whl/hybrid/fla06 and
-    # .whl/common): the kernel alone, the route's parity tests, and Qwen3.5-0.8B's 20-turn agent row both ways (two
+    # .whl/common): the kernel alone both ways, the route's parity tests, and Qwen3.5-0.8B's 20-turn agent row (two
     # calls back to back on one warm machine: hybrid-two-pass, then hybrid-two-pass-rows).
     hybrid-two-pass)
       with_fla06
@@ -137,10 +137,7 @@ for stage in "$@"; do
       with_fla06
       timeout 280 python3 benchmarks/bench_tree_vs_flat.py --models qwen3.5-0.8b --workloads agent_20_turns \
         --scale 0.25 --repeats 2 --gdn-route fla_triton \
-        --out "$OUT/tree_vs_flat_h200_qwen3.5-0.8b_agent20_fla_triton.json" 2>&1 | quiet 4
-      timeout 280 python3 benchmarks/bench_tree_vs_flat.py --models qwen3.5-0.8b --workloads agent_20_turns \
-        --scale 0.25 --repeats 2 --gdn-route fla_triton --delta-rule-two-pass-from 1000 \
-        --out "$OUT/tree_vs_flat_h200_qwen3.5-0.8b_agent20_fla_triton_level_loop.json" 2>&1 | quiet 4 ;;
+        --out "$OUT/tree_vs_flat_h200_qwen3.5-0.8b_agent20_fla_triton.json" 2>&1 | quiet 4 ;;
     # gpu_hybrid_rows.sh: two calls made back to back on one (warm) machine, the first filling the compile and autotuning
     # caches in /tmp beside the route's parity tests, the second timing the rows (carry .whl/hybrid; ~9 min each)
     hybrid-rows-warm)  # fla + TileLang: the route's 10 parity tests and one untimed run of each 0.8B benchmark

@@ -295,7 +295,7 @@ class _TwoPassPlan:
     """A forest's segments as `_scan_two_pass` runs them: two batches, and the hand-down between them.
 
     needed: the segments whose final state is read (a child continues it, or `keep` names it), level after level —
-        the first call's batch (None if there are none).
+        the first call's batch (None if there are none); `needed_twice`: those segments twice over.
     every: all segments, level after level — the second call's batch (its rows are `_ScanPlan.rows`).
     level_sizes: per level, how many segments it holds.
     needed_counts: per level, how many of `needed`'s segments are on it.
@@ -306,6 +306,7 @@ class _TwoPassPlan:
     """
 
     needed: _Level | None
+    needed_twice: _Level | None
     every: _Level
     level_sizes: list[int]
     needed_counts: list[int]
@@ -336,6 +337,11 @@ def _two_pass_plan(forest, device: torch.device, keep) -> _TwoPassPlan:
         every = np.concatenate(per_level)
         forest._scan_cache[key] = _TwoPassPlan(
             needed=_segments_level(starts[needed], lengths[needed], forest.seq_len, device) if needed.size else None,
+            needed_twice=_segments_level(
+                np.tile(starts[needed], 2), np.tile(lengths[needed], 2), forest.seq_len, device
+            )
+            if needed.size
+            else None,
             every=_segments_level(starts[every], lengths[every], forest.seq_len, device),
             level_sizes=[segs.size for segs in per_level],
             needed_counts=[int(read[segs].sum()) for segs in per_level],
@@ -435,7 +441,8 @@ def _scan_two_pass(
     A delta rule's state `h` `(heads, K, V)` is linear in the state it starts from, each of its `V` columns on its
     own: a segment that starts from `h0` ends in `M @ h0 + F`, where `F` is its final state from a zero start and
     `M` `(heads, K, K)` the final state of `K` extra value columns that start from the identity and read zero values.
-    The first call runs every segment whose final state is read, from zero, with `[value, 0]` and `[0 | I]`; the
+    The first call runs every segment whose final state is read, from zero, with `[value, 0]` and `[0 | I]` (where
+    `V = K`, the extra columns run as a second copy of those segments instead, in the level loop's kernel shapes); the
     initial states are then handed down level by level with one small matrix product each; the second call runs
     every segment from its own initial state. Autograd carries the gradients back through both calls.
     """
@@ -445,13 +452,24 @@ def _scan_two_pass(
     state = torch.promote_types(value.dtype, torch.float32)  # the kernels keep their states in float32 or wider
     finals = None
     if plan.needed is not None:
-        first = [_gather(x, plan.needed, varlen) for x in inputs]
-        v = first[2]
-        first[2] = torch.cat([v, v.new_zeros((*v.shape[:-1], k_dim))], dim=-1)
-        n, heads = len(plan.needed.cu_seqlens_cpu) - 1, v.shape[-2]
-        eye = torch.eye(k_dim, dtype=state, device=v.device).expand(n, heads, k_dim, k_dim)
-        _, end = run(first, torch.cat([eye.new_zeros((n, heads, k_dim, v_dim)), eye], dim=-1), plan.needed)
-        finals = end.split(plan.needed_counts)
+        n, heads = len(plan.needed.cu_seqlens_cpu) - 1, value.shape[-2]
+        eye = torch.eye(k_dim, dtype=state, device=value.device).expand(n, heads, k_dim, k_dim)
+        zero = eye.new_zeros((n, heads, k_dim, v_dim))
+        if v_dim == k_dim:  # the identity's columns as a second copy of the segments: the kernels' shapes are the
+            # level loop's (no new compilation or autotuning)
+            first = [_gather(x, plan.needed_twice, varlen) for x in inputs]
+            v, dim = first[2], 1 if varlen else 0
+            half = v.shape[dim] // 2
+            first[2] = torch.cat([v.narrow(dim, 0, half), torch.zeros_like(v.narrow(dim, half, half))], dim=dim)
+            _, end = run(first, torch.cat([zero, eye]), plan.needed_twice)
+            end, maps = end[:n], end[n:]
+        else:  # `K` more value columns
+            first = [_gather(x, plan.needed, varlen) for x in inputs]
+            v = first[2]
+            first[2] = torch.cat([v, v.new_zeros((*v.shape[:-1], k_dim))], dim=-1)
+            _, end = run(first, torch.cat([zero, eye], dim=-1), plan.needed)
+            end, maps = end[..., :v_dim], end[..., v_dim:]
+        finals = list(zip(end.split(plan.needed_counts), maps.split(plan.needed_counts)))
     heads = value.shape[-2]
     starts, kept, previous = [], [], None
     for lvl, count in enumerate(plan.needed_counts):
@@ -463,11 +481,11 @@ def _scan_two_pass(
             start = value.new_zeros((plan.level_sizes[0], heads, k_dim, v_dim), dtype=state)
         starts.append(start)
         if count:
-            end = finals[lvl]
+            end, maps = finals[lvl]
             with torch.autocast(end.device.type, enabled=False):  # the hand-down in float32, as the kernels keep it
                 previous = torch.baddbmm(
-                    end[..., :v_dim].flatten(0, 1),
-                    end[..., v_dim:].flatten(0, 1),
+                    end.flatten(0, 1),
+                    maps.flatten(0, 1),
                     start.index_select(0, plan.needed_index[lvl]).to(end.dtype).flatten(0, 1),
                 ).unflatten(0, end.shape[:2])
             if plan.keep_index[lvl] is not None:

@@ -268,21 +268,25 @@ def _two_pass_forest(case: str):
 
 @pytest.mark.parametrize("per_channel_decay", [False, True], ids=["gdn", "kimi"])
 @pytest.mark.parametrize("varlen", [False, True], ids=["padded", "varlen"])
+@pytest.mark.parametrize("value_dim", [8, 5], ids=["v=k", "v<k"])
 @pytest.mark.parametrize("case", _TWO_PASS_CASES)
-def test_two_pass_delta_rule_equals_each_sequence(case, varlen, per_channel_decay, monkeypatch):
+def test_two_pass_delta_rule_equals_each_sequence(case, value_dim, varlen, per_channel_decay, monkeypatch):
     """The two-call delta rule (every forest, 1 to 40+ levels) gives each sequence's own outputs and gradients, in
-    float64, with a value width unlike the key width; and so does the level loop on the same inputs."""
+    float64, with a value width equal to the key width (the identity's columns as a second copy of the segments) and
+    unlike it (as extra value columns); and so does the level loop on the same inputs."""
     forest = _two_pass_forest(case)
     if case == "agent_45_turns":
         assert forest.num_levels >= 40
     q, k, _, g, beta = _delta_rule_inputs(forest, torch.float64, per_channel_decay)
-    v = torch.randn(1, forest.seq_len, 2, 5, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    v = torch.randn(1, forest.seq_len, 2, value_dim, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     tensors = [q, k, v.requires_grad_(), g, beta]
     kernel = _delta_rule_oracle
     if varlen:
         kernel = _varlen_oracle
         monkeypatch.setattr(recurrent, "_use_varlen", lambda original, device: True)
-    w = torch.randn(forest.seq_len, 2, 5, generator=torch.Generator().manual_seed(2), dtype=torch.float64)[None]
+    w = torch.randn(forest.seq_len, 2, value_dim, generator=torch.Generator().manual_seed(2), dtype=torch.float64)[
+        None
+    ]
     runs = {}
     for name, min_levels in (("two_pass", 1), ("level_loop", 10**6)):
         monkeypatch.setattr(recurrent, "TWO_PASS_MIN_LEVELS", min_levels)
