@@ -15,7 +15,10 @@ gradients for any loss of them, at the memory of one chunk's activations plus th
   earlier chunks that computed them, when the backward reaches that layer: no layer's context is held until the
   chunk's backward ends, and where the model checkpoints its layers only the running layer's is alive. Parameter
   gradients accumulate in `.grad` as they would in one backward (the reentrant pattern of `torch.utils.checkpoint(...,
-  use_reentrant=True)`, with its limits: `loss.backward()`, not `torch.autograd.grad`).
+  use_reentrant=True)`, with its limits: `loss.backward()`, not `torch.autograd.grad`). So a data-parallel wrapper
+  whose hooks expect one gradient per parameter per backward, and the same forwards on every rank, cannot reduce
+  them: under DDP run the step under its `no_sync()` and average the `.grad`s over the ranks once per optimizer step,
+  as the trainers do (`trainer.core.prefix_reuse_gradient_sync`).
 
 **State-carrying layers** (hybrids: gated and Kimi delta rule, Mamba-2, short convolutions;
 `hf_tree_attn.recurrent`) are handled the same way. A chunk is a forest of its own rows (`recurrent.ChunkRows`)

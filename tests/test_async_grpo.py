@@ -402,19 +402,31 @@ def _run_rank() -> None:
     sys.path.insert(0, str(REPO))
     from helpers import exit_distributed_worker
 
+    from hf_tree_attn.chunked import plan_chunks
+    from hf_tree_attn.trainer import forest_step
+
     out = Path(os.environ["ASYNC_TEST_OUT"])
     path = str(out / "model")
     samples = replayed_samples(path)
-    report = {}
-    for tree in (False, True):
-        trainer, losses, gradients = train(tree, path, samples, out, max_steps=2, token_budget=48)
-        report["tree" if tree else "trl"] = {
+    report, chunks, chunked = {}, [], forest_step.chunked_forest_logprobs
+
+    def spy(model, forest, max_tokens_per_mb, **kwargs):
+        chunks.append(plan_chunks(forest, max_tokens_per_mb).num_chunks)
+        return chunked(model, forest, max_tokens_per_mb, **kwargs)
+
+    forest_step.chunked_forest_logprobs = spy
+    for run, tree, reuse in (("trl", False, False), ("tree", True, False), ("reuse", True, True)):
+        options = dict(tree_prefix_reuse=True, output_dir=str(out / "reuse")) if reuse else {}
+        trainer, losses, gradients = train(tree, path, samples, out, max_steps=2, token_budget=48, **options)
+        report[run] = {
             "losses": losses,
             "grads": {n: g.tolist() for n, g in gradients.steps[-1].items()},
             "weights": {n: p.detach().tolist() for n, p in trainer.model.named_parameters()},
             "samples_per_row": [e.get("batch/samples_per_row") for e in trainer.state.log_history[:-1]],
             "world": trainer.accelerator.num_processes,
+            "chunks": list(chunks),
         }
+        chunks.clear()
     rank = int(os.environ["RANK"])
     (out / f"rank{rank}.json").write_text(json.dumps(report))
     exit_distributed_worker()
@@ -422,7 +434,10 @@ def _run_rank() -> None:
 
 def test_two_ranks_same_as_trl(tmp_path):
     """Two gloo ranks, TRL's planner splitting each micro-batch into one row per rank: per rank, every loss and the
-    last step's gradients equal TRL's AsyncGRPOTrainer's, and DDP keeps both ranks' weights equal (to TRL's)."""
+    last step's gradients equal TRL's AsyncGRPOTrainer's, and DDP keeps both ranks' weights equal (to TRL's). The same
+    holds with `tree_prefix_reuse=True`: each rank's step forest runs in chunks, backward in the step's last
+    micro-batch, DDP's reducer kept out and the gradients averaged after it (`core.prefix_reuse_gradient_sync`; here
+    both ranks cut their forests into as many chunks, `tests/test_prefix_reuse_ddp.py` into different numbers)."""
     save_model(tiny_family_config("qwen3"), tmp_path / "model")
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_DISABLE_TELEMETRY="1", OMP_NUM_THREADS="1",
                ASYNC_TEST_OUT=str(tmp_path), PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests")]))  # fmt: skip
@@ -431,18 +446,25 @@ def test_two_ranks_same_as_trl(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for report in reports:
-        trl, tree = report["trl"], report["tree"]
-        assert trl["world"] == tree["world"] == 2
-        assert len(tree["losses"]) == len(trl["losses"]) == 4
-        np.testing.assert_allclose(tree["losses"], trl["losses"], rtol=1e-5, atol=TOLERANCES["logps_atol"])
-        assert_gradients_close(
-            {n: torch.tensor(g) for n, g in tree["grads"].items()},
-            {n: torch.tensor(g) for n, g in trl["grads"].items()},
-        )
-        for name, want in trl["weights"].items():
-            torch.testing.assert_close(torch.tensor(tree["weights"][name]), torch.tensor(want), rtol=1e-5, atol=1e-6)
-    assert reports[0]["tree"]["weights"] == reports[1]["tree"]["weights"]  # DDP: one model on both ranks
-    assert reports[0]["tree"]["losses"] != reports[1]["tree"]["losses"]  # each rank trained its own row
+        trl = report["trl"]
+        assert not trl["chunks"] and not report["tree"]["chunks"]
+        assert len(report["reuse"]["chunks"]) == 2 and min(report["reuse"]["chunks"]) >= 2  # one step forest a step
+        for run in ("tree", "reuse"):
+            tree = report[run]
+            assert trl["world"] == tree["world"] == 2
+            assert len(tree["losses"]) == len(trl["losses"]) == 4
+            np.testing.assert_allclose(tree["losses"], trl["losses"], rtol=1e-5, atol=TOLERANCES["logps_atol"])
+            assert_gradients_close(
+                {n: torch.tensor(g) for n, g in tree["grads"].items()},
+                {n: torch.tensor(g) for n, g in trl["grads"].items()},
+            )
+            for name, want in trl["weights"].items():
+                torch.testing.assert_close(
+                    torch.tensor(tree["weights"][name]), torch.tensor(want), rtol=1e-5, atol=1e-6, msg=run
+                )
+    for run in ("tree", "reuse"):
+        assert reports[0][run]["weights"] == reports[1][run]["weights"]  # DDP: one model on both ranks
+        assert reports[0][run]["losses"] != reports[1][run]["losses"]  # each rank trained its own row
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 import test_tree_sft
 import torch
+from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKwargs, DistributedType
 from datasets import Dataset
 from helpers import TOLERANCES, hybrid_twin_models, twin_models
 from test_coverage import tiny_config as coverage_config
@@ -348,30 +349,49 @@ def test_sft_refusal_goes_through_the_head_trainer(sft_tiny, tmp_path):
         TreeSFTTrainer(model, args, train_dataset=dataset, processing_class=sft_tiny[1])
 
 
+SEVERAL = dict(num_processes=2, distributed_type=DistributedType.MULTI_CPU)
+
+
 @pytest.mark.parametrize(
     "setting, match",
     [
-        (dict(num_processes=2), r"2 processes"),
         (dict(is_deepspeed_enabled=True), r"FSDP / DeepSpeed"),
         (dict(is_fsdp_enabled=True), r"FSDP / DeepSpeed"),
+        (dict(SEVERAL, is_fsdp_enabled=True), r"FSDP / DeepSpeed"),
         (dict(device="cuda"), r"CUDA.*HF_TREE_ATTN_PREFIX_REUSE_CUDA=None"),
+        (dict(SEVERAL, distributed_type=DistributedType.XLA), r"2 processes as XLA.*MULTI_CPU / MULTI_GPU"),
+        (dict(SEVERAL, parallelism_config=object()), r"2 processes with tensor, context or sharded"),
+        (dict(SEVERAL, is_distributed_loading_by_transformers=True), r"2 processes with tensor, context or sharded"),
+        (dict(SEVERAL, ddp_handler=DistributedDataParallelKwargs(static_graph=True)), r"ddp_static_graph=True"),
+        (
+            dict(SEVERAL, ddp_handler=DistributedDataParallelKwargs(comm_hook=DDPCommunicationHookType.FP16)),
+            r"communication hook is set \(fp16\)",
+        ),
+        (dict(SEVERAL), None),  # DDP: the trainers average the gradients (tests/test_prefix_reuse_ddp.py)
+        (dict(SEVERAL, distributed_type=DistributedType.MULTI_GPU, ddp_handler=DistributedDataParallelKwargs()), None),
     ],
 )
 def test_run_refusals(setting, match, monkeypatch):
-    """What the trainers ask `prefix_reuse_refusal` at init, for settings a CPU test cannot start: several processes,
-    FSDP / DeepSpeed, CUDA without a chosen path (with one: accepted)."""
+    """What the trainers ask `prefix_reuse_refusal` at init, for settings a CPU test cannot start: FSDP / DeepSpeed,
+    CUDA without a chosen path (with one: accepted), several processes other than plain DDP (DDP: accepted)."""
     monkeypatch.setattr(prefix_reuse, "CUDA_PATH", None)
     model, _ = twin_models("qwen3")
     accelerator = SimpleNamespace(
-        num_processes=setting.get("num_processes", 1), device=torch.device(setting.get("device", "cpu"))
+        num_processes=setting.get("num_processes", 1),
+        distributed_type=setting.get("distributed_type", DistributedType.NO),
+        parallelism_config=setting.get("parallelism_config"),
+        ddp_handler=setting.get("ddp_handler"),
+        device=torch.device(setting.get("device", "cpu")),
     )
     trainer = SimpleNamespace(
         args=SimpleNamespace(gradient_checkpointing=True, gradient_checkpointing_kwargs=None),
         accelerator=accelerator,
         is_fsdp_enabled=setting.get("is_fsdp_enabled", False),
         is_deepspeed_enabled=setting.get("is_deepspeed_enabled", False),
+        is_distributed_loading_by_transformers=setting.get("is_distributed_loading_by_transformers", False),
     )
-    assert re.search(match, prefix_reuse_refusal(trainer, (model, None)))
+    reason = prefix_reuse_refusal(trainer, (model, None))
+    assert reason is None if match is None else re.search(match, reason), reason
     if "device" in setting:
         monkeypatch.setattr(prefix_reuse, "CUDA_PATH", "flex")
         assert prefix_reuse_refusal(trainer, (model, None)) is None

@@ -442,6 +442,34 @@ def test_trainer_loop_fetches_each_steps_micro_batches_before_training_on_them()
     assert fetch < loop.index("for i, inputs in enumerate(batch_samples):") < loop.index("self.training_step(model")
 
 
+def test_trainer_loop_marks_the_micro_batch_that_ends_an_optimizer_step():
+    """With prefix reuse under DDP the tree trainers average the gradients in the `training_step` of the micro-batch
+    that ends an optimizer step (`core.prefix_reuse_gradient_sync`), read as `accelerator.sync_gradients`: the
+    installed transformers' loop sets it before each micro-batch's `training_step`, then clips and steps the
+    optimizer on that micro-batch, after its `training_step`."""
+    import transformers
+
+    loops = [
+        source
+        for name, function in vars(transformers.Trainer).items()
+        if callable(function) and "self.training_step(model" in (source := inspect.getsource(function))
+    ]
+    assert len(loops) == 1, "transformers' training loop no longer calls training_step in one place"
+    (loop,) = loops
+    order = [
+        loop.index(text)
+        for text in (
+            "for i, inputs in enumerate(batch_samples):",
+            "self.accelerator.gradient_state._set_sync_gradients(do_sync_step)",
+            "self.training_step(model, inputs, num_items_in_batch)",
+            "if do_sync_step:",
+            "self._clip_grad_norm(model)",
+            "self.optimizer.step()",
+        )
+    ]
+    assert order == sorted(order)
+
+
 def test_experimental_names_load_on_first_use():
     code = (
         "import sys\n"

@@ -20,7 +20,9 @@ by `forest_step.score_forests` in chunks of at most `token_budget` rows (`core.p
 first micro-batch: a prefix the planner split across rows is forwarded once per step. Each micro-batch still runs
 TRL's loss on its own terms (so its normalisation by the row's trained tokens and by the accumulation steps is
 TRL's) and TRL's backward; those backwards stop at the step's log-probability table (`_ReuseStep`), and the last
-micro-batch's carries their sum into one backward through the chunks.
+micro-batch's carries their sum into one backward through the chunks. On several processes (DDP) the step runs
+without DDP's reducer, and the ranks' gradients are averaged after its last micro-batch
+(`core.prefix_reuse_gradient_sync`).
 
 TRL's methods run whole; each swap replaces one name TRL's trainer module looks up, for the duration of one call
 (`trl_compat.swapped_async_module_names`): its model loader, `add_fused_lm_head` and peak-FLOPs lookup inside the
@@ -47,7 +49,7 @@ from ..tree import PackedForest
 from . import trl_compat
 from .async_grpo_config import TreeAsyncGRPOConfig
 from .compile_setting import apply_compile, decide_compile
-from .core import prefix_reuse_refusal, prefix_reuse_rows, tree_args
+from .core import prefix_reuse_gradient_sync, prefix_reuse_refusal, prefix_reuse_rows, tree_args
 from .forest_step import recompute_plan, score_forests
 from .rollout_forest import StepForest, TreeDataCollatorForRollout, rank_forest, step_forest
 
@@ -374,6 +376,12 @@ class TreeAsyncGRPOTrainer(AsyncGRPOTrainer):
         if self.args.tree_prefix_reuse and batch_samples:
             self._reuse_step = _ReuseStep(batch_samples, step_forest(batch_samples))
         return batch_samples, num_items_in_batch
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """TRL's step; with prefix reuse under DDP, without DDP's reducer and the gradients averaged once per
+        optimizer step (`core.prefix_reuse_gradient_sync`): the step's chunks run backward in its last micro-batch."""
+        with prefix_reuse_gradient_sync(self, model, self.args.tree_prefix_reuse):
+            return super().training_step(model, inputs, num_items_in_batch)
 
     def get_train_dataloader(self):
         """TRL's dataloader (its planner, dispatching), with the rows packed by `TreeDataCollatorForRollout`."""

@@ -5,8 +5,9 @@ trainer decides the same way whether it may run them, and this module is that de
 
 - the options every tree config adds (`CompileOptions`, `TreeOptions`: `tree_packing`, `max_tokens_per_mb`,
   `tree_prefix_reuse`, `tree_max_token_ratio`, `tree_compile`), each normalised and checked with an error naming the
-  value and the fix; what prefix reuse refuses of a run (`prefix_reuse_refusal`) and the rows of its chunks
-  (`prefix_reuse_rows`, sized by `tree_prefix_reuse_budget_gib` where set);
+  value and the fix; what prefix reuse refuses of a run (`prefix_reuse_refusal`), the rows of its chunks
+  (`prefix_reuse_rows`, sized by `tree_prefix_reuse_budget_gib` where set) and, under DDP, its gradients averaged
+  over the ranks once per optimizer step instead of by DDP's reducer (`prefix_reuse_gradient_sync`);
 - the model's attention: a model path is loaded on `tree_flex` (through `model_init_kwargs`), a model given on
   `sdpa` / `eager` is switched to it (`select_tree_attention`), and a model that falls back to TRL's path goes back
   to the stock implementation `tree_flex` stood in for (`restore_stock_attention`, `stock_attention`);
@@ -30,6 +31,8 @@ import warnings
 from dataclasses import dataclass, field, fields
 
 import torch
+import torch.distributed as dist
+from accelerate.utils import DDPCommunicationHookType, DistributedType
 from transformers import AutoConfig
 
 from .. import prefix_reuse
@@ -43,8 +46,10 @@ __all__ = [
     "CompileOptions",
     "TreeOptions",
     "TreeTrainerMixin",
+    "average_gradients",
     "block_budget",
     "check_prefix_reuse_fields",
+    "prefix_reuse_gradient_sync",
     "prefix_reuse_refusal",
     "prefix_reuse_rows",
     "restore_stock_attention",
@@ -137,9 +142,11 @@ class TreeOptions(CompileOptions):
             "max_tokens_per_mb rows (hf_tree_attn.prefix_reuse) instead of several forests that each repeat the "
             "prefix they need: every shared prefix is forwarded once, and a sequence longer than max_tokens_per_mb "
             "trains. Costs one recompute per chunk in the backward (as activation checkpointing does) and holds the "
-            "keys / values of the prefixes later chunks read. Exact; refused at init for state-carrying (hybrid) "
-            "models, an MoE load-balancing loss, several processes, FSDP / DeepSpeed and reentrant gradient "
-            "checkpointing. Needs max_tokens_per_mb."
+            "keys / values of the prefixes later chunks read. Exact; on several processes under DDP the ranks' "
+            "gradients are averaged once per optimizer step (DDP's reducer kept out of the step). Refused at init for "
+            "state-carrying layers whose state it does not carry between chunks, an MoE load-balancing loss, FSDP / "
+            "DeepSpeed, several processes other than DDP and reentrant gradient checkpointing. Needs "
+            "max_tokens_per_mb."
         },
     )
     tree_prefix_reuse_budget_gib: float | None = field(
@@ -349,8 +356,11 @@ def prefix_reuse_refusal(trainer, models) -> str | None:
 
     Prefix reuse runs each chunk's backward from inside the loss's backward (`hf_tree_attn.prefix_reuse`): one
     `torch.autograd.backward` per chunk, each accumulating every parameter's gradient. What that cannot honour is
-    refused: DDP's reducer and FSDP / DeepSpeed's gradient hooks expect one gradient per parameter per backward and
-    every rank to run the same forwards (ranks' forests cut into different numbers of chunks); reentrant activation
+    refused: FSDP / DeepSpeed, whose gradient hooks and parameter gathering expect one gradient per parameter per
+    backward and every rank to run the same forwards (ranks' forests cut into different numbers of chunks); several
+    processes other than plain DDP on CPU or CUDA (`MULTI_CPU` / `MULTI_GPU`; under DDP the trainers keep DDP's
+    reducer out of the step and average the gradients themselves, `prefix_reuse_gradient_sync`), and under DDP its
+    static graph and communication hooks, which that average would not reproduce; reentrant activation
     checkpointing keeps no graph for a chunk's backward; a model without exact chunks (`prefix_reuse_error`); the
     MoE load-balancing loss, whose router statistics the chunked forward does not return; CUDA until a path is
     chosen (`prefix_reuse.CUDA_PATH`).
@@ -359,17 +369,13 @@ def prefix_reuse_refusal(trainer, models) -> str | None:
     for loaded in models:
         if loaded is not None and (error := prefix_reuse.prefix_reuse_error(loaded)) is not None:
             return error
-    if trainer.accelerator.num_processes > 1:
-        return (
-            f"it runs on {trainer.accelerator.num_processes} processes: the per-chunk backwards would hand each "
-            "parameter's gradient to DDP / FSDP / DeepSpeed several times per step, and ranks cut their forests into "
-            "different numbers of chunks."
-        )
     if trainer.is_fsdp_enabled or trainer.is_deepspeed_enabled:
         return (
             "FSDP / DeepSpeed wrap the model: their gradient hooks and parameter gathering are not verified with a "
             "backward run per chunk from inside the loss's backward."
         )
+    if trainer.accelerator.num_processes > 1 and (reason := _ddp_refusal(trainer)) is not None:
+        return reason
     if args.gradient_checkpointing and (args.gradient_checkpointing_kwargs or {}).get("use_reentrant"):
         return (
             "gradient_checkpointing_kwargs={'use_reentrant': True}: reentrant checkpointing keeps no graph for a "
@@ -388,6 +394,132 @@ def prefix_reuse_refusal(trainer, models) -> str | None:
             f"{prefix_reuse.CUDA_PATH!r}). Set HF_TREE_ATTN_PREFIX_REUSE_CUDA=flex or =dense to run it."
         )
     return None
+
+
+def _ddp_refusal(trainer) -> str | None:
+    """Why a run on several processes is not the plain DDP whose gradients `prefix_reuse_gradient_sync` averages
+    exactly, or None."""
+    accelerator = trainer.accelerator
+    processes = f"it runs on {accelerator.num_processes} processes"
+    kind = accelerator.distributed_type
+    if kind not in (DistributedType.MULTI_CPU, DistributedType.MULTI_GPU):
+        return (
+            f"{processes} as {getattr(kind, 'value', kind)}: on several processes prefix reuse averages the ranks' "
+            "gradients itself, verified under DDP on CPU or CUDA only (MULTI_CPU / MULTI_GPU)."
+        )
+    if getattr(accelerator, "parallelism_config", None) is not None or getattr(
+        trainer, "is_distributed_loading_by_transformers", False
+    ):
+        return (
+            f"{processes} with tensor, context or sharded data parallelism (accelerate's parallelism_config, or a "
+            "model sharded at load time): prefix reuse averages the gradients of plain DDP only."
+        )
+    handler = getattr(accelerator, "ddp_handler", None)
+    if handler is not None and handler.static_graph:
+        return (
+            "ddp_static_graph=True: DDP's static-graph mode reduces gradients from its own first backward, and prefix "
+            "reuse keeps DDP out of the backward (ranks run different numbers of chunks) to average the gradients "
+            "itself. Leave ddp_static_graph unset."
+        )
+    hooks = [h for h in (getattr(handler, "comm_hook", None), getattr(handler, "comm_wrapper", None)) if h]
+    hooks = [str(h.value if isinstance(h, DDPCommunicationHookType) else h) for h in hooks]
+    hooks = [h for h in hooks if h != DDPCommunicationHookType.NO.value]
+    if hooks:
+        return (
+            f"a DDP communication hook is set ({', '.join(hooks)}): prefix reuse averages the gradients itself, in "
+            "their own dtype, which the hook's compression would change. Drop the hook."
+        )
+    return None
+
+
+def _ddp_of(model) -> torch.nn.parallel.DistributedDataParallel | None:
+    """The `DistributedDataParallel` wrapper the training loop runs `model` as (itself, or under `torch.compile`), or
+    None."""
+    for candidate in (model, getattr(model, "_orig_mod", None)):
+        if isinstance(candidate, torch.nn.parallel.DistributedDataParallel):
+            return candidate
+    return None
+
+
+@contextlib.contextmanager
+def prefix_reuse_gradient_sync(trainer, model, enabled: bool):
+    """Around one micro-batch's forward and backward (transformers' `training_step`) of a run with prefix reuse:
+    under DDP the step runs without DDP's reducer, and the ranks' gradients are averaged here once per optimizer step.
+
+    A prefix-reuse backward runs one `torch.autograd.backward` per chunk, each accumulating every parameter's `.grad`,
+    and ranks cut their forests into different numbers of chunks (so run different numbers of forwards), while DDP's
+    reducer takes one gradient per parameter per backward, and DDP pairs its all-reduces and buffer broadcasts across
+    ranks by call order. So where `model` is a `DistributedDataParallel` (and `enabled`: prefix reuse on trees) the
+    step runs under the wrapper's `no_sync()` with its per-forward buffer broadcast off: no DDP collective runs in
+    it, and each rank's gradients accumulate in `.grad` as in one process. After the micro-batch that ends an
+    optimizer step (`accelerator.sync_gradients`, which transformers' loop sets before each micro-batch) the ranks
+    average them (`average_gradients`) and take rank 0's buffers, as DDP's next forward would. That is DDP's result
+    (the mean over ranks of each rank's gradient summed over the step's micro-batches; transformers' `no_sync` on the
+    others changes nothing here), before clipping and the optimizer step. Without DDP, or not `enabled`, nothing.
+    """
+    ddp = _ddp_of(model) if enabled else None
+    if ddp is None:
+        yield
+        return
+    with ddp.no_sync():
+        # DDP broadcasts rank 0's buffers in the first forward after a synced one, which ranks reach after different
+        # numbers of forwards here: off, and done below with the gradients.
+        ddp.require_forward_param_sync = False
+        yield
+    if trainer.accelerator.sync_gradients:
+        average_gradients(ddp)
+        _broadcast_buffers(ddp)
+
+
+def average_gradients(ddp: torch.nn.parallel.DistributedDataParallel) -> None:
+    """Average the gradients of `ddp`'s parameters over its process group, as its reducer does: each trainable
+    parameter DDP reduces, in order, its `.grad` divided by the world size and summed over the ranks, flattened in
+    buckets of DDP's size. A rank without a gradient for a parameter adds zeros; a parameter no rank has one for keeps
+    `.grad = None` (as DDP leaves an unused one). Every rank runs the same collectives in the same order: one for
+    which parameters have a gradient on some rank, then one per bucket."""
+    group = ddp.process_group
+    world = dist.get_world_size(group)
+    params = [p for n, p in ddp.module.named_parameters() if p.requires_grad and n not in ddp.parameters_to_ignore]
+    if not params:
+        return
+    if any(p.grad is not None and p.grad.is_sparse for p in params):
+        raise NotImplementedError(
+            "A sparse gradient (an embedding with sparse=True) under prefix reuse on several processes: averaging it "
+            "is not implemented. Use a dense embedding, or tree_prefix_reuse=False."
+        )
+    has_grad = torch.tensor([float(p.grad is not None) for p in params], device=params[0].device)
+    dist.all_reduce(has_grad, group=group)
+    params = [p for p, count in zip(params, has_grad.tolist()) if count > 0]
+    cap = getattr(ddp, "bucket_bytes_cap", 25 * 2**20)
+    bucket, size = [], 0
+    for p, following in zip(params, params[1:] + [None]):
+        bucket.append(p)
+        size += p.numel() * p.element_size()
+        if following is None or size >= cap or (following.dtype, following.device) != (p.dtype, p.device):
+            _average_bucket(bucket, world, group)
+            bucket, size = [], 0
+
+
+def _average_bucket(params: list[torch.Tensor], world: int, group) -> None:
+    """All-reduce the mean of `params`' gradients (one dtype and device; zeros where `.grad` is None) into `.grad`."""
+    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+    flat.div_(world)
+    dist.all_reduce(flat, group=group)
+    for p, grad in zip(params, flat.split([p.numel() for p in params])):
+        if p.grad is None:
+            p.grad = grad.view(p.shape).clone()
+        else:
+            p.grad.copy_(grad.view(p.shape))
+
+
+def _broadcast_buffers(ddp: torch.nn.parallel.DistributedDataParallel) -> None:
+    """Rank 0's buffers on every rank, where DDP broadcasts them before a forward (`broadcast_buffers`, named
+    `forward_sync_buffers` in newer torch)."""
+    if not getattr(ddp, "forward_sync_buffers", getattr(ddp, "broadcast_buffers", True)):
+        return
+    source = dist.get_global_rank(ddp.process_group, 0)
+    for buffer in ddp.modules_buffers:
+        dist.broadcast(buffer, src=source, group=ddp.process_group)
 
 
 def prefix_reuse_rows(model, forest, max_tokens_per_mb: int, budget_gib: float | None, record) -> int | None:
@@ -495,6 +627,12 @@ class TreeTrainerMixin:
                 f"tree_prefix_reuse=True, but {reason} Set tree_prefix_reuse=False (forests of at most "
                 f"max_tokens_per_mb={self.args.max_tokens_per_mb} tokens, each repeating the prefix it needs)."
             )
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """Transformers' step (TRL's where it overrides it); with prefix reuse under DDP, without DDP's reducer and
+        the gradients averaged once per optimizer step (`prefix_reuse_gradient_sync`)."""
+        with prefix_reuse_gradient_sync(self, model, self.tree_packing and self.args.tree_prefix_reuse):
+            return super().training_step(model, inputs, num_items_in_batch)
 
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
         """TRL's model card (`README.md` in `output_dir`), plus a section with the tree-packing settings."""
