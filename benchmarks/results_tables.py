@@ -578,11 +578,12 @@ def hybrids() -> list[str]:
                 secs(r["by_level_s"]), secs(r["one_call_s"]), f"{extra:+.1%}",
                 f"{r['per_level_ms']:.2f} ms" if extra > 0 else "—",
                 f"{r['per_level_ms_device_bounds']:.2f} ms" if "per_level_ms_device_bounds" in r else "—",
+                f"{secs(r['two_pass_s'])} ({r['two_pass_over_one_call']:+.1%})" if "two_pass_s" in r else "—",
                 level_notes.source(name),
             ])  # fmt: skip
     level_headers = ["device", "scan", "kernels", "tree", "levels", "tree tokens", "level by level",
                      "one call, same tokens", "extra", "per level", "per level, bounds read back per call",
-                     "source"]  # fmt: skip
+                     "two calls (extra)", "source"]  # fmt: skip
     return (
         table(headers, rows + pending("hybrids", len(headers)))
         + notes.lines()
@@ -590,7 +591,9 @@ def hybrids() -> list[str]:
             "Going level by level, one Gated DeltaNet scan alone (forward + backward), against one call over as many "
             "tokens (where the kernel takes each level's boundaries on the host, fla 0.6's `cu_seqlens_cpu`, the tree "
             "passes them; the last column times the same scan with them withheld, the kernel reading them back from "
-            "the device at each call):",
+            "the device at each call), and in two calls whatever the depth (a delta rule's state is linear in the "
+            "state it starts from: one call over the segments whose final states are read, a small matrix product per "
+            "level, one call over every segment; the tree takes it from 3 levels on):",
             "",
         ]  # fmt: skip
         + table(level_headers, level_rows)
