@@ -220,7 +220,7 @@ def loop_ratio(run: dict, method: str = "tree", over: str = "flat_padded", bold:
     value = f"[{value}]({link})" if link else value
     value = f"**{value}**" if bold else value
     if not pair:
-        return value
+        return value + " (ratio of medians, unpaired)"
     if "median" in pair:
         value += f" [{x(pair['min'])}, {x(pair['max'])}]"
     else:
@@ -1264,13 +1264,20 @@ def readme_table() -> str:
             name, key = trainer
             row = trainer_row(name, key)
             speed, peak = row["speedup_tree_vs_trl"], row["peak_tree_over_trl"]
-            through = f"**[{x(speed)}](benchmarks/results/{name})** per step, memory {x(peak)}"
+            steps = len(row["sides"]["tree"]["step_s"])
+            through = (
+                f"**[{x(speed)}](benchmarks/results/{name})** per step (ratio of medians of {steps} steps, unpaired; "
+                f"older code), memory {x(peak)}"
+            )
         elif trainer:  # bench_generation_modes.py: the trainer phase, mean
             name, mode = trainer
             tree, flat = (load(name)["results"][mode][side] for side in ("tree", "flat"))
             speed = flat["mean"]["trainer_phase"] / tree["mean"]["trainer_phase"]
             peak = tree["peak_memory_gib"] / flat["peak_memory_gib"]
-            through = f"**[{x(speed)}](benchmarks/results/{name})** trainer phase, memory {x(peak)}"
+            through = (
+                f"**[{x(speed)}](benchmarks/results/{name})** trainer phase (ratio of means, unpaired; older code), "
+                f"memory {x(peak)}"
+            )
         rows.append([model, wl, through, loop(eager), loop(compiled)])
     headers = ["model shape", "workload", "tree vs `trl.GRPOTrainer` through `trainer.train()` at TRL's defaults",
                "trainer phase vs flat padded, hand-written loop, eager layers", "the same, compiled "
