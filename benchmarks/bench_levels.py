@@ -129,7 +129,9 @@ def measure(sequences, heads: int, dim: int, device, dtype, repeats: int, route:
 
     def with_path(two_pass: bool, fn):
         """`fn` with the delta rule in two calls (`recurrent._scan_two_pass`) or level by level, whatever the depth."""
-        return mock.patch.object(recurrent, "TWO_PASS_MIN_LEVELS", 1 if two_pass else 10**9)(fn)
+        return mock.patch.dict(
+            recurrent.TWO_PASS_MIN_LEVELS, {"varlen": 1 if two_pass else None, "padded": 1 if two_pass else None}
+        )(fn)
 
     by_level, two_pass = with_path(False, by_level), with_path(True, by_level)
     varlen = recurrent._use_varlen(kernel, device)

@@ -769,8 +769,8 @@ def main():
         "--delta-rule-two-pass-from",
         type=int,
         default=None,
-        help="the tree's delta rule runs in two kernel calls on forests of at least this many levels, level by level "
-        "below (hf_tree_attn.recurrent.TWO_PASS_MIN_LEVELS; default: the package's)",
+        help="on varlen kernels the tree's delta rule runs in two kernel calls on forests of at least this many "
+        "levels, level by level below (hf_tree_attn.recurrent.TWO_PASS_MIN_LEVELS['varlen']; default: the package's)",
     )
     parser.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run (--models tiny)")
     parser.add_argument("--dtype", choices=list(LOGPROB_BOUND), default=None,
@@ -796,7 +796,7 @@ def main():
         stack.enter_context(gdn_kernels.select(args.gdn_route, lift_guard=True))
     gdn_kernels.install_probes()
     if args.delta_rule_two_pass_from is not None:
-        recurrent.TWO_PASS_MIN_LEVELS = args.delta_rule_two_pass_from
+        recurrent.TWO_PASS_MIN_LEVELS["varlen"] = args.delta_rule_two_pass_from
 
     device = torch.device(args.device)
     dtype_name = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
@@ -813,7 +813,7 @@ def main():
         **provenance(**{k: v for k, v in gdn_kernels.versions().items() if k not in ("torch", "transformers", "gpu")}),
         "gdn_route": args.gdn_route,
         "gdn_resolved": gdn_kernels.resolved_kernels(),
-        "delta_rule_two_pass_from": recurrent.TWO_PASS_MIN_LEVELS,
+        "delta_rule_two_pass_from": recurrent.TWO_PASS_MIN_LEVELS["varlen"],
         "max_tokens_per_mb": args.max_tokens_per_mb,
         "kernels": {
             "liger": args.liger,

@@ -14,8 +14,8 @@ A delta rule (gated, Kimi) needs no more than two calls, however deep the forest
 it starts from, so one call over the segments whose final states are read (from zero, with `K` extra value columns
 that start from the identity) gives each of them as a `K × K` map of its initial state plus a constant; the initial
 states are then handed down with one small matrix product per level, and a second call runs every segment from its
-own (`_scan_two_pass`, from `TWO_PASS_MIN_LEVELS` levels on: on flash-linear-attention's kernels a call costs
-milliseconds of launches however few its rows).
+own (`_scan_two_pass`, from `TWO_PASS_MIN_LEVELS` levels on, on varlen kernels: on flash-linear-attention's a call
+costs milliseconds of launches however few its rows; transformers' torch reference keeps the level loop).
 
 A short causal convolution of kernel `K` needs no levels: row `r` reads itself and its `K - 1` nearest ancestors.
 The convolution runs over the whole DFS row, and only rows whose `K - 1` DFS predecessors are not their ancestors
@@ -94,9 +94,11 @@ _KIND_LAYER_TYPES = {
 }
 
 # A delta rule over a forest at least this many levels deep runs in two kernel calls (`_scan_two_pass`) instead of
-# one per level: the second call redoes the first's segments, so below this depth the level loop does less work for
-# as many calls.
-TWO_PASS_MIN_LEVELS = 3
+# one per level, on a varlen kernel (flash-linear-attention's: a call costs milliseconds of launches however few its
+# rows); "padded" (transformers' torch reference on a zero-padded batch, whose calls cost little beyond their work):
+# None, never. The second call redoes the first's segments: below this depth, or where calls are cheap, the level loop
+# does less work.
+TWO_PASS_MIN_LEVELS = {"varlen": 3, "padded": None}
 
 # The kinds whose state prefix reuse (`hf_tree_attn.prefix_reuse`) carries from one chunk to the next: their tree
 # versions take a `ChunkRows` (a chunk whose segments may start from kept states and whose windows reach kept inputs).
@@ -514,7 +516,8 @@ def _scan(forest, inputs: list[torch.Tensor], varlen: bool, run, linear: bool = 
     and the final states of its segments later chunks continue go to the store. `linear`: the kernel is a delta rule
     (`_scan_two_pass` applies), which runs in two calls on forests `TWO_PASS_MIN_LEVELS` or more levels deep."""
     scan = _scan_levels
-    if linear and len(_scan_plan(forest, inputs[0].device).levels) >= TWO_PASS_MIN_LEVELS:
+    min_levels = TWO_PASS_MIN_LEVELS["varlen" if varlen else "padded"]
+    if linear and min_levels is not None and len(_scan_plan(forest, inputs[0].device).levels) >= min_levels:
         scan = _scan_two_pass
     if not isinstance(forest, ChunkRows):
         return scan(forest, inputs, varlen, run)

@@ -275,8 +275,8 @@ def test_two_calls_and_the_level_loop_agree_on_gpu(route, name, turns, dtype, mo
     seqs = _sequences(seed=3, turns=turns)
     levels = hf_tree_attn.pack_forest(seqs)[0].num_levels
     weights, results = _weights(seqs), {}
-    for path, min_levels in (("two calls", 1), ("level by level", 10**9)):
-        monkeypatch.setattr(recurrent, "TWO_PASS_MIN_LEVELS", min_levels)
+    for path, min_levels in (("two calls", 1), ("level by level", None)):
+        monkeypatch.setitem(recurrent.TWO_PASS_MIN_LEVELS, "varlen", min_levels)
         model = _build(config, "tree_flex", dtype)
         with gdn_kernels.select(route, lift_guard=True), gdn_kernels.KernelProbe() as probe:
             logps = hf_tree_attn.sequence_logprobs(model, seqs, max_tokens_per_mb=4096)

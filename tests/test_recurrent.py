@@ -288,8 +288,8 @@ def test_two_pass_delta_rule_equals_each_sequence(case, value_dim, varlen, per_c
         None
     ]
     runs = {}
-    for name, min_levels in (("two_pass", 1), ("level_loop", 10**6)):
-        monkeypatch.setattr(recurrent, "TWO_PASS_MIN_LEVELS", min_levels)
+    for name, min_levels in (("two_pass", 1), ("level_loop", None)):
+        monkeypatch.setitem(recurrent.TWO_PASS_MIN_LEVELS, "varlen" if varlen else "padded", min_levels)
         got, _ = recurrent.tree_delta_rule(kernel, forest, *tensors[:3], g=g, beta=beta, use_qk_l2norm_in_kernel=True)
         runs[name] = got, torch.autograd.grad((got * w)[:, : forest.num_tree_tokens].sum(), tensors)
 
@@ -468,6 +468,23 @@ def _param_grads(model) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("family", HYBRID_FAMILIES)
 def test_split_tries_logprobs_and_gradients_match_flat(family):
     """Several micro-batches (tries split by max_tokens_per_mb, several tries per micro-batch), in train mode."""
+    _split_tries_match_flat(family)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next", "kimi_linear"])
+def test_delta_rule_in_two_calls_matches_flat(family, monkeypatch):
+    """The same with every delta rule in two kernel calls (`recurrent._scan_two_pass`, which the tree takes on varlen
+    kernels), on transformers' torch kernels: Gated DeltaNet (twice as many value heads as key heads; Qwen3-Next's with
+    MoE layers) and Kimi's per-channel decay."""
+    monkeypatch.setitem(recurrent.TWO_PASS_MIN_LEVELS, "padded", 1)
+    calls = []
+    real = recurrent._scan_two_pass
+    monkeypatch.setattr(recurrent, "_scan_two_pass", lambda *a, **k: calls.append(1) or real(*a, **k))
+    _split_tries_match_flat(family)
+    assert calls, "the two-call path did not run"
+
+
+def _split_tries_match_flat(family):
     tree, ref = hybrid_twin_models(family)
     tree.train(), ref.train()
     sequences = forest_case("mixed", seed=3) + multiturn(random.Random(5), turns=12)
