@@ -450,11 +450,11 @@ def _scan_two_pass(
     """
     plan = _two_pass_plan(forest, inputs[0].device, keep)
     value = inputs[2]
-    k_dim, v_dim = inputs[1].shape[-1], value.shape[-1]
+    heads, k_dim, v_dim = value.shape[-2], inputs[1].shape[-1], value.shape[-1]
     state = torch.promote_types(value.dtype, torch.float32)  # the kernels keep their states in float32 or wider
     finals = None
     if plan.needed is not None:
-        n, heads = len(plan.needed.cu_seqlens_cpu) - 1, value.shape[-2]
+        n = len(plan.needed.cu_seqlens_cpu) - 1
         eye = torch.eye(k_dim, dtype=state, device=value.device).expand(n, heads, k_dim, k_dim)
         zero = eye.new_zeros((n, heads, k_dim, v_dim))
         if v_dim == k_dim:  # the identity's columns as a second copy of the segments: the kernels' shapes are the
@@ -472,7 +472,6 @@ def _scan_two_pass(
             _, end = run(first, torch.cat([zero, eye], dim=-1), plan.needed)
             end, maps = end[..., :v_dim], end[..., v_dim:]
         finals = list(zip(end.split(plan.needed_counts), maps.split(plan.needed_counts)))
-    heads = value.shape[-2]
     starts, kept, previous = [], [], None
     for lvl, count in enumerate(plan.needed_counts):
         if lvl:
