@@ -201,6 +201,21 @@ def _delta_rule_inputs(forest, dtype, per_channel_decay, strong_decay=True):
     return [t.requires_grad_() for t in (q, k, v, log_decay, beta)]
 
 
+def _varlen_oracle(q, k, v, g, beta, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False,
+                   cu_seqlens=None, cu_seqlens_cpu=None):  # fmt: skip
+    """A `cu_seqlens` kernel, as flash-linear-attention's, built from the oracle."""
+    bounds = cu_seqlens.tolist()
+    assert cu_seqlens_cpu.device.type == "cpu" and cu_seqlens_cpu.tolist() == bounds  # the host copy
+    outs, finals = [], []
+    for n, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+        init = None if initial_state is None else initial_state[n : n + 1]
+        piece = [t[:, a:b] for t in (q, k, v, g, beta)]
+        o, s = _delta_rule_oracle(*piece, init, True, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
+        outs.append(o)
+        finals.append(s)
+    return torch.cat(outs, 1), torch.cat(finals)
+
+
 @pytest.mark.parametrize("per_channel_decay", [False, True], ids=["gdn", "kimi"])
 @pytest.mark.parametrize("varlen", [False, True], ids=["padded", "varlen"])
 def test_tree_delta_rule_is_exact_in_float64(per_channel_decay, varlen, monkeypatch):
@@ -208,21 +223,8 @@ def test_tree_delta_rule_is_exact_in_float64(per_channel_decay, varlen, monkeypa
     forest = _forest("multiturn", seed=4)
     tensors = _delta_rule_inputs(forest, torch.float64, per_channel_decay)
     kernel = _delta_rule_oracle
-    if varlen:  # a cu_seqlens kernel, as flash-linear-attention's, built from the oracle
-
-        def kernel(q, k, v, g, beta, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False,
-                   cu_seqlens=None, cu_seqlens_cpu=None):  # fmt: skip
-            bounds = cu_seqlens.tolist()
-            assert cu_seqlens_cpu.device.type == "cpu" and cu_seqlens_cpu.tolist() == bounds  # the host copy
-            outs, finals = [], []
-            for n, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
-                init = None if initial_state is None else initial_state[n : n + 1]
-                piece = [t[:, a:b] for t in (q, k, v, g, beta)]
-                o, s = _delta_rule_oracle(*piece, init, True, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
-                outs.append(o)
-                finals.append(s)
-            return torch.cat(outs, 1), torch.cat(finals)
-
+    if varlen:
+        kernel = _varlen_oracle
         monkeypatch.setattr(recurrent, "_use_varlen", lambda original, device: True)
     q, k, v, g, beta = tensors
     got, _ = recurrent.tree_delta_rule(kernel, forest, q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)
@@ -239,21 +241,6 @@ def test_tree_delta_rule_is_exact_in_float64(per_channel_decay, varlen, monkeypa
     for name, a, b in zip(["q", "k", "v", "g", "beta"], grads, want_grads):
         torch.testing.assert_close(a, b, **KERNEL_TOL[torch.float64], msg=lambda m, name=name: f"d/d{name}: {m}")
     assert (got[:, forest.num_tree_tokens :] == 0).all(), "padding rows get zeros"
-
-
-def _varlen_oracle(q, k, v, g, beta, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False,
-                   cu_seqlens=None, cu_seqlens_cpu=None):  # fmt: skip
-    """A `cu_seqlens` kernel, as flash-linear-attention's, built from the oracle."""
-    bounds = cu_seqlens.tolist()
-    assert cu_seqlens_cpu.device.type == "cpu" and cu_seqlens_cpu.tolist() == bounds  # the host copy
-    outs, finals = [], []
-    for n, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
-        init = None if initial_state is None else initial_state[n : n + 1]
-        piece = [t[:, a:b] for t in (q, k, v, g, beta)]
-        o, s = _delta_rule_oracle(*piece, init, True, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
-        outs.append(o)
-        finals.append(s)
-    return torch.cat(outs, 1), torch.cat(finals)
 
 
 _TWO_PASS_CASES = [*FOREST_CASES, "agent_5_turns", "agent_45_turns"]
