@@ -40,12 +40,14 @@ other's plus one bf16 rounding (`harness.agreement`; without a reference side, t
     python benchmarks/bench_async_grpo.py --models qwen3-1.7b --workloads grpo_mixed tau2_like \\
         --sides trl trl_compiled tree tree_eager --out benchmarks/results/async_grpo_h200_qwen3-1.7b.json
     python benchmarks/bench_async_grpo.py --models qwen3.5-0.8b --token-budget 16384 --sides tree
+    python benchmarks/bench_async_grpo.py --models qwen3.5-2b --workloads tau2_like --sides tree --gdn-route fla_triton
     python benchmarks/bench_async_grpo.py --models tiny --scale 0.02 --token-budget 512 --warmup 1 --steps 8  # CPU
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import math
 import statistics
@@ -256,6 +258,7 @@ class FirstScores:
 
 def side_main(args) -> dict:
     """One side (`args.side`) of one row (`args.models[0]`, `args.workloads[0]`), in this process."""
+    import gdn_kernels
     from datasets import Dataset
     from harness import StepClock, compile_report
     from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
@@ -288,7 +291,17 @@ def side_main(args) -> dict:
             bf16=cuda and not reference, seed=0,
         )  # fmt: skip
         scores = FirstScores()
-        with warnings.catch_warnings(), use_kernel(kernel), RowLog() as rows:
+        route = contextlib.nullcontext()
+        if args.gdn_route != "installed":
+            route = gdn_kernels.select(args.gdn_route, lift_guard=True)
+        gdn_kernels.install_probes()
+        with (
+            warnings.catch_warnings(),
+            use_kernel(kernel),
+            RowLog() as rows,
+            route,
+            gdn_kernels.KernelProbe() as probe,
+        ):
             warnings.simplefilter("ignore")
             trainer = trainer_class(
                 tmp, args=config_class(**options), train_dataset=Dataset.from_dict({"prompt": ["unused"] * 8}),
@@ -333,6 +346,7 @@ def side_main(args) -> dict:
         "first_scores": {"targets": scores.targets, "log_probs": scores.log_probs},
         # What ran compiled (the tree trainer's layers or accelerate's, dynamo's graphs) and its compile seconds.
         "dynamo": compile_report(trainer),
+        "gdn_kernels": gdn_kernels.describe(probe.calls),
         "profile": callbacks[-1].summary if profiled else None,
     }  # fmt: skip
 
@@ -374,6 +388,12 @@ def main():
     )
     parser.add_argument("--scale", type=float, default=1.0, help="scale every length (CPU smoke runs)")
     parser.add_argument("--dtype", default="bfloat16", help="model weights (AsyncGRPOConfig.dtype)")
+    parser.add_argument(
+        "--gdn-route",
+        default="installed",
+        help="the hybrids' Gated DeltaNet kernels (a route of benchmarks/gdn_kernels.py; default: as resolved); each "
+        "side records the kernels that ran",
+    )
     parser.add_argument("--out", default="benchmarks/results/async_grpo.json")
     parser.add_argument("--side", choices=list(SIDES), help=argparse.SUPPRESS)  # a child process: this side only
     parser.add_argument("--side-out", help=argparse.SUPPRESS)
@@ -387,8 +407,11 @@ def main():
         write_side(args.side_out, side_main(args))
         return
     cuda = torch.cuda.is_available()
+    import gdn_kernels
+
     results = {
-        **provenance(),
+        **provenance(**{k: v for k, v in gdn_kernels.versions().items() if k not in ("torch", "transformers", "gpu")}),
+        "gdn_route": args.gdn_route,
         "trl_kernel": TRL_KERNEL if cuda else "trl_varlen.varlen_attention (plain torch)",
         "trl_kernel_max_abs_error_vs_reference": kernel_check(),
         "token_budget": args.token_budget,
@@ -401,7 +424,8 @@ def main():
     if args.resume:
         resume(out, results, [(m, w) for m in args.models for w in args.workloads])
     child = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-             if k in ("activation_budget_gib", "token_budget", "steps", "warmup", "scale", "dtype")]  # fmt: skip
+             if k in ("activation_budget_gib", "token_budget", "steps", "warmup", "scale", "dtype",
+                      "gdn_route")]  # fmt: skip
     child += ["--profile"] * args.profile
     rows = [(m, w) for m in args.models for w in args.workloads]
     run_rows(Path(__file__), out, results, rows, args.sides, {

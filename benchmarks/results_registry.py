@@ -519,7 +519,8 @@ PENDING = {
         "call; the earlier measurement ran with the benchmark's graph break)",
         "AReaL's tree-training code, same workloads",
         "TRL's own tree packing on its FlashAttention-3 kernel from the Hub (the rows above ran FlashAttention-2)",
-        "Qwen3.5-2B on `TreeAsyncGRPOTrainer`; `TreeAsyncGRPOTrainer`'s hybrids on fla's kernels",
+        "Qwen3.5-2B on `TreeAsyncGRPOTrainer`; `TreeAsyncGRPOTrainer`'s hybrids on fla's kernels (stage "
+        "`hybrid-async-fla`)",
         "Qwen3-8B, each side in its own process, paired per step, on the default compiled layers (the 8B rows above "
         "ran older code: eager layers, two to four steps, a ratio of medians)",
     ],
