@@ -297,28 +297,37 @@ class _TwoPassPlan:
     """A forest's segments as `_scan_two_pass` runs them: two batches, and the hand-down between them.
 
     needed: the segments whose final state is read (a child continues it, or `keep` names it), level after level —
-        the first call's batch (None if there are none); `needed_twice`: those segments twice over.
-    every: all segments, level after level — the second call's batch (its rows are `_ScanPlan.rows`).
+        the first call's batch (None if there are none).
+    with_maps: `needed`, then again those of them whose start is not known to be zero (with `zero_roots`, the
+        non-roots) — the first call's batch where the identity's columns run as a second copy.
+    second: every segment, level after level, but with `zero_roots` the needed roots, whose first-call outputs are
+        already theirs — the second call's batch.
+    zero_roots: the roots start from zero (no `initial`).
+    reused_rows: how many of `needed`'s first rows (the needed roots' with `zero_roots`, else none) take their
+        outputs from the first call.
     level_sizes: per level, how many segments it holds.
-    needed_counts: per level, how many of `needed`'s segments are on it.
-    needed_index: per level, `(m,)` long — their indices among the level's segments.
+    needed_counts / maps_counts: per level, how many of `needed`'s / of the second copy's segments are on it.
+    needed_index: per level, `(m,)` long — the needed segments' indices among the level's segments.
     parent_needed: per level after the first, `(n,)` long — each segment's parent among the previous level's needed
         segments.
     keep_index: per level, `(k,)` long or None — the kept segments among the level's needed segments.
     """
 
     needed: _Level | None
-    needed_twice: _Level | None
-    every: _Level
+    with_maps: _Level | None
+    second: _Level | None
+    zero_roots: bool
+    reused_rows: int
     level_sizes: list[int]
     needed_counts: list[int]
+    maps_counts: list[int]
     needed_index: list[torch.Tensor]
     parent_needed: list[torch.Tensor | None]
     keep_index: list[torch.Tensor | None]
 
 
-def _two_pass_plan(forest, device: torch.device, keep) -> _TwoPassPlan:
-    key = ("two_pass", device)
+def _two_pass_plan(forest, device: torch.device, keep, zero_roots: bool) -> _TwoPassPlan:
+    key = ("two_pass", device, zero_roots)
     if key not in forest._scan_cache:
         starts, lengths, parent, per_level, slot = _level_order(forest)
         read = np.zeros(starts.size, dtype=bool)
@@ -336,17 +345,24 @@ def _two_pass_plan(forest, device: torch.device, keep) -> _TwoPassPlan:
             keep_index.append(None if kept is None else torch.as_tensor(position[segs[kept.cpu().numpy()]]).to(device))
             parent_needed.append(torch.as_tensor(position[parent[segs]]).to(device) if lvl else None)
         needed = np.concatenate([segs[read[segs]] for segs in per_level])
-        every = np.concatenate(per_level)
+        mapped = np.concatenate([needed[:0], *(segs[read[segs]] for segs in per_level[int(zero_roots) :])])
+        reused = per_level[0][read[per_level[0]]] if zero_roots else needed[:0]
+        second = np.concatenate([per_level[0][~read[per_level[0]]] if zero_roots else per_level[0], *per_level[1:]])
+
+        def level(segs, twice=None):
+            if twice is not None:
+                segs = np.concatenate([segs, twice])
+            return _segments_level(starts[segs], lengths[segs], forest.seq_len, device) if segs.size else None
+
         forest._scan_cache[key] = _TwoPassPlan(
-            needed=_segments_level(starts[needed], lengths[needed], forest.seq_len, device) if needed.size else None,
-            needed_twice=_segments_level(
-                np.tile(starts[needed], 2), np.tile(lengths[needed], 2), forest.seq_len, device
-            )
-            if needed.size
-            else None,
-            every=_segments_level(starts[every], lengths[every], forest.seq_len, device),
+            needed=level(needed),
+            with_maps=level(needed, twice=mapped),
+            second=level(second),
+            zero_roots=zero_roots,
+            reused_rows=int(lengths[reused].sum()),
             level_sizes=[segs.size for segs in per_level],
             needed_counts=[int(read[segs].sum()) for segs in per_level],
+            maps_counts=[int(read[segs].sum()) if lvl or not zero_roots else 0 for lvl, segs in enumerate(per_level)],
             needed_index=needed_index,
             parent_needed=parent_needed,
             keep_index=keep_index,
@@ -446,32 +462,42 @@ def _scan_two_pass(
     The first call runs every segment whose final state is read, from zero, with `[value, 0]` and `[0 | I]` (where
     `V = K`, the extra columns run as a second copy of those segments instead, in the level loop's kernel shapes); the
     initial states are then handed down level by level with one small matrix product each; the second call runs
-    every segment from its own initial state. Autograd carries the gradients back through both calls.
+    every segment from its own initial state. Roots that start from zero (no `initial`) need no map, and those the
+    first call ran already have their outputs: neither runs again. Autograd carries the gradients back through both
+    calls.
     """
-    plan = _two_pass_plan(forest, inputs[0].device, keep)
+    plan = _two_pass_plan(forest, inputs[0].device, keep, zero_roots=initial is None)
     value = inputs[2]
     heads, k_dim, v_dim = value.shape[-2], inputs[1].shape[-1], value.shape[-1]
     state = torch.promote_types(value.dtype, torch.float32)  # the kernels keep their states in float32 or wider
-    finals = None
+    finals, reused = [None] * len(plan.level_sizes), None
     if plan.needed is not None:
-        n = len(plan.needed.cu_seqlens_cpu) - 1
-        eye = torch.eye(k_dim, dtype=state, device=value.device).expand(n, heads, k_dim, k_dim)
-        zero = eye.new_zeros((n, heads, k_dim, v_dim))
-        if v_dim == k_dim:  # the identity's columns as a second copy of the segments: the kernels' shapes are the
-            # level loop's (no new compilation or autotuning)
-            first = [_gather(x, plan.needed_twice, varlen) for x in inputs]
+        n, m = sum(plan.needed_counts), sum(plan.maps_counts)
+        eye = torch.eye(k_dim, dtype=state, device=value.device)
+        if v_dim == k_dim:  # the identity's columns as a second copy of the segments that need them: the kernels'
+            # shapes are the level loop's (no new compilation or autotuning)
+            layout = plan.with_maps
+            first = [_gather(x, layout, varlen) for x in inputs]
             v, dim = first[2], 1 if varlen else 0
-            half = v.shape[dim] // 2
-            first[2] = torch.cat([v.narrow(dim, 0, half), torch.zeros_like(v.narrow(dim, half, half))], dim=dim)
-            _, end = run(first, torch.cat([zero, eye]), plan.needed_twice)
+            real = int(plan.needed.cu_seqlens_cpu[-1]) if varlen else n  # value rows (varlen) / segments (padded)
+            first[2] = torch.cat([v.narrow(dim, 0, real), torch.zeros_like(v.narrow(dim, real, v.shape[dim] - real))],
+                                 dim=dim)  # fmt: skip
+            start = torch.cat([eye.new_zeros((n, heads, k_dim, v_dim)), eye.expand(m, heads, k_dim, k_dim)])
+            out, end = run(first, start, layout)
             end, maps = end[:n], end[n:]
+            maps = maps.split(plan.maps_counts)
         else:  # `K` more value columns
-            first = [_gather(x, plan.needed, varlen) for x in inputs]
+            layout = plan.needed
+            first = [_gather(x, layout, varlen) for x in inputs]
             v = first[2]
             first[2] = torch.cat([v, v.new_zeros((*v.shape[:-1], k_dim))], dim=-1)
-            _, end = run(first, torch.cat([zero, eye], dim=-1), plan.needed)
-            end, maps = end[..., :v_dim], end[..., v_dim:]
-        finals = list(zip(end.split(plan.needed_counts), maps.split(plan.needed_counts)))
+            start = torch.cat([eye.new_zeros((n, heads, k_dim, v_dim)), eye.expand(n, heads, k_dim, k_dim)], dim=-1)
+            out, end = run(first, start, layout)
+            out, end, maps = out[..., :v_dim], end[..., :v_dim], end[..., v_dim:]
+            maps = maps.split(plan.needed_counts)
+        if plan.reused_rows:  # the needed roots' outputs: they started from zero, as they should
+            reused = _ungather(out, layout, varlen)[: plan.reused_rows]
+        finals = list(zip(end.split(plan.needed_counts), maps))
     starts, kept, previous = [], [], None
     for lvl, count in enumerate(plan.needed_counts):
         if lvl:
@@ -483,19 +509,30 @@ def _scan_two_pass(
         starts.append(start)
         if count:
             end, maps = finals[lvl]
-            with torch.autocast(end.device.type, enabled=False):  # the hand-down in float32, as the kernels keep it
-                previous = torch.baddbmm(
-                    end.flatten(0, 1),
-                    maps.flatten(0, 1),
-                    start.index_select(0, plan.needed_index[lvl]).to(end.dtype).flatten(0, 1),
-                ).unflatten(0, end.shape[:2])
+            if lvl == 0 and plan.zero_roots:
+                previous = end
+            else:
+                with torch.autocast(end.device.type, enabled=False):  # the hand-down in float32, as the kernels
+                    previous = torch.baddbmm(
+                        end.flatten(0, 1),
+                        maps.flatten(0, 1),
+                        start.index_select(0, plan.needed_index[lvl]).to(end.dtype).flatten(0, 1),
+                    ).unflatten(0, end.shape[:2])
             if plan.keep_index[lvl] is not None:
                 kept.append(previous.index_select(0, plan.keep_index[lvl]))
-    out, _ = run(
-        [_gather(x, plan.every, varlen) for x in inputs], torch.cat([s.to(state) for s in starts]), plan.every
-    )
-    values = _ungather(out, plan.every, varlen)
-    full = values.new_zeros((inputs[0].shape[1], *values.shape[1:])).index_copy(0, plan.every.rows, values)[None]
+    if plan.zero_roots:  # the second call runs the roots no child reads, from zero
+        starts[0] = starts[0][: plan.level_sizes[0] - plan.needed_counts[0]]
+    parts, rows = [], []
+    if plan.second is not None:
+        out, _ = run([_gather(x, plan.second, varlen) for x in inputs], torch.cat([s.to(state) for s in starts]),
+                     plan.second)  # fmt: skip
+        parts.append(_ungather(out, plan.second, varlen))
+        rows.append(plan.second.rows)
+    if reused is not None:
+        parts.append(reused)
+        rows.append(plan.needed.rows[: plan.reused_rows])
+    values = torch.cat(parts)
+    full = values.new_zeros((inputs[0].shape[1], *values.shape[1:])).index_copy(0, torch.cat(rows), values)[None]
     if keep is None:
         return full
     return full, (torch.cat(kept) if kept else None)

@@ -293,17 +293,19 @@ def test_two_pass_delta_rule_equals_each_sequence(case, value_dim, varlen, per_c
         assert (got[:, forest.num_tree_tokens :] == 0).all(), "padding rows get zeros"
 
 
+@pytest.mark.parametrize("given", [True, False], ids=["given_states", "zero_states"])
 @pytest.mark.parametrize("varlen", [False, True], ids=["padded", "varlen"])
-def test_two_pass_starts_from_given_states_and_keeps_the_named_ones(varlen):
-    """As a prefix-reuse chunk runs it: roots start from given states, and the final states `keep` names (leaves
-    among them) come back, equal to the level loop's, values and gradients."""
+def test_two_pass_starts_from_given_states_and_keeps_the_named_ones(varlen, given):
+    """As a prefix-reuse chunk runs it: roots start from given states (or from zero: the first chunk), and the final
+    states `keep` names (leaves among them) come back, equal to the level loop's, values and gradients."""
     forest = _two_pass_forest("agent_5_turns")
     tensors = _delta_rule_inputs(forest, torch.float64, per_channel_decay=False)
     plan = recurrent._scan_plan(forest, tensors[0].device)
     roots = plan.levels[0].cu_seqlens.numel() - 1
     initial = torch.randn(roots, 2, 8, 8, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
     initial.requires_grad_()
-    keep = [torch.arange(len(level.cu_seqlens) - 1)[::2] if i % 2 else None for i, level in enumerate(plan.levels)]
+    wrt = [*tensors, initial] if given else tensors
+    keep = [torch.arange(len(level.cu_seqlens) - 1)[i % 2 :: 2] for i, level in enumerate(plan.levels)]
     kernel = _varlen_oracle if varlen else _delta_rule_oracle
 
     def run(level_inputs, start, level):
@@ -313,9 +315,9 @@ def test_two_pass_starts_from_given_states_and_keeps_the_named_ones(varlen):
 
     results = []
     for scan in (recurrent._scan_two_pass, recurrent._scan_levels):
-        out, kept = scan(forest, tensors, varlen, run, initial=initial, keep=keep)
+        out, kept = scan(forest, tensors, varlen, run, initial=initial if given else None, keep=keep)
         loss = (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum() + kept.pow(2).sum()
-        results.append((out, kept, torch.autograd.grad(loss, [*tensors, initial])))
+        results.append((out, kept, torch.autograd.grad(loss, wrt)))
     (out, kept, grads), (want_out, want_kept, want_grads) = results
     torch.testing.assert_close(out, want_out, **KERNEL_TOL[torch.float64])
     torch.testing.assert_close(kept, want_kept, **KERNEL_TOL[torch.float64])
