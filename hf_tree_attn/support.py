@@ -317,7 +317,7 @@ REFUSED_FAMILIES: dict[str, str] = {
 
 # What depends on the installed transformers release. The families a release added have no row before it;
 # `_VERSION_ROWS`: {family: (the first release of its EXACT_FAMILIES row, its REFUSED_FAMILIES reason before)}.
-# docs/coverage.md shows the rows of the newest release tested.
+# docs/coverage.md shows the rows of the newest release read (`transformers_compat.TRANSFORMERS_CHECKED`).
 _ADDED_IN: dict[str, tuple[str, ...]] = {"5.25.0": ("ergo", "kolibri1_1", "minicpm5_moe", "param2moe")}
 _VERSION_ROWS: dict[str, tuple[str, str]] = {"falcon": ("5.25.0", _FALCON_BEFORE_5_25)}
 

@@ -527,8 +527,9 @@ def test_refused_family(model_type, monkeypatch):
 
 
 def test_bf16_head_check_sees_a_plain_head_exact():
-    """`_bf16_head_error`, which shows Ergo's refusal is real, finds no difference for a plain nn.Linear head."""
-    assert _bf16_head_error("llama") == 0.0
+    """`_bf16_head_error`, which shows Ergo's refusal is real, finds no difference beyond float32 summation order for
+    a plain nn.Linear head."""
+    assert _bf16_head_error("llama") < ATOL
 
 
 def test_alibi_config_is_refused(monkeypatch):
