@@ -24,6 +24,8 @@ from __future__ import annotations
 import sys
 
 import torch
+import transformers
+from packaging.version import Version
 
 from .attention import registration_error
 from .recurrent import STATE_LAYER_TYPES, kwargs_breaks, tree_layer_types, unsupported_recurrent_layers
@@ -113,6 +115,8 @@ EXACT_FAMILIES: dict[str, str] = {
     "exaone": "",
     "exaone4": "sliding window",
     "exaone_moe": "sliding window, MoE",
+    # from transformers 5.25 (`_VERSION_ROWS`)
+    "falcon": "dense; from transformers 5.25 (earlier releases cannot load it with tree_flex); ALiBi configs refused",
     "falcon_h1": "Mamba-2, logit scale",
     "flex_olmo": "MoE",
     "flint": "sliding window, MoE, attention sinks",
@@ -167,6 +171,7 @@ EXACT_FAMILIES: dict[str, str] = {
     "mellum": "MoE",
     "mimo_v2_flash": "sliding window, MoE, attention sinks",
     "minicpm3": "MLA, logit scale",
+    "minicpm5_moe": "MoE",
     "minimax_m2": "MoE",
     "minimax_m3_vl_text": "MoE",
     "ministral": "sliding window",
@@ -185,6 +190,7 @@ EXACT_FAMILIES: dict[str, str] = {
     "olmo_hybrid": "gated delta rule",
     "olmoe": "MoE",
     "opt": "",
+    "param2moe": "MoE",
     "persimmon": "",
     "phi": "",
     "phi3": "sliding window",
@@ -211,7 +217,7 @@ EXACT_FAMILIES: dict[str, str] = {
     "zamba2": "Mamba-2",
 }
 
-# Every other causal-LM family of transformers 5.24, with the reason it is refused.
+# Every other causal-LM family of transformers 5.24 and 5.25, with the reason it is refused.
 _ENCODER_DECODER = "the decoder of an encoder-decoder model; trees need a decoder-only causal LM."
 _ENCODER = (
     "a BERT-style encoder run as a decoder (transformers also lists it as a masked LM); trees are verified for "
@@ -224,6 +230,20 @@ _BYPASS = (
 _LOAD_FAILS = (
     "it picks its attention class by implementation name from its own table, so it cannot be loaded with "
     "attn_implementation='tree_flex' at all (KeyError: 'tree_flex')."
+)
+_FALCON_BEFORE_5_25 = (
+    "before transformers 5.25 it picks its attention class by implementation name from its own table, so it cannot "
+    "be loaded with attn_implementation='tree_flex' at all (KeyError: 'tree_flex'); transformers 5.25's Falcon runs "
+    "its attention through AttentionInterface and is exact on trees (ALiBi configs aside): upgrade transformers."
+)
+_ALIBI = (
+    "ALiBi adds a bias to the attention mask that grows with a key's row in the packed row, not with its depth in "
+    "the tree, so a tree forward would score ancestors at the wrong distances."
+)
+_FP32_LOGITS_HEAD = (
+    "its LM head (`ErgoLinearWithFP32Output`) rounds the final hidden states (float32) to the weight's dtype and "
+    "returns float32 logits, which the tree LM head (a plain linear map of `lm_head.weight`) does not reproduce "
+    "in bfloat16."
 )
 _INDEXED = (
     "DeepSeek sparse attention (`indexed_attention`): an indexer keeps each query's top-k keys of the whole row, "
@@ -250,8 +270,13 @@ REFUSED_FAMILIES: dict[str, str] = {
     ),
     "bert-generation": _ENCODER,
     **dict.fromkeys(["bloom", "cpmant", "gpt_neox_japanese", "mpt", "openai-gpt", "trocr", "xglm", "xlnet"], _BYPASS),
-    **dict.fromkeys(["falcon", "git", "gpt_neo"], _LOAD_FAILS),
+    **dict.fromkeys(["git", "gpt_neo"], _LOAD_FAILS),
     **dict.fromkeys(["axk2", "deepseek_v32", "dots3_note", "dots3_note_text", "glm_moe_dsa", "hy_v4"], _INDEXED),
+    "kolibri1_1": (
+        "sparse attention (`indexed_attention`): an indexer keeps each query's top-k keys of the whole row plus the "
+        "row's first and latest tokens, which is not a mask over earlier tokens."
+    ),
+    "ergo": _FP32_LOGITS_HEAD,
     **dict.fromkeys(["gemma4_assistant", "gemma4_unified_assistant"], _DRAFTER),
     "falcon_mamba": _state("Mamba"),
     "inkling2_loop_text": _state("`hybrid` recurrent layers"),
@@ -289,6 +314,27 @@ REFUSED_FAMILIES: dict[str, str] = {
         "tree LM head does not run."
     ),
 }  # fmt: skip
+
+# What depends on the installed transformers release. The families a release added have no row before it;
+# `_VERSION_ROWS`: {family: (the first release of its EXACT_FAMILIES row, its REFUSED_FAMILIES reason before)}.
+# docs/coverage.md shows the rows of the newest release read (`transformers_compat.TRANSFORMERS_CHECKED`).
+_ADDED_IN: dict[str, tuple[str, ...]] = {"5.25.0": ("ergo", "kolibri1_1", "minicpm5_moe", "param2moe")}
+_VERSION_ROWS: dict[str, tuple[str, str]] = {"falcon": ("5.25.0", _FALCON_BEFORE_5_25)}
+
+
+def _installed_before(release: str) -> bool:
+    return Version(transformers.__version__).release < Version(release).release
+
+
+for _release, _families in _ADDED_IN.items():
+    if _installed_before(_release):
+        for _family in _families:
+            EXACT_FAMILIES.pop(_family, None)
+            REFUSED_FAMILIES.pop(_family, None)
+for _family, (_release, _before) in _VERSION_ROWS.items():
+    if _installed_before(_release):
+        EXACT_FAMILIES.pop(_family)
+        REFUSED_FAMILIES[_family] = _before
 
 
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -460,6 +506,8 @@ def config_support_error(config, family: str | None = None) -> str | None:
             f"{sorted(IMPLEMENTED_LAYER_KINDS)}); layers that carry state from token to token would leak it across "
             "tree branches. " + _fix(family)
         )
+    if getattr(text_config, "alibi", None) is True:  # Falcon's ALiBi variants (Falcon-RW)
+        return f"{type(config).__name__} has alibi=True: {_ALIBI} " + _fix(family)
     rope = sorted(
         t for t in _rope_types(text_config) if t not in _STATIC_ROPE_TYPES | {"longrope"} and "dynamic" not in t
     )

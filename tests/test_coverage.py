@@ -35,6 +35,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 import hf_tree_attn.masks
 import hf_tree_attn.support
 from hf_tree_attn import sequence_logprobs
+from hf_tree_attn.logprobs import lm_head_logprobs
 from hf_tree_attn.recurrent import TREE_LAYERS
 from hf_tree_attn.support import (
     EXACT_FAMILIES,
@@ -44,6 +45,7 @@ from hf_tree_attn.support import (
     logit_scale,
     tree_support_error,
 )
+from hf_tree_attn.transformers_compat import TRANSFORMERS_CHECKED
 
 ATOL = TOLERANCES["logps_atol"]
 FAMILIES = sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
@@ -194,21 +196,24 @@ def tiny_config(model_type: str):
     return config_class(**values)
 
 
-def _models(model_type: str, reference: str):
+def _models(model_type: str, reference: str, config=None, dtype: torch.dtype | None = None):
     """`(tree_flex model, `reference` model)` with identical fp32 weights, in eval mode.
 
     Every parameter is jittered after init, as training would move it: parameters initialised to a constant (sinks
-    at 0, norms and learned logit scales at 1) must not hide a difference.
+    at 0, norms and learned logit scales at 1) must not hide a difference. `config` (default: `tiny_config`) and
+    `dtype` (default: float32; another keeps the modules the family keeps in float32) change what is built.
     """
-    config = tiny_config(model_type)
+    config = tiny_config(model_type) if config is None else config
     torch.manual_seed(0)
-    tree = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="tree_flex").float().eval()
+    tree = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="tree_flex", dtype=dtype)
+    tree = (tree if dtype else tree.float()).eval()
     with torch.no_grad():
         for name, param in tree.named_parameters():
             param.add_(0.05 * torch.randn_like(param))
             if name.endswith("A_log"):  # decay rates as in tests/helpers.hybrid_twin_models (A in [0.01, 2])
                 param.copy_(torch.empty_like(param).uniform_(0.01, 2.0).log())
-    ref = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=reference).float().eval()
+    ref = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=reference, dtype=dtype)
+    ref = (ref if dtype else ref.float()).eval()
     ref.load_state_dict(tree.state_dict())
     return tree, ref
 
@@ -453,6 +458,25 @@ def _forced_tree_error(tree, ref, monkeypatch) -> float:
         return float("inf")
 
 
+def _bf16_head_error(model_type: str) -> float:
+    """Worst |tree head - model head| log-prob of a bfloat16 model on the same final hidden states (inf if the tree
+    head raises)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, _ = _models(model_type, "eager", dtype=torch.bfloat16)
+    norm = model.get_decoder().norm.weight  # the dtype the final hidden states come in (kept float32 or not)
+    g = torch.Generator().manual_seed(0)
+    hidden = (8 * torch.randn(6, norm.shape[-1], generator=g)).to(norm.dtype)  # logits of a trained model's size
+    targets = torch.randint(0, model.config.vocab_size, (6,), generator=g)
+    with torch.no_grad():
+        want = model.lm_head(hidden).float().log_softmax(-1).gather(-1, targets[:, None])[:, 0]
+        try:
+            got, _ = lm_head_logprobs(model, hidden, torch.arange(6), targets)
+        except Exception:  # noqa: BLE001 - a head that cannot run is not exact either
+            return float("inf")
+    return (got - want).abs().max().item()
+
+
 def _config_or_default(model_type: str):
     try:
         return tiny_config(model_type)
@@ -496,16 +520,53 @@ def test_refused_family(model_type, monkeypatch):
         else:
             with torch.no_grad():
                 torch.testing.assert_close(got, ref(input_ids=ids, attention_mask=mask).logits, atol=1e-5, rtol=0)
+    if reason == hf_tree_attn.support._FP32_LOGITS_HEAD:  # a plain linear map in float32: the difference is in bf16
+        assert _bf16_head_error(model_type) > 1e-3, f"{model_type}: the tree LM head reproduces its head in bf16"
+        return
     assert _forced_tree_error(tree, ref, monkeypatch) > 1e-3, f"{model_type} is exact on trees: list it as exact"
 
 
-# Families whose tiny model cannot be built, or loaded with tree_flex, in this environment.
+def test_bf16_head_check_sees_a_plain_head_exact():
+    """`_bf16_head_error`, which shows Ergo's refusal is real, finds no difference beyond float32 summation order for
+    a plain nn.Linear head."""
+    assert _bf16_head_error("llama") < ATOL
+
+
+def test_alibi_config_is_refused(monkeypatch):
+    """Falcon with ALiBi (Falcon-RW checkpoints) is refused by its config, for a real reason: with the gate switched
+    off its tree forward is wrong."""
+    if "falcon" not in EXACT_FAMILIES:
+        pytest.skip(f"Falcon is refused as a family in transformers {transformers.__version__}")
+    config = tiny_config("falcon")
+    config.alibi = True
+    assert "alibi=True" in (config_support_error(config) or "")
+    tree, ref = _models("falcon", "eager", config=config)
+    assert "alibi=True" in (tree_support_error(tree) or "")
+    assert _forced_tree_error(tree, ref, monkeypatch) > 1e-3
+
+
+# Families whose tiny model cannot be built, or loaded with tree_flex, in this environment (Falcon before
+# transformers 5.25).
 _UNBUILDABLE = {"falcon", "git", "gpt_neo", "gemma3n"}
 
 
 def test_docs_table_is_current():
+    """docs/coverage.md shows the table of the newest transformers release tested (`TRANSFORMERS_CHECKED`). Under
+    that release it is the generated table; under an older release of the tested range every family's row is the
+    documented one, except the rows `support._VERSION_ROWS` lets depend on the release (and those of the families the
+    older release does not have, `support._ADDED_IN`)."""
     text = (Path(__file__).parents[1] / "docs" / "coverage.md").read_text()
-    assert coverage_markdown() in text, (
+    stale = (
         'docs/coverage.md is stale: python -c "import hf_tree_attn.support as s; '
         "s.write_coverage_table('docs/coverage.md')\""
     )
+    if transformers.__version__ == TRANSFORMERS_CHECKED:
+        assert coverage_markdown() in text, stale
+        return
+    assert f"transformers {TRANSFORMERS_CHECKED}: " in text, stale + f" (under transformers {TRANSFORMERS_CHECKED})"
+    documented = set(text.splitlines())
+    version_rows = tuple(f"| `{family}` |" for family in hf_tree_attn.support._VERSION_ROWS)
+    rows = [row for row in coverage_markdown().splitlines() if row.startswith("| `")]
+    assert len(rows) == len(FAMILIES)
+    differ = [row for row in rows if row not in documented and not row.startswith(version_rows)]
+    assert differ == [], stale + f" (under transformers {TRANSFORMERS_CHECKED})"

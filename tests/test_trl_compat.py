@@ -430,7 +430,7 @@ def test_trainer_loop_fetches_each_steps_micro_batches_before_training_on_them()
 
     assert _unwrapped_params(TreeAsyncGRPOTrainer.get_batch_samples) == _unwrapped_params(hook)
     assert "get_batch_samples" in trl_compat.get_batch_samples.__code__.co_names
-    loops = [  # `_run_epoch` in 5.17.0 and 5.24.0
+    loops = [  # `_run_epoch` in 5.17.0, 5.24.0 and 5.25.0
         source
         for name, function in vars(transformers.Trainer).items()
         if callable(function) and name != "get_batch_samples"

@@ -18,8 +18,8 @@ The hooks the trainers override keep TRL's names and parameters (an override mus
 - `trl.experimental.async_grpo.AsyncGRPOTrainer`: `_log_step_metrics`;
 - `transformers.Trainer`, under TRL's trainers: `get_batch_samples`, which its training loop calls once per optimizer
   step to fetch that step's micro-batches before their `training_step` calls (`TreeAsyncGRPOTrainer` scores them
-  as one forest with `tree_prefix_reuse`); public in name, not documented as a hook, read in transformers 5.17.0 and
-  5.24.0.
+  as one forest with `tree_prefix_reuse`); public in name, not documented as a hook, read in transformers 5.17.0,
+  5.24.0 and 5.25.0.
 
 TRL's trainers change between minor releases, so this module, and with it `hf_tree_attn.trainer`, imports only with
 the TRL it is tested on (`TRL_REQUIREMENT`, pinned alike in `setup.cfg`): any other is an `ImportError` naming the
@@ -321,7 +321,7 @@ def log_step_metrics(parent) -> None:
 def get_batch_samples(parent, epoch_iterator, num_batches, device) -> tuple[list, torch.Tensor | int | None]:
     """`transformers.Trainer.get_batch_samples(epoch_iterator, num_batches, device)` through `parent` (`super()`):
     `(the optimizer step's micro-batches, num_items_in_batch)`, fetched before the step's first `training_step`
-    (transformers 5.17.0 to 5.24.0)."""
+    (transformers 5.17.0 to 5.25.0)."""
     return parent.get_batch_samples(epoch_iterator, num_batches, device)
 
 
