@@ -74,6 +74,8 @@ SOURCES = {
     "async_grpo_h200_qwen3-1.7b_flex_only.json": "async-grpo",
     "async_grpo_h200_qwen3-8b_tau2.json": "async-grpo-more",
     "async_grpo_h200_qwen3.5-0.8b.json": "async-grpo-more",
+    "async_grpo_h200_qwen3.5-0.8b_fla_triton.json": "hybrid-async-fla",
+    "async_grpo_h200_qwen3.5-2b_fla_triton.json": "hybrid-async-fla",
     "prefix_attention_new_shapes_h200.json": "async-grpo",
     "h200_gpu_async.log": "async-grpo",
     "h200_gpu_tests_prefix_rule.log": "async-grpo-more",
@@ -236,6 +238,8 @@ ASYNC_PAIRED = [
 ]
 # The tree alone where TRL's async trainer refuses the model (its refusal recorded in the file).
 ASYNC_TREE_ONLY = ["async_grpo_h200_qwen3.5-0.8b.json"]
+# The same trainer on fla's Triton kernels (the two-call delta rule on deep forests), 2 warm-up and 8 measured steps.
+ASYNC_TREE_ONLY_FLA = ["async_grpo_h200_qwen3.5-0.8b_fla_triton.json", "async_grpo_h200_qwen3.5-2b_fla_triton.json"]
 # The same Qwen3-1.7B grpo_mixed rows, tree side, per attention path: the shared-prefix kernels on every two-level
 # forest (the size rule alone), FlexAttention alone, the CUDA rule's default (the first ASYNC_ROWS file); and what a
 # forest of new shapes costs each kernel by itself.
@@ -363,6 +367,12 @@ MERGE = (
     "ran with the shared-prefix kernels merging their two attention calls in five PyTorch ops (the library's merge "
 )
 NOTES = {
+    "async_grpo_h200_qwen3.5-0.8b_fla_triton.json": "decoder layers eager (`tree_compile='auto'` leaves "
+    "state-carrying layers uncompiled); fla autotuned kernels for shapes new to its cache in the first measured "
+    "`tau2_like` steps (10.4 s and 19.5 s; the other six 0.98 to 1.61 s), which the median leaves out and the range "
+    "shows.",
+    "async_grpo_h200_qwen3.5-2b_fla_triton.json": "decoder layers eager, as in the 0.8B file; run in the same call "
+    "after it, so fla's autotuning cache was warm.",
     "tree_vs_flat_h200_qwen3-1.7b_compile_prefix.json": MERGE + "is one Triton kernel), on every two-level forest "
     "(the CUDA rule picks them for this one too).",
     "tree_vs_flat_h200_qwen3-8b_compile_prefix.json": MERGE + "is one Triton kernel).",
@@ -519,8 +529,6 @@ PENDING = {
         "call; the earlier measurement ran with the benchmark's graph break)",
         "AReaL's tree-training code, same workloads",
         "TRL's own tree packing on its FlashAttention-3 kernel from the Hub (the rows above ran FlashAttention-2)",
-        "Qwen3.5-2B on `TreeAsyncGRPOTrainer`; `TreeAsyncGRPOTrainer`'s hybrids on fla's kernels (stage "
-        "`hybrid-async-fla`)",
         "Qwen3-8B, each side in its own process, paired per step, on the default compiled layers (the 8B rows above "
         "ran older code: eager layers, two to four steps, a ratio of medians)",
     ],

@@ -24,6 +24,7 @@ from results_registry import (
     ASYNC_PAIRED,
     ASYNC_ROWS,
     ASYNC_TREE_ONLY,
+    ASYNC_TREE_ONLY_FLA,
     BEYOND_GRPO,
     BEYOND_PAIRED,
     DEEPSPEED_MAIN_JOB,
@@ -756,6 +757,11 @@ PAIRED_INTRO = (
 )
 
 
+FLA_ASYNC_HEADERS = [
+    "model", "workload", "token budget", "median step, tree", "first step", "packing", "MFU", "peak GiB", "source"
+]  # fmt: skip
+
+
 def ranged(pair: dict | None) -> str:
     """A paired ratio: the median per-step ratio with its range, and whether the row's agreement check failed."""
     if not pair or "median" not in pair:
@@ -831,6 +837,17 @@ def peers() -> list[str]:
             MODELS[row["model"]], rollout_workload(row), f"{load(name)['token_budget']:,}", steps(tree["step_s"]),
             pct(tree["mfu"], 1), f"{tree['peak_gib']:.1f}", trl["error"].split(". ")[0], notes.source(name),
         ])  # fmt: skip
+    on_fla = []
+    for name in ASYNC_TREE_ONLY_FLA:
+        for row in load(name)["rows"]:
+            tree = row["sides"]["tree"]
+            measured = tree["measured_step_s"]
+            on_fla.append([
+                MODELS[row["model"]], rollout_workload(row), f"{load(name)['token_budget']:,}",
+                f"{secs(tree['median_step_s'])} [{min(measured):.2f}, {max(measured):.2f} s]",
+                f"{tree['first_step_s']:.1f} s", x(tree["packing_ratio"]), pct(tree["mfu"], 1),
+                f"{tree['peak_gib']:.1f}", notes.source(name),
+            ])  # fmt: skip
     paths = []
     for what, name in ASYNC_ATTENTION_PATHS.items():
         tree = next(r for r in load(name)["rows"] if r["workload"] == "grpo_mixed")["sides"]["tree"]
@@ -859,6 +876,15 @@ def peers() -> list[str]:
         + table(
             ["model", "workload", "token budget", "step, tree", "MFU", "peak GiB", "TRL's trainer", "source"], alone
         )  # fmt: skip
+        + [
+            "The same trainer on fla's Triton kernels (`--gdn-route fla_triton`: on forests of 3 or more levels the "
+            "delta rule in two kernel calls, see [Hybrid models](#hybrid-models)), 2 warm-up and 8 measured optimizer "
+            "steps through `trainer.train()`, the tree alone (TRL's trainer refuses these models). Median step of the "
+            "8 [min, max]; packing: TRL's `batch/packing_ratio` metric, the step's samples' tokens over the tokens "
+            "forwarded:",
+            "",
+        ]
+        + table(FLA_ASYNC_HEADERS, on_fla)
         + [
             "The tree side of the Qwen3-1.7B `grpo_mixed` rows per attention path. Each of TRL's rows packs a few "
             "prompts' groups; their lengths differ from row to row, so every forest is new to cuDNN, which builds "

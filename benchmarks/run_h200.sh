@@ -141,11 +141,12 @@ for stage in "$@"; do
         --out "$OUT/tree_vs_flat_h200_qwen3.5-0.8b_agent20_fla_triton.json" 2>&1 | quiet 4 ;;
     hybrid-async-fla)  # TreeAsyncGRPOTrainer on Qwen3.5 shapes, fla's Triton kernels (TRL refuses hybrids: the tree alone)
       with_fla06
-      for model in qwen3.5-0.8b qwen3.5-2b; do
-        timeout 270 python3 benchmarks/bench_async_grpo.py --models "$model" --workloads tau2_like grpo_mixed \
-          --sides tree --token-budget 16384 --gdn-route fla_triton \
-          --out "$OUT/async_grpo_h200_${model}_fla_triton.json" 2>&1 | grep -E "^qwen|^  tree|rror:"
-      done ;;
+      timeout 270 python3 benchmarks/bench_async_grpo.py --models qwen3.5-0.8b --workloads tau2_like grpo_mixed \
+        --sides tree --token-budget 16384 --gdn-route fla_triton \
+        --out "$OUT/async_grpo_h200_qwen3.5-0.8b_fla_triton.json" 2>&1 | grep -E "^qwen|^  tree|rror:"
+      timeout 270 python3 benchmarks/bench_async_grpo.py --models qwen3.5-2b --workloads tau2_like grpo_mixed \
+        --sides tree --token-budget 16384 --gdn-route fla_triton \
+        --out "$OUT/async_grpo_h200_qwen3.5-2b_fla_triton.json" 2>&1 | grep -E "^qwen|^  tree|rror:" ;;
     # gpu_hybrid_rows.sh: two calls made back to back on one (warm) machine, the first filling the compile and autotuning
     # caches in /tmp beside the route's parity tests, the second timing the rows (carry .whl/hybrid; ~9 min each)
     hybrid-rows-warm)  # fla + TileLang: the route's 10 parity tests and one untimed run of each 0.8B benchmark
