@@ -134,6 +134,11 @@ for stage in "$@"; do
       timeout 200 python3 -m pytest -v -s -rfEs -m gpu -p no:cacheprovider tests/test_gpu_recurrent.py \
         -k "fla_triton and (two_calls or each_kernel_route) and bf16" >"$OUT/h200_gpu_tests_two_pass.log" 2>&1
       summary "$OUT/h200_gpu_tests_two_pass.log" 40 ;;
+    hybrid-two-pass-side-by-side)  # the two paths on one forest each, Qwen3.5 heads, bf16, 2 to 40 levels
+      with_fla06
+      timeout 300 python3 -m pytest -v -s -rfEs -m gpu -p no:cacheprovider tests/test_gpu_recurrent.py \
+        -k "fla_triton and two_calls and qwen3_5_k128 and bf16" >"$OUT/h200_gpu_tests_two_pass_side_by_side.log" 2>&1
+      summary "$OUT/h200_gpu_tests_two_pass_side_by_side.log" 40 ;;
     hybrid-two-pass-rows)
       with_fla06
       timeout 330 python3 benchmarks/bench_tree_vs_flat.py --models qwen3.5-0.8b --workloads agent_20_turns \
@@ -235,6 +240,12 @@ for stage in "$@"; do
     prefix-attention-parts)  # each cuDNN call, the merge, per tree: GPU time vs the host's launch time
       timeout 120 python3 benchmarks/prefix_attention_parts.py --out "$OUT/prefix_attention_parts_h200.json" 2>&1 \
         | quiet 40 ;;
+    attention-gathered-paths)  # tree attention as one varlen flash call over gathered paths vs FlexAttention, new
+      # forests of both async workloads (Qwen3-1.7B heads)
+      timeout 200 python3 benchmarks/attention_gathered_paths.py --workload grpo_mixed \
+        --out "$OUT/attention_gathered_paths_h200_grpo_mixed.json" 2>&1 | quiet 40
+      timeout 200 python3 benchmarks/attention_gathered_paths.py --workload tau2_like \
+        --out "$OUT/attention_gathered_paths_h200_tau2_like.json" 2>&1 | quiet 40 ;;
     # ---- whole GRPO steps through trainer.train(), per generation mode (TreeGRPOTrainer vs trl.GRPOTrainer)
     generation-modes)
       timeout 200 python3 benchmarks/bench_generation_modes.py --modes generate continuous_batching static_cache \

@@ -1,0 +1,263 @@
+"""Tree attention as one varlen flash call over gathered paths, against FlexAttention's tree mask, on new shapes.
+
+FlexAttention computes a forest's ancestor-or-self attention from a block mask: 128-row blocks that straddle a
+branch end are computed whole and masked. A varlen flash kernel needs no mask: cut the forest's rows into its
+segments (maximal unbranched runs, DFS order), give each segment as keys its path (its ancestor segments' rows, root
+first, then its own), and one call with causal attention aligned to the bottom right (FlashAttention's rule where a
+sequence has fewer queries than keys) is exactly the tree mask. The queries and outputs stay in the forest's row
+order (a segment's rows are contiguous); the keys and values are gathered, `(sum of path lengths, kv_heads, dim)`,
+and their gradients scatter back through the gather. The price is the gathered copy (every segment re-reads its
+ancestors), which deep trees of short segments make large.
+
+For each of `--forests` forests of random shapes, new to every kernel (GRPO groups as `bench_async_grpo.py`'s
+`grpo_mixed`: `--groups` prompts of U[1000, 6000] tokens with G=16 completions of U[64, 1024]; or its `tau2_like`
+agent: a 4,800-token system prompt, U[10, 20] turns of a U[40, 200]-token message and 2 sampled U[80, 400]-token
+responses, the first continuing the conversation), bf16, Qwen3-1.7B heads: one forward + backward through each
+kernel (`first_ms`), the same again (`repeat_ms`), wall time with the GPU synchronized; each kernel's output against
+FlexAttention's, and the host time to build the gather (`plan_ms`, once per forest, shared by every layer). TFLOP/s
+count each row's ancestor-or-self pairs (4 * pairs * heads * dim per forward, 2.5x that for the backward).
+
+    python benchmarks/attention_gathered_paths.py --workload tau2_like --out benchmarks/results/attention.json
+    python benchmarks/attention_gathered_paths.py --device cpu --forests 2 --scale 0.05   # the gather checked on CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+
+import torch
+from harness import provenance
+
+import hf_tree_attn
+from hf_tree_attn.attention import _flex_attention
+
+HEADS, KV_HEADS, DIM = 16, 8, 128  # Qwen3-1.7B
+KERNELS = ("flex", "flash_gathered", "cudnn_gathered")
+
+
+def grpo_forest(rng: random.Random, groups: int, scale: float) -> list[list[int]]:
+    seqs = []
+    for _ in range(groups):
+        prompt = [rng.randrange(1, 1000) for _ in range(max(2, int(rng.randint(1000, 6000) * scale)))]
+        firsts = rng.sample(range(1, 1000), 16)
+        seqs += [
+            prompt + [f] + [rng.randrange(1, 1000) for _ in range(max(1, int(rng.randint(64, 1024) * scale)) - 1)]
+            for f in firsts
+        ]
+    return seqs
+
+
+def agent_forest(rng: random.Random, scale: float, budget: int = 32768) -> list[list[int]]:
+    """One τ²-like conversation: each sample is the history + one response; the first response continues it. Turns
+    stop before the forest's unique tokens would pass `budget`."""
+
+    def tokens(lo, hi):
+        return [rng.randrange(1, 1000) for _ in range(max(1, int(rng.randint(lo, hi) * scale)))]
+
+    history, seqs, side_branches = tokens(4800, 4800), [], 0
+    for _ in range(rng.randint(10, 20)):
+        message, responses = tokens(40, 200), [tokens(80, 400) for _ in range(2)]
+        if len(history) + len(message) + side_branches + sum(map(len, responses)) > budget * max(scale, 1e-9):
+            break
+        history = history + message
+        seqs += [history + r for r in responses]
+        side_branches += len(responses[1])
+        history = history + responses[0]
+    return seqs
+
+
+def gather_plan(forest, device) -> dict:
+    """The forest's rows as segments with their paths: `cu_q` `(N + 1,)` int32 (segment row offsets, the padding
+    tail one more segment attending to itself), `key_index` `(T_k,)` int64 (each segment's path rows, root first),
+    `cu_k` `(N + 1,)` int32, `max_q`, `max_k`."""
+    starts = forest.segment_starts.tolist()  # (segments + 1,) with the real rows' end last
+    parent = forest.segment_parent.tolist()
+    path_rows, pieces, cu_k, max_k = [], [], [0], 0
+    for seg, par in enumerate(parent):
+        own = list(range(starts[seg], starts[seg + 1]))
+        rows = (path_rows[par] if par >= 0 else []) + own
+        path_rows.append(rows)
+        pieces.append(rows)
+        cu_k.append(cu_k[-1] + len(rows))
+        max_k = max(max_k, len(rows))
+    cu_q = list(starts)
+    if forest.seq_len > forest.num_tree_tokens:  # padding rows attend to themselves only: one row per "segment"
+        for row in range(forest.num_tree_tokens, forest.seq_len):
+            pieces.append([row])
+            cu_k.append(cu_k[-1] + 1)
+            cu_q.append(row + 1)
+        max_k = max(max_k, 1)
+    max_q = max(b - a for a, b in zip(cu_q, cu_q[1:]))
+    index = torch.tensor([r for p in pieces for r in p], dtype=torch.int64, device=device)
+    as32 = lambda xs: torch.tensor(xs, dtype=torch.int32, device=device)  # noqa: E731
+    return {"cu_q": as32(cu_q), "cu_k": as32(cu_k), "key_index": index, "max_q": max_q, "max_k": max_k}
+
+
+def flash_gathered(q, k, v, plan, scale):
+    """`q` `(1, heads, S, dim)`, `k`, `v` `(1, kv_heads, S, dim)` -> `(1, heads, S, dim)` through PyTorch's
+    FlashAttention-2 varlen op on the gathered paths."""
+    qs = q[0].transpose(0, 1)  # (S, heads, dim)
+    ks, vs = (x[0].transpose(0, 1).index_select(0, plan["key_index"]) for x in (k, v))
+    out = torch.ops.aten._flash_attention_forward(
+        qs, ks, vs, plan["cu_q"], plan["cu_k"], plan["max_q"], plan["max_k"], 0.0, True, False, scale=scale
+    )[0]
+    return out.transpose(0, 1).unsqueeze(0)
+
+
+def cudnn_gathered(q, k, v, plan, scale):
+    """The same through cuDNN's fused attention on ragged sequences (PyTorch's nested-tensor op), GQA heads
+    repeated."""
+    group = q.shape[1] // k.shape[1]
+    qs = q[0].transpose(0, 1)
+    ks, vs = (x[0].transpose(0, 1).index_select(0, plan["key_index"]).repeat_interleave(group, 1) for x in (k, v))
+    out = torch.ops.aten._cudnn_attention_forward(
+        qs, ks, vs, None, plan["cu_q"], plan["cu_k"], plan["max_q"], plan["max_k"], True, 0.0, True, False, scale=scale
+    )[0]
+    return out.transpose(0, 1).unsqueeze(0)
+
+
+def reference_gathered(q, k, v, plan, scale):
+    """The same gather through one masked softmax per segment (CPU check of the plan): bottom-right causal."""
+    out = torch.empty_like(q)
+    index, cu_q, cu_k = plan["key_index"], plan["cu_q"].tolist(), plan["cu_k"].tolist()
+    group = q.shape[1] // k.shape[1]
+    for s in range(len(cu_q) - 1):
+        rows = torch.arange(cu_q[s], cu_q[s + 1])
+        keys = index[cu_k[s] : cu_k[s + 1]]
+        qq = q[0][:, rows]
+        kk, vv = (x[0][:, keys].repeat_interleave(group, 0) for x in (k, v))
+        lq, lk = len(rows), len(keys)
+        allowed = torch.arange(lk)[None, :] <= torch.arange(lq)[:, None] + (lk - lq)
+        out[0][:, rows] = torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, attn_mask=allowed, scale=scale)
+    return out
+
+
+def timed(fn) -> float:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    out = fn()
+    out.backward(torch.ones_like(out))
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return 1e3 * (time.perf_counter() - start)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", choices=["grpo_mixed", "tau2_like"], default="grpo_mixed")
+    parser.add_argument("--forests", type=int, default=6)
+    parser.add_argument("--groups", type=int, default=2)
+    parser.add_argument("--scale", type=float, default=1.0, help="scale every length (CPU checks)")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--out", default="benchmarks/results/attention_gathered_paths.json")
+    args = parser.parse_args()
+    device, rng = torch.device(args.device), random.Random(0)
+    gen = torch.Generator(device=device).manual_seed(0)
+    scale = DIM**-0.5
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+
+    def forest_of():
+        seqs = (
+            grpo_forest(rng, args.groups, args.scale)
+            if args.workload == "grpo_mixed"
+            else agent_forest(rng, args.scale)
+        )
+        (forest,) = hf_tree_attn.pack_forest(seqs)
+        return forest.to(device)
+
+    def tensors(forest):
+        q = torch.randn(1, HEADS, forest.seq_len, DIM, device=device, dtype=dtype, generator=gen)
+        k, v = (torch.randn(1, KV_HEADS, forest.seq_len, DIM, device=device, dtype=dtype, generator=gen)
+                for _ in "kv")  # fmt: skip
+        return [x.requires_grad_() for x in (q, k, v)]
+
+    if device.type == "cpu":  # check the plan: gathered paths == the tree's dense mask
+        for _ in range(args.forests):
+            forest = forest_of()
+            q, k, v = (x.detach().double() for x in tensors(forest))
+            plan = gather_plan(forest, device)
+            got = reference_gathered(q, k, v, plan, scale)
+            mask = forest.dense_mask(device)
+            want = torch.nn.functional.scaled_dot_product_attention(
+                q, k.repeat_interleave(HEADS // KV_HEADS, 1), v.repeat_interleave(HEADS // KV_HEADS, 1),
+                attn_mask=mask.reshape(1, 1, *mask.shape[-2:]), scale=scale,
+            )  # fmt: skip
+            err = (got - want)[..., : forest.num_tree_tokens, :].abs().max().item()
+            print(f"{forest.num_tree_tokens} rows, {forest.num_segments} segments: max |gathered - dense| {err:.2e}")
+            assert err < 1e-10, err
+        return
+
+    def kernels(forest, q, k, v, plan):
+        block_mask = forest.block_mask(device)
+        return {
+            "flex": lambda: _flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)[0],
+            "flash_gathered": lambda: flash_gathered(q, k, v, plan, scale),
+            "cudnn_gathered": lambda: cudnn_gathered(q, k, v, plan, scale),
+        }
+
+    for _ in range(2):  # FlexAttention compiles for the first length and again, length-generic, at the second
+        forest = forest_of()
+        q, k, v = tensors(forest)
+        timed(kernels(forest, q, k, v, gather_plan(forest, device))["flex"])
+    rows = []
+    for _ in range(args.forests):
+        forest = forest_of()
+        qkv = tensors(forest)
+        start = time.perf_counter()
+        plan = gather_plan(forest, device)
+        plan_ms = 1e3 * (time.perf_counter() - start)
+        real = forest.num_tree_tokens
+        pairs = float((forest.position_ids[0, :real].double() + 1).sum())
+        flops = 4 * pairs * HEADS * DIM
+        row = {"tree_tokens": real, "seq_len": forest.seq_len, "segments": forest.num_segments,
+               "levels": forest.num_levels, "gathered_keys": int(plan["key_index"].numel()), "plan_ms": plan_ms,
+               "forward_tflop": flops / 1e12}  # fmt: skip
+        outputs = {}
+        for name, fn in kernels(forest, *qkv, plan).items():
+            try:
+                first, repeat = timed(fn), timed(fn)
+                with torch.no_grad():
+                    outputs[name] = fn()[:, :, :real].float()
+            except Exception as error:  # noqa: BLE001 - a kernel that refuses these inputs is a result
+                row[name] = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
+                continue
+            row[name] = {"first_ms": first, "repeat_ms": repeat, "tflops": 3.5 * flops / repeat / 1e9}
+            if name != "flex":
+                row[name]["max_abs_vs_flex"] = (outputs[name] - outputs["flex"]).abs().max().item()
+        print(f"{real:>6} rows {row['segments']:>3} segments, gathered keys {row['gathered_keys']:>7}, plan "
+              f"{plan_ms:.1f} ms", flush=True)  # fmt: skip
+        for name in KERNELS:
+            r = row[name]
+            print(f"  {name:<15} " + (r["error"] if "error" in r else
+                  f"first {r['first_ms']:.1f} ms, repeat {r['repeat_ms']:.1f} ms ({r['tflops']:.0f} TFLOP/s), "
+                  f"max |out - flex| {r.get('max_abs_vs_flex', 0):.3g}"), flush=True)  # fmt: skip
+        rows.append(row)
+    ran = [n for n in KERNELS if all("error" not in r[n] for r in rows)]
+    summary = {
+        name: {when: statistics.median(r[name][when] for r in rows) for when in ("first_ms", "repeat_ms", "tflops")}
+        for name in ran
+    }
+    for name in ran[1:]:  # FlexAttention's repeat time over the kernel's, per forest
+        summary[f"repeat_ratio_flex_over_{name}"] = statistics.median(
+            r["flex"]["repeat_ms"] / r[name]["repeat_ms"] for r in rows
+        )
+    print("median:", summary)
+    results = {
+        **provenance(),
+        "heads": [HEADS, KV_HEADS, DIM],
+        "workload": args.workload,
+        "groups_per_forest": args.groups,
+        "rows": rows,
+        "median": summary,
+    }
+    with open(args.out, "w") as fh:
+        json.dump(results, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
