@@ -30,6 +30,7 @@ from results_registry import (
     DEEPSPEED_MAIN_JOB,
     DEEPSPEED_RUNS,
     FLEX_OPTIONS,
+    GATHERED_PATHS,
     GPU_TEST_LOGS,
     GRAD_CHECKS,
     HYBRID_ROWS,
@@ -164,7 +165,11 @@ def pending(key: str, width: int) -> list[list[str]]:
 class Notes:
     """A section's footnotes: a marker beside each row whose file has a note, the note once under the table."""
 
-    MARKS = "¹²³⁴⁵⁶⁷⁸⁹"
+    DIGITS = "⁰¹²³⁴⁵⁶⁷⁸⁹"
+
+    def mark(self, index: int) -> str:
+        """The note marker of the `index`-th note (from 0): ⁽¹⁾, ⁽²⁾, ... ⁽¹⁰⁾."""
+        return "⁽" + "".join(self.DIGITS[int(d)] for d in str(index + 1)) + "⁾"
 
     def __init__(self):
         self.names: list[str] = []
@@ -174,11 +179,11 @@ class Notes:
         cell = f"[{name}]({name})" + (f" · `{SOURCES[name]}`" if SOURCES[name] else "")
         if name in NOTES:
             self.names += [name] * (name not in self.names)
-            cell += f" ⁽{self.MARKS[self.names.index(name)]}⁾"
+            cell += f" {self.mark(self.names.index(name))}"
         return cell
 
     def lines(self) -> list[str]:
-        notes = [f"⁽{self.MARKS[i]}⁾ `{name}` {NOTES[name]}  " for i, name in enumerate(self.names)]
+        notes = [f"{self.mark(i)} `{name}` {NOTES[name]}  " for i, name in enumerate(self.names)]
         return notes + [""] * bool(notes)
 
 
@@ -705,7 +710,42 @@ def prefix_kernels() -> list[str]:
         ]  # fmt: skip
         + table(part_headers, part_rows)
         + [f"Source: {Notes().source(PREFIX_PARTS)}.", ""]
+        + gathered_paths()
     )
+
+
+def gathered_paths() -> list[str]:
+    """FlexAttention's tree mask against one varlen flash call over each segment's gathered path."""
+    rows = []
+    for name in GATHERED_PATHS:
+        run = load(name)
+        forests = run["rows"]
+        cells = [WORKLOADS.get(run["workload"], run["workload"]), str(len(forests))]
+        for kernel in ("flex", "flash_gathered", "cudnn_gathered"):
+            good = [r[kernel] for r in forests if "error" not in r[kernel]]
+            cells.append(f"{statistics.median(r['repeat_ms'] for r in good):.1f} ms "
+                         f"({statistics.median(r['tflops'] for r in good):.0f})" if good else "refused")  # fmt: skip
+        ratios = [r["flex"]["repeat_ms"] / r["flash_gathered"]["repeat_ms"] for r in forests]
+        cells.append(f"{x(statistics.median(ratios))} [{x(min(ratios))}, {x(max(ratios))}]")
+        keys = statistics.median(r["gathered_keys"] / r["tree_tokens"] for r in forests)
+        cells.append(f"{keys:.1f}×")
+        worst = {k: max(r[k].get("max_abs_vs_flex", 0) for r in forests) for k in ("flash_gathered", "cudnn_gathered")}
+        cells.append(f"{worst['flash_gathered']:.3g} / {worst['cudnn_gathered']:.3g}")
+        cells.append(Notes().source(name))
+        rows.append(cells)
+    headers = ["workload", "forests", "FlexAttention, ms (TFLOP/s)", "flash varlen, gathered paths",
+               "cuDNN ragged, gathered paths", "FlexAttention's time over flash's, median [min, max]",
+               "gathered keys / forest rows", "max |out - FlexAttention|, flash / cuDNN", "source"]  # fmt: skip
+    return [
+        "Tree attention without a mask: each segment's rows as one varlen sequence whose keys are its gathered path "
+        "(ancestor segments, then its own rows), causal aligned to the bottom right, in one call of PyTorch's "
+        "FlashAttention-2 varlen op or cuDNN's ragged attention, against FlexAttention's tree mask "
+        "(`attention_gathered_paths.py`): forward + backward on forests new to each kernel, Qwen3-1.7B heads, "
+        "bf16, median over the forests of the repeated call. The flash route is exact (its outputs agree with "
+        "FlexAttention's to bf16 rounding) and slower on both workloads; cuDNN's ragged op as PyTorch calls it "
+        "does not give the tree mask (its causal alignment differs) and is slower still:",
+        "",
+    ] + table(headers, rows)
 
 
 def balance() -> list[str]:
