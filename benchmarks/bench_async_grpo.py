@@ -210,13 +210,18 @@ PAIRS = [("tree", "trl"), ("tree", "trl_compiled"), ("tree_eager", "trl"), ("tre
          ("tree_budget", "trl")]  # fmt: skip
 
 
+class ScoresTaken(Exception):
+    """Raised by `FirstScores(stop=True)` once the first micro-batch is scored: the run needs nothing more."""
+
+
 class FirstScores:
     """The first micro-batch's scored tokens: their targets and log-probabilities, in TRL's loss order (the same
     order on both sides, which the targets check). TRL's side: what its fused head returns at `token_index`; the
-    tree's: the forest's table at the same rows (`_ForestForward`)."""
+    tree's: the forest's table at the same rows (`_ForestForward`). `stop`: score that micro-batch without autograd
+    and raise `ScoresTaken` (no backward, no optimizer state: the float32 reference of an 8B model fits)."""
 
-    def __init__(self):
-        self.targets, self.log_probs = None, None
+    def __init__(self, stop: bool = False):
+        self.targets, self.log_probs, self.stop = None, None, stop
 
     def install(self, trainer, tree: bool):
         compute_loss = trainer.compute_loss
@@ -224,6 +229,13 @@ class FirstScores:
         def recording(model, inputs, *args, **kwargs):
             if self.targets is not None:
                 return compute_loss(model, inputs, *args, **kwargs)
+            if self.stop:
+                with torch.no_grad():
+                    record(model, inputs, *args, **kwargs)
+                raise ScoresTaken
+            return record(model, inputs, *args, **kwargs)
+
+        def record(model, inputs, *args, **kwargs):
             selected = inputs["token_index"] >= 0
             if tree:
                 from hf_tree_attn.trainer import async_grpo_trainer
@@ -290,7 +302,7 @@ def side_main(args) -> dict:
             logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True, use_cpu=not cuda,
             bf16=cuda and not reference, seed=0,
         )  # fmt: skip
-        scores = FirstScores()
+        scores = FirstScores(stop=reference)
         route = contextlib.nullcontext()
         if args.gdn_route != "installed":
             route = gdn_kernels.select(args.gdn_route, lift_guard=True)
@@ -309,7 +321,8 @@ def side_main(args) -> dict:
                 rollout_worker=ReplayRolloutWorker(samples, cycle=True), weight_transfer=NoWeightTransfer(),
             )  # fmt: skip
             scores.install(trainer, tree)
-            trainer.train()
+            with contextlib.suppress(ScoresTaken):  # the reference: its first micro-batch scored, nothing more
+                trainer.train()
     if reference:
         return {"first_scores": {"targets": scores.targets, "log_probs": scores.log_probs}, "dtype": "float32"}
     model_config_ = trainer.accelerator.unwrap_model(trainer.model).config
