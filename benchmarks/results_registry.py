@@ -380,7 +380,8 @@ MERGE = (
 )
 NOTES = {
     "async_grpo_h200_qwen3-8b_paired.json": "on a machine whose inductor cache earlier calls of other shapes had "
-    "filled: the tree's first step 29.1 s.",
+    "filled: the tree's first step 29.1 s. Its stage then ran on the image's transformers 5.17 (the agent row's "
+    "file on 5.24, the version of the other paired rows); the stage now keeps 5.24 from `.whl/common`.",
     "async_grpo_h200_qwen3-8b_paired_tau2.json": "the float32 reference run of TRL's trainer ran out of the H200's "
     "memory at this shape (8B weights in float32 on 16k-token rows), so the two bf16 sides were checked against each "
     "other: their log-probabilities differ by up to 0.36 where the bound is 0.12, and the row counts as failed. On "

@@ -282,13 +282,12 @@ for stage in "$@"; do
       PYTHONPATH=/tmp/site:$PWD timeout 340 python3 benchmarks/bench_async_grpo.py --warmup 2 --steps 8 --resume \
         --models qwen3-1.7b --workloads tau2_like --sides reference trl tree trl_compiled \
         --out "$OUT/async_grpo_h200_qwen3-1.7b_paired.json" 2>&1 | grep -E "^qwen|^  |rror:" ;;
-    compile-async-8b)  # the same at the Qwen3-8B shape, GRPO groups, TRL at its defaults (carry .whl/async)
-      python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/async/*.whl
-      PYTHONPATH=/tmp/site:$PWD timeout 560 python3 benchmarks/bench_async_grpo.py --warmup 2 --steps 8 --resume \
+    compile-async-8b)  # the same at the Qwen3-8B shape, TRL at its defaults (carry .whl)
+      timeout 560 python3 benchmarks/bench_async_grpo.py --warmup 2 --steps 8 --resume \
         --models qwen3-8b --workloads grpo_mixed --sides reference trl tree \
         --out "$OUT/async_grpo_h200_qwen3-8b_paired.json" 2>&1 | grep -E "^qwen|^  |rror:"
       # the agent rows, in a second call on the same machine
-      PYTHONPATH=/tmp/site:$PWD timeout 400 python3 benchmarks/bench_async_grpo.py --warmup 2 --steps 8 \
+      timeout 400 python3 benchmarks/bench_async_grpo.py --warmup 2 --steps 8 \
         --models qwen3-8b --workloads tau2_like --sides reference trl tree \
         --out "$OUT/async_grpo_h200_qwen3-8b_paired_tau2.json" 2>&1 | grep -E "^qwen|^  |rror:" ;;
     compile-async-1.7b-profiled)  # the same rows, one more step per side under the torch profiler (gpu_compile.sh's
