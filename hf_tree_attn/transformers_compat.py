@@ -49,6 +49,10 @@ global).
   may swap for a Hub kernel). A module-level function may thus be such an instance; `kernel_function` gives the
   Python function behind it (transformers' own, with its resolved implementation), which the tree versions read and
   call. Without a tree the dispatchers call the instance itself, with the same arguments.
+
+A third change reaches compiled layers rather than these functions: the attention modules' `forward` is now `kernels`'
+`use_kernelized_func` wrapper, whose Python side effect would break every checkpointed layer's graph under
+`torch.compile` (`compile.checkpoint_side_effects_once`).
 """
 
 from __future__ import annotations
