@@ -56,8 +56,8 @@ or the per-layer copy of a function its forward reaches, may be a Hub kernel the
 `hub_kernels_in` names the ones `kernels` swapped in (`kernels.get_kernelized_layers`, read in kernels 0.19.1), for
 the gate to refuse; without that function (an older `kernels`, or none) the gate falls back to the flag.
 
-A third change reaches compiled layers rather than these functions: the attention modules' `forward` is now `kernels`'
-`use_kernelized_func` wrapper, whose Python side effect would break every checkpointed layer's graph under
+One more change reaches compiled layers rather than these functions: the attention modules' `forward` is now
+`kernels`' `use_kernelized_func` wrapper, whose Python side effect would break every checkpointed layer's graph under
 `torch.compile` (`compile.checkpoint_side_effects_once`).
 """
 
