@@ -18,6 +18,18 @@ compiles it; the backward is compiled at the same time (`force_non_lazy_backward
 there too, before any gradient exists. `call_compiled` then runs the same forward eagerly: if that succeeds the
 failure was the compiler's, the model's layers go back to eager for good and one warning names the error; if it
 fails too, the eager error is raised (it is the model's, not the compiler's).
+
+Checkpointed layers are traced with `checkpoint_side_effects_once()`: from transformers 5.25 on (which depends on the
+`kernels` package) an attention module's `forward` is `kernels`' `use_kernelized_func` wrapper, which sets a
+module-level routing variable before the layer's own `forward` and resets it after (under compilation an attribute
+store on a global object). Dynamo refuses any such store inside a traced checkpoint, because eager checkpointing
+replays a forward's side effects in the recompute, and breaks the layer's graph there: every checkpointed layer,
+flat models' too. With torch's `skip_fwd_side_effects_in_bwd_under_checkpoint` the forward's side effects are kept
+once and not replayed (accelerate sets it for its regional compilation under FSDP2). That is exact here: the
+recompute is the traced graph (the same operations on the same inputs), and the wrapper's set and reset leave the
+variable as they found it, so a replay would change nothing. The flag acts when a layer is traced, so it is set
+around the package's forwards (`call_compiled`) and checkpoint settings (`recompute.recompute_only`) only, not for
+the process.
 """
 
 from __future__ import annotations
@@ -30,7 +42,14 @@ from typing import TypeVar
 
 import torch
 
-__all__ = ["call_compiled", "compile_decoder_layers", "compiled_layers", "decoder_layers", "eager_layers"]
+__all__ = [
+    "call_compiled",
+    "checkpoint_side_effects_once",
+    "compile_decoder_layers",
+    "compiled_layers",
+    "decoder_layers",
+    "eager_layers",
+]
 
 T = TypeVar("T")
 
@@ -97,15 +116,26 @@ def eager_layers(model: torch.nn.Module):
             layer._compiled_call_impl = call
 
 
+def checkpoint_side_effects_once():
+    """A context in which layers traced by torch.compile keep the Python side effects of a checkpointed forward once,
+    not replayed in the backward (`skip_fwd_side_effects_in_bwd_under_checkpoint`): transformers' attention modules
+    from 5.25 on set and reset `kernels`' routing variable, which would otherwise break every checkpointed layer's
+    graph (module docstring)."""
+    return torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True)
+
+
 def call_compiled(model: torch.nn.Module, forward: Callable[[], T]) -> T:
     """`forward()` (a forward of `model`), through its compiled layers; eagerly from the first compiler failure on.
 
     See the module docstring: a failure that the same forward run eagerly does not repeat turns the model's compiled
-    layers off for good, with one warning naming the error; an error the eager forward repeats is raised."""
+    layers off for good, with one warning naming the error; an error the eager forward repeats is raised. Layers
+    compiled by others (accelerate's `compile_regions`, a whole-model `torch.compile`) are traced with
+    `checkpoint_side_effects_once()` too."""
     if not compiled_layers(model):
-        return forward()
+        with checkpoint_side_effects_once():
+            return forward()
     try:
-        with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
+        with checkpoint_side_effects_once(), torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
             return forward()
     except Exception as error:
         with eager_layers(model):

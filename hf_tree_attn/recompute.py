@@ -46,6 +46,8 @@ import weakref
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from .compile import checkpoint_side_effects_once
+
 __all__ = [
     "activation_bytes",
     "attention_output_bytes",
@@ -234,6 +236,8 @@ def recompute_only(model: torch.nn.Module, count: int | None, keep_attention: bo
     transformers decides per layer per forward (`GradientCheckpointingLayer.gradient_checkpointing`), and a
     checkpointed layer's recompute does not consult the flag again, so restoring it after the forward is safe. Layers
     the user left un-checkpointed stay so; `count=None` (or a model without gradient checkpointing) changes nothing.
+    Compiled layers traced within the block keep their checkpointed forward's side effects once
+    (`compile.checkpoint_side_effects_once`: transformers' attention modules from 5.25 on make one).
     """
     layers = _checkpointed_layers(model) if count is not None else []
     functions = [layer._gradient_checkpointing_func for layer in layers]
@@ -248,7 +252,8 @@ def recompute_only(model: torch.nn.Module, count: int | None, keep_attention: bo
             layer.gradient_checkpointing = on
         for layer, func in zip(layers, kept):
             layer._gradient_checkpointing_func = func
-        yield
+        with checkpoint_side_effects_once():
+            yield
     finally:
         for layer, func in zip(layers, functions):
             layer.gradient_checkpointing = True

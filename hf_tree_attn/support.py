@@ -28,7 +28,15 @@ import transformers
 from packaging.version import Version
 
 from .attention import registration_error
-from .recurrent import STATE_LAYER_TYPES, kwargs_breaks, tree_layer_types, unsupported_recurrent_layers
+from .recurrent import (
+    STATE_LAYER_TYPES,
+    TREE_LAYERS,
+    _class_path,
+    kwargs_breaks,
+    tree_layer_types,
+    unsupported_recurrent_layers,
+)
+from .transformers_compat import hub_kernels_in
 from .transformers_compat import install as install_transformers_wrappers
 
 __all__ = [
@@ -558,6 +566,35 @@ def peft_config_error(config) -> str | None:
     return None
 
 
+def _hub_kernel_error(model: torch.nn.Module) -> str | None:
+    """Why Hugging Face Hub kernels keep `model` off trees, or None: one swapped into a state-carrying layer (its
+    forward, a module below it, or its copy of a kernel function) would run out of the tree's dispatch, so the
+    layer's state would run across branches. Where `kernels` cannot say what it swapped in, `use_kernels` decides."""
+    if not tree_layer_types(model):
+        return None
+    way_out = (
+        "Load the model with use_kernels=False (from transformers 5.25 on, from_pretrained swaps Hub kernels in "
+        "unless told not to); the tree picks flash-linear-attention's and causal-conv1d's kernels itself where they "
+        "are installed."
+    )
+    layers = {name for name, m in model.named_modules() if _class_path(type(m)) in TREE_LAYERS}
+    swapped = hub_kernels_in(model, layers)
+    if swapped:
+        return (
+            f"{type(model).__name__} has Hugging Face Hub kernels (the `kernels` package) in its state-carrying "
+            f"layers ({', '.join(swapped[:3])}{', ...' if len(swapped) > 3 else ''}), which bypass the tree's "
+            f"dispatch, so the layers' state would run across branches. {way_out}"
+        )
+    if swapped is None and getattr(model, "use_kernels", False):
+        return (
+            f"{type(model).__name__} was loaded with use_kernels=True: Hugging Face Hub kernels (the `kernels` "
+            "package) may replace a state-carrying layer's forward or its kernel functions (transformers maps "
+            "Qwen3_5GatedDeltaNet to a Hub layer on some GPUs), which bypasses the tree's dispatch, so the layer's "
+            f"state would run across branches. {way_out}"
+        )
+    return None
+
+
 def _state_layer_error(model: torch.nn.Module) -> str | None:
     # Only the decoder layers run on a tree: a vision or audio tower (Phi-4-multimodal's depthwise convolutions)
     # sees only multimodal inputs, which the trainer keeps on the flat path.
@@ -570,14 +607,8 @@ def _state_layer_error(model: torch.nn.Module) -> str | None:
             name: f"{where}, so a tree forward's `tree_forest` cannot reach it and its state would run across branches"
             for name, where in kwargs_breaks(base).items()
         }
-    if not refused and getattr(model, "use_kernels", False) and tree_layer_types(model):
-        return (
-            f"{type(model).__name__} was loaded with use_kernels=True: Hugging Face Hub kernels (the `kernels` "
-            "package) may replace a state-carrying layer's forward or its kernel functions (transformers maps "
-            "Qwen3_5GatedDeltaNet to a Hub layer on some GPUs), which bypasses the tree's dispatch, so the layer's "
-            "state would run across branches. Load the model without use_kernels=True (the tree picks "
-            "flash-linear-attention's and causal-conv1d's kernels itself where they are installed)."
-        )
+    if not refused and (hub := _hub_kernel_error(model)) is not None:
+        return hub
     if not refused:
         return None
     reasons = "; ".join(f"{name}: {why}" for name, why in refused.items())

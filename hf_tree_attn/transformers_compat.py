@@ -49,6 +49,16 @@ global).
   may swap for a Hub kernel). A module-level function may thus be such an instance; `kernel_function` gives the
   Python function behind it (transformers' own, with its resolved implementation), which the tree versions read and
   call. Without a tree the dispatchers call the instance itself, with the same arguments.
+
+From 5.25 on `from_pretrained` also swaps Hub kernels in by default (`use_kernels` defaults to True there, so the flag
+no longer says that the user asked for them): on devices `kernels`' mapping lists, a state-carrying layer's forward,
+or the per-layer copy of a function its forward reaches, may be a Hub kernel the tree's dispatch does not see.
+`hub_kernels_in` names the ones `kernels` swapped in (`kernels.get_kernelized_layers`, read in kernels 0.19.1), for
+the gate to refuse; without that function (an older `kernels`, or none) the gate falls back to the flag.
+
+One more change reaches compiled layers rather than these functions: the attention modules' `forward` is now
+`kernels`' `use_kernelized_func` wrapper, whose Python side effect would break every checkpointed layer's graph under
+`torch.compile` (`compile.checkpoint_side_effects_once`).
 """
 
 from __future__ import annotations
@@ -64,7 +74,14 @@ from torch.nn.attention.flex_attention import BlockMask
 
 from . import recurrent
 
-__all__ = ["TRANSFORMERS_CHECKED", "WRAPPED_FUNCTIONS", "WrappedFunction", "install", "kernel_function"]
+__all__ = [
+    "TRANSFORMERS_CHECKED",
+    "WRAPPED_FUNCTIONS",
+    "WrappedFunction",
+    "hub_kernels_in",
+    "install",
+    "kernel_function",
+]
 
 TRANSFORMERS_CHECKED = "5.25.0"  # the release every target below was read in
 _ALSO_READ = ("5.24.0",)  # releases every target was also read in
@@ -132,6 +149,20 @@ def kernel_function(function):
     if isinstance(function, torch.nn.Module) and hasattr(function, "kernel_layer_name"):
         return inspect.getclosurevars(type(function).forward).nonlocals["func"]
     return function
+
+
+def hub_kernels_in(model: torch.nn.Module, module_names: set[str]) -> list[str] | None:
+    """Where `kernels` swapped a Hub kernel in (module names, `module:function` for a per-layer function copy) within
+    the modules of `model` named in `module_names` or below them; None where this cannot be told (no `kernels`, or
+    one without `get_kernelized_layers`)."""
+    try:
+        from kernels import get_kernelized_layers
+    except ImportError:
+        return None
+    kernelized = get_kernelized_layers(model)
+    found = [(name, name) for name in kernelized.layers]
+    found += [(module, f"{module}:{function}") for module, function in kernelized.funcs]
+    return [where for module, where in found if any(module == m or module.startswith(m + ".") for m in module_names)]
 
 
 def _function_source(function) -> str:

@@ -116,6 +116,32 @@ def test_an_error_the_eager_forward_repeats_is_raised():
     assert compiled_layers(model) == list(model.model.layers)  # not the compiler's fault: still compiled
 
 
+def test_checkpointed_layers_are_traced_whole_through_call_compiled():
+    """transformers' attention modules from 5.25 on (`kernels`' `use_kernelized_func` wrapper) set and reset a routing
+    variable around their forward, which breaks the graph of every checkpointed compiled layer; the package's
+    forwards (`call_compiled`) trace them whole, and leave torch's setting as they found it."""
+    from hf_tree_attn.logprobs import forest_forward_kwargs
+
+    (forest,) = hf_tree_attn.pack_forest(SEQUENCES)
+    setting = torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint
+    breaks = {}
+    for through_package in [False, True]:
+        torch._dynamo.reset()
+        counters.clear()
+        model = tiny_model("qwen3").train()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        compile_decoder_layers(model, backend="aot_eager", dynamic=True)
+        if through_package:
+            hf_tree_attn.forest_logprobs(model, forest)[0].sum().backward()
+            assert counters["stats"]["unique_graphs"] >= 1
+        else:
+            model(**forest_forward_kwargs(forest, "cpu")).logits.sum().backward()
+        breaks[through_package] = sum(counters["graph_break"].values())
+    assert torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint == setting
+    wrapped = "_kernel_funcs" in vars(model.model.layers[0].self_attn)  # kernels' wrapper around the forward
+    assert breaks == {False: breaks[False], True: 0} and bool(breaks[False]) == wrapped, (breaks, wrapped)
+
+
 def test_a_model_without_decoder_layers_is_refused():
     with pytest.raises(ValueError, match="no transformers decoder layers"):
         compile_decoder_layers(torch.nn.Linear(2, 2))

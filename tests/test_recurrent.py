@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import random
+import re
 import sys
 
 import pytest
@@ -630,17 +631,36 @@ def test_gate_refuses_an_unknown_state_carrying_layer(monkeypatch):
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "bamba"])
-def test_a_hybrid_loaded_with_hub_kernels_is_refused(family):
-    """`use_kernels=True` lets Hugging Face Hub kernels replace a state-carrying layer's forward (transformers maps
-    Qwen3_5GatedDeltaNet to one on some GPUs), out of the tree's dispatch: refused with the reason and the way out.
-    The `kernels` package is not installed here, so the flag `from_pretrained(..., use_kernels=True)` sets is set
-    directly; an attention-only model with it is not refused (its Hub kernels act per token)."""
+def test_a_hybrid_with_hub_kernels_in_its_state_layers_is_refused(family):
+    """A Hugging Face Hub kernel swapped into a state-carrying layer (its forward: transformers maps
+    Qwen3_5GatedDeltaNet to one on some GPUs; or the layer's copy of a kernel function) runs out of the tree's
+    dispatch: refused with the reason and the way out. Where `kernels` can say what it swapped in
+    (`kernels.get_kernelized_layers`) that decides, so `use_kernels=True` alone — which `from_pretrained` sets by
+    default from transformers 5.25 on — is not refused where nothing was swapped in (on the CPU), nor a Hub kernel
+    outside the state-carrying layers (per token). Without `kernels` the flag is all there is to go by: refused. An
+    attention-only model with the flag is not refused (its Hub kernels act per token)."""
     tree, _ = hybrid_twin_models(family)
     check_tree_model(tree)
     tree._use_kernels = True  # what PreTrainedModel.use_kernels reads
     assert tree.use_kernels
-    with pytest.raises(NotImplementedError, match=r"use_kernels=True.*Load the model without use_kernels=True"):
-        check_tree_model(tree)
+    if transformers_compat.hub_kernels_in(tree, set()) is None:  # no `kernels` to ask
+        with pytest.raises(NotImplementedError, match=r"use_kernels=True.*Load the model with use_kernels=False"):
+            check_tree_model(tree)
+    else:
+        check_tree_model(tree)  # the flag, nothing swapped in
+        tree.get_output_embeddings().__dict__["_kernel_repo"] = "a Hub repository"  # how `kernels` marks a swap
+        check_tree_model(tree)  # outside the state-carrying layers
+        paths = recurrent.TREE_LAYERS
+        name, layer = next((n, m) for n, m in tree.named_modules() if recurrent._class_path(type(m)) in paths)
+        marked = [layer, *vars(layer).get("_kernel_funcs", {}).values()]  # the layer, its function copies (5.25)
+        for module in marked:
+            module.__dict__["_kernel_repo"] = "a Hub repository"
+            refusal = rf"Hub kernels .* state-carrying layers \({re.escape(name)}"
+            with pytest.raises(NotImplementedError, match=refusal):
+                check_tree_model(tree)
+            del module.__dict__["_kernel_repo"]
+        if family == "qwen3_5":
+            assert len(marked) > 1  # its layer lists its kernel functions for `kernels`
     dense, _ = twin_models("qwen3")
     dense._use_kernels = True
     check_tree_model(dense)
