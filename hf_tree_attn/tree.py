@@ -33,7 +33,9 @@ Building is vectorised per sequence, never per token: sort the sequences (``memc
 take the longest common prefix (LCP) of sorted neighbours, and append each sequence's tokens after that LCP.
 A trie is a run of sorted sequences whose neighbours share at least one token; whole tries are bin-packed
 into micro-batches (first-fit decreasing by unique tokens), and a trie larger than a micro-batch is cut into
-runs of consecutive sequences — each run repeats only the prefix it still shares with the rest.
+runs of consecutive sequences — each run repeats only the prefix it still shares with the rest. Within a
+micro-batch, the tries and, at every branch, the child subtrees are then laid out heaviest first (most unique
+tokens; ties in sorted order), which keeps each heavy path, such as a conversation's history, contiguous.
 """
 
 from __future__ import annotations
