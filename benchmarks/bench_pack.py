@@ -5,8 +5,8 @@ Workload (seeded): 32 groups x 16 completions; each prompt has 1024 random token
 
 Both builders produce the same output: the DFS-preorder row (token, depth, parent, subtree_end, padded to 128)
 and every sequence's row positions. The dict-trie builder is the obvious per-token implementation (insert every
-token into nested dicts, then walk the trie with children in token order), so the comparison is fair; its output
-is checked equal to `pack_forest`'s, array by array.
+token into nested dicts, then walk the trie with children heaviest subtree first, ties by token, as `pack_forest`
+orders them), so the comparison is fair; its output is checked equal to `pack_forest`'s, array by array.
 
     python benchmarks/bench_pack.py --out benchmarks/results/pack_forest_cpu.json
 """
@@ -40,7 +40,8 @@ def make_batch(groups: int, completions: int, prompt: int, lo: int, hi: int, voc
 
 
 def dict_trie_pack(sequences: list[list[int]], pad_multiple: int = 128) -> dict[str, np.ndarray | list]:
-    """The per-token baseline: nested-dict trie, then an explicit DFS (children by token) for the layout."""
+    """The per-token baseline: nested-dict trie, then an explicit DFS for the layout (children by decreasing
+    subtree size, ties by token)."""
     children: list[dict[int, int]] = [{}]  # node 0 = empty root
     token = [-1]
     paths = []
@@ -58,16 +59,24 @@ def dict_trie_pack(sequences: list[list[int]], pad_multiple: int = 128) -> dict[
         paths.append(path)
 
     n = len(token) - 1
+    nodes = [1] * (n + 1)  # trie nodes in each node's subtree; a child is always created after its parent
+    for node in range(n, 0, -1):
+        for child in children[node].values():
+            nodes[node] += nodes[child]
+
+    def heavy_first(node: int) -> list[int]:  # children in visiting order
+        return [c for _, c in sorted(children[node].items(), key=lambda item: (-nodes[item[1]], item[0]))]
+
     padded = -(-n // pad_multiple) * pad_multiple
     row_of = [0] * (n + 1)
     tokens, depth, parent = [0] * padded, [0] * padded, [-1] * padded
-    stack = [(child, -1, 0) for _, child in sorted(children[0].items(), reverse=True)]
+    stack = [(child, -1, 0) for child in reversed(heavy_first(0))]
     row = 0
     while stack:
         node, parent_row, d = stack.pop()
         row_of[node] = row
         tokens[row], depth[row], parent[row] = token[node], d, parent_row
-        stack.extend((child, row, d + 1) for _, child in sorted(children[node].items(), reverse=True))
+        stack.extend((child, row, d + 1) for child in reversed(heavy_first(node)))
         row += 1
     size = [1] * padded
     for r in range(n - 1, -1, -1):  # preorder: a subtree is the rows right after its root
@@ -95,7 +104,7 @@ def timed(fn, repeats: int) -> dict:
 
 
 def check_equal(sequences, reference: dict, forest) -> None:
-    """The dict trie's layout must be exactly `pack_forest`'s (same DFS order: children sorted by token)."""
+    """The dict trie's layout must be exactly `pack_forest`'s (same DFS order)."""
     assert reference["num_tree_tokens"] == forest.num_tree_tokens, (
         reference["num_tree_tokens"],
         forest.num_tree_tokens,

@@ -287,11 +287,11 @@ def test_gather_and_pad_shapes():
     (forest,) = pack_forest(sequences, pad_multiple=8)
     table = torch.arange(forest.seq_len, dtype=torch.float32) * 10
     values = gather_sequences(forest, table)
-    # Sorted layout: row 0 = [4], rows 1-4 = 5 6 7 8, row 5 = 9.
-    assert [v.tolist() for v in values] == [[20.0, 30.0, 40.0], [20.0, 50.0], []]
+    # Heaviest trie and child first: rows 0-3 = 5 6 7 8, row 4 = 9, row 5 = [4].
+    assert [v.tolist() for v in values] == [[10.0, 20.0, 30.0], [10.0, 40.0], []]
     padded, mask = pad_sequences(values, padding_value=-1.0)
     assert padded.shape == mask.shape == (3, 3) and mask.dtype == torch.bool
-    assert padded.tolist() == [[20.0, 30.0, 40.0], [20.0, 50.0, -1.0], [-1.0, -1.0, -1.0]]
+    assert padded.tolist() == [[10.0, 20.0, 30.0], [10.0, 40.0, -1.0], [-1.0, -1.0, -1.0]]
     assert mask.tolist() == [[True, True, True], [True, True, False], [False, False, False]]
 
 

@@ -21,6 +21,7 @@ from helpers import (
 )
 
 from hf_tree_attn import PackedForest, pack_forest, tree_token_ratio
+from hf_tree_attn import tree as tree_module
 
 SEEDS = (0, 1, 2)
 
@@ -211,6 +212,30 @@ def test_deep_multiturn_tree_has_one_level_per_branch_point():
     assert torch.equal(level[has_parent], level[parent[has_parent]] + 1)
     assert (level[~has_parent] == 0).all()
     assert forest.num_levels >= 20
+
+
+def test_heavy_subtree_first_keeps_the_history_contiguous():
+    """At each branch the child with the most unique tokens comes first: an agent conversation whose sampled side
+    branches sort before its continuing history (token 1 < 50) still lays the history out unbroken, so
+    FlexAttention's 128-row blocks straddle fewer branch ends than in lexicographic order."""
+    rng = random.Random(3)
+    history, sequences = [rng.randrange(10, 99) for _ in range(300)], []
+    for _ in range(12):
+        side = [1] + [rng.randrange(10, 99) for _ in range(rng.randint(20, 60))]
+        sequences.append(history + side)
+        history = history + [50] + [rng.randrange(10, 99) for _ in range(rng.randint(70, 90))]
+    sequences.append(history)
+    (forest,) = pack_forest(sequences)
+    _check_forests(sequences, [forest], 128, None)
+    assert forest.positions(len(sequences) - 1).tolist() == list(range(len(history)))
+    arrays = [np.array(s) for s in sequences]
+    lexicographic = tree_module._layout(arrays, *tree_module._sorted_with_lcp(arrays), 128)
+    assert lexicographic.positions(len(sequences) - 1).tolist() != list(range(len(history)))
+
+    def partial_blocks(f: PackedForest) -> int:
+        return int(f.block_mask("cpu").kv_num_blocks.sum())
+
+    assert partial_blocks(forest) < partial_blocks(lexicographic)
 
 
 def test_identical_sequences_share_every_row():
