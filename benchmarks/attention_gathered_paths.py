@@ -31,6 +31,7 @@ import time
 
 import torch
 from harness import provenance
+from prefix_attention_new_shapes import timed
 
 import hf_tree_attn
 from hf_tree_attn.attention import _flex_attention
@@ -134,17 +135,6 @@ def reference_gathered(q, k, v, plan, scale):
         allowed = torch.arange(lk)[None, :] <= torch.arange(lq)[:, None] + (lk - lq)
         out[0][:, rows] = torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, attn_mask=allowed, scale=scale)
     return out
-
-
-def timed(fn) -> float:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    out = fn()
-    out.backward(torch.ones_like(out))
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return 1e3 * (time.perf_counter() - start)
 
 
 def main():

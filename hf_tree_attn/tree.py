@@ -371,21 +371,25 @@ def _heavy_first(arrays: list[np.ndarray], members: list[int], lcp: np.ndarray) 
     lengths = np.array([len(arrays[m]) for m in members], dtype=np.int64)
     new_tokens = lengths - lcp
     picked: list[int] = []
-    stack = [(0, len(members))]
+    picked_lcp: list[int] = []
+    # (range, LCP of its first sequence with the one laid out before it): a subtree's first child inherits it, each
+    # later child shares exactly the subtree's common prefix with the last sequence of the sibling before it.
+    stack = [(0, len(members), 0)]
     while stack:
-        start, stop = stack.pop()
+        start, stop, first_lcp = stack.pop()
         if stop - start == 1:
             picked.append(start)
+            picked_lcp.append(first_lcp)
             continue
         shared = int(lcp[start + 1 : stop].min())  # the tokens all of this subtree's sequences share
         cuts = [start, *(start + 1 + np.flatnonzero(lcp[start + 1 : stop] == shared)).tolist(), stop]
-        children = list(zip(cuts[:-1], cuts[1:]))
-        size = {c: int(lengths[c[0]] - shared + new_tokens[c[0] + 1 : c[1]].sum()) for c in children}
-        stack.extend(reversed(sorted(children, key=lambda c: -size[c])))  # the heaviest child is popped first
+        children = sorted(
+            zip(cuts[:-1], cuts[1:]), key=lambda c: -int(lengths[c[0]] - shared + new_tokens[c[0] + 1 : c[1]].sum())
+        )
+        entries = [(a, b, first_lcp if k == 0 else shared) for k, (a, b) in enumerate(children)]
+        stack.extend(reversed(entries))  # the heaviest child is popped first
     order = [members[j] for j in picked]
-    new_lcp = np.zeros(len(order), dtype=np.int64)
-    for j in range(1, len(order)):
-        new_lcp[j] = _common_prefix(arrays[order[j - 1]], arrays[order[j]])
+    new_lcp = np.array(picked_lcp, dtype=np.int64)
     return order, new_lcp
 
 
