@@ -98,12 +98,19 @@ for phase in ${PHASES:-tests}; do
     async-1.7b-tau2)  # resumes async-1.7b-grpo's file: the tau2_like row (TRL's compiled side compiles ~90 s)
       step "${TAU2_LIMIT:-340}" "$phase" "${ASYNC[@]}" --models qwen3-1.7b --workloads tau2_like \
         --sides reference trl tree trl_compiled --out "$KEEP/async_grpo_h200_qwen3-1.7b_paired.json" ;;
+    async-8b-tau2)  # the agent rows at the Qwen3-8B shape, the float32 reference scoring one micro-batch and stopping
+      step 480 "$phase" "${ASYNC[@]}" --models qwen3-8b --workloads tau2_like --sides reference trl tree \
+        --out "$KEEP/async_grpo_h200_qwen3-8b_paired_tau2.json" ;;
     async-8b)
       step 480 "$phase" "${ASYNC[@]}" --models qwen3-8b --workloads grpo_mixed tau2_like --sides trl tree \
         --out "$KEEP/async_grpo_h200_qwen3-8b_paired.json" ;;
     sync-1.7b)
       step 220 "$phase" "${SYNC[@]}" --models qwen3-1.7b --workloads grpo_mixed --sides reference trl tree \
         --out "$KEEP/sync_grpo_h200_qwen3-1.7b_paired.json" ;;
+    sync-1.7b-p4096)  # the fixed-length row: 4,096-token prompts, G=16 completions of 512 tokens, every side in one
+      # call
+      step 560 "$phase" "${SYNC[@]}" --models qwen3-1.7b --workloads grpo_P4096_C512 --sides reference trl tree \
+        --out "$KEEP/sync_grpo_h200_qwen3-1.7b_P4096_paired.json" ;;
     sync-1.7b-tree)  # resumes sync-1.7b's file (its reference and TRL sides): the tree side
       step 190 "$phase" "${SYNC[@]}" --models qwen3-1.7b --workloads grpo_mixed --sides tree \
         --out "$KEEP/sync_grpo_h200_qwen3-1.7b_paired.json" ;;
