@@ -434,8 +434,7 @@ def main():
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    if args.resume:
-        resume(out, results, [(m, w) for m in args.models for w in args.workloads])
+    earlier = resume(out, results, [(m, w) for m in args.models for w in args.workloads]) if args.resume else {}
     child = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
              if k in ("activation_budget_gib", "token_budget", "steps", "warmup", "scale", "dtype",
                       "gdn_route")]  # fmt: skip
@@ -443,7 +442,7 @@ def main():
     rows = [(m, w) for m in args.models for w in args.workloads]
     run_rows(Path(__file__), out, results, rows, args.sides, {
         "argv": child, "env": lambda side: SIDES[side][2], "pair": lambda row: _pair(row, args.dtype),
-        "summary": _summary, "resume": args.resume})  # fmt: skip
+        "summary": _summary, "earlier": earlier})  # fmt: skip
 
 
 def _pair(row: dict, dtype: str) -> None:

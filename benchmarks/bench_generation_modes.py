@@ -498,8 +498,7 @@ def main():
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     rows = [(m, w) for m in args.models for w in args.modes]
-    if args.resume:
-        resume(out, results, rows)
+    earlier = resume(out, results, rows) if args.resume else {}
     runnable = []
     for model, mode in rows:
         reason = skipped(mode)
@@ -528,7 +527,7 @@ def main():
              f"--completion={args.completion}", f"--perturb-tree={args.perturb_tree}"]  # fmt: skip
     sides = sorted(args.sides, key=lambda s: s == "reference")  # the reference replays a timed side's rows
     run_rows(Path(__file__), out, results, runnable, sides, {
-        "argv": child, "env": env, "pair": _pair, "summary": _summary, "resume": args.resume})  # fmt: skip
+        "argv": child, "env": env, "pair": _pair, "summary": _summary, "earlier": earlier})  # fmt: skip
     print(f"wrote {out}")
 
 

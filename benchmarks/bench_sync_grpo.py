@@ -181,13 +181,12 @@ def main():
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    if args.resume:
-        resume(out, results, [(m, w) for m in args.models for w in args.workloads])
+    earlier = resume(out, results, [(m, w) for m in args.models for w in args.workloads]) if args.resume else {}
     child = [f"--steps={args.steps}", f"--warmup={args.warmup}", f"--scale={args.scale}"]
     rows = [(m, w) for m in args.models for w in args.workloads]
     run_rows(Path(__file__), out, results, rows, args.sides, {
         "argv": child, "env": lambda side: SIDES[side][2], "pair": _pair, "summary": _summary,
-        "resume": args.resume})  # fmt: skip
+        "earlier": earlier})  # fmt: skip
 
 
 def _pair(row: dict) -> None:

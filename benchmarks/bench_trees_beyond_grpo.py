@@ -490,13 +490,12 @@ def main():
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    if args.resume:
-        resume(out, results, [(m, w) for m in args.models for w in args.workloads])
+    earlier = resume(out, results, [(m, w) for m in args.models for w in args.workloads]) if args.resume else {}
     child = [f"--steps={args.steps}", f"--warmup={args.warmup}", f"--scale={args.scale}", f"--batch={args.batch}",
              f"--perturb-tree={args.perturb_tree}", *(["--no-cudnn-sdpa"] if args.no_cudnn_sdpa else [])]  # fmt: skip
     rows = [(m, w) for m in args.models for w in args.workloads]
     run_rows(Path(__file__), out, results, rows, args.sides, {
-        "argv": child, "env": lambda side: {}, "pair": _pair, "summary": _summary, "resume": args.resume})  # fmt: skip
+        "argv": child, "env": lambda side: {}, "pair": _pair, "summary": _summary, "earlier": earlier})  # fmt: skip
 
 
 if __name__ == "__main__":

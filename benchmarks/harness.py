@@ -7,7 +7,7 @@ ratios and agreement checks that can fail.
   step's seconds from `train()`'s start (the compile cost), the peak memory after the warm-up.
 - `run_side(script, side, argv, env)`: one side of a comparison in a process of its own (its own CUDA context,
   allocator, compile caches in memory and module state), which writes its result as JSON (`write_side`).
-- `earlier_sides(out, model, workload)`: sides an earlier run of the same benchmark wrote (`--resume`).
+- `resume(out, results, planned)`: the rows and sides an earlier run of the same benchmark wrote (`--resume`).
 - `run_rows(...)`: a benchmark's rows, side after side, each row's pairs and the result file re-written after every
   side (a call that runs out of time keeps the sides it finished).
 - `paired(reference, candidate)`: per measured step, reference seconds / candidate seconds on the same step
@@ -236,24 +236,23 @@ def write_side(path: str, result: dict) -> None:
     Path(path).write_text(json.dumps(result))
 
 
-def resume(out: Path, results: dict, planned: list[tuple[str, str]]) -> None:
+def resume(out: Path, results: dict, planned: list[tuple[str, str]]) -> dict[tuple[str, str], dict]:
     """Into `results`, the rows of an earlier run's `out` that this run does not redo (`planned`: its (model,
-    workload) rows), and that run's provenance under `earlier_runs`."""
-    if not out.exists():
-        return
-    earlier = json.loads(out.read_text())
-    results["rows"] = [r for r in earlier.get("rows", []) if (r["model"], r["workload"]) not in planned]
-    keys = ("command", "git_commit", "git_dirty", "time_utc")
-    results["earlier_runs"] = [*earlier.get("earlier_runs", []), {k: earlier.get(k) for k in keys}]
-
-
-def earlier_sides(out: Path, model: str, workload: str) -> dict:
-    """The sides of row (`model`, `workload`) an earlier run wrote to `out` without error (`--resume`: a benchmark
-    split over several calls of a GPU machine pairs them with the sides it runs now)."""
+    workload) rows), and that run's provenance under `earlier_runs`. Returns the sides the earlier run wrote without
+    error for each planned row, read now: `out` is re-written as soon as this run starts (`run_rows`' `earlier`)."""
     if not out.exists():
         return {}
-    rows = [r for r in json.loads(out.read_text()).get("rows", []) if (r["model"], r["workload"]) == (model, workload)]
-    return {name: side for row in rows for name, side in row["sides"].items() if "error" not in side}
+    earlier = json.loads(out.read_text())
+    results["rows"], sides = [], {}
+    for row in earlier.get("rows", []):
+        key = (row["model"], row["workload"])
+        if key not in planned:
+            results["rows"].append(row)
+            continue
+        sides.setdefault(key, {}).update({n: side for n, side in row["sides"].items() if "error" not in side})
+    keys = ("command", "git_commit", "git_dirty", "time_utc")
+    results["earlier_runs"] = [*earlier.get("earlier_runs", []), {k: earlier.get(k) for k in keys}]
+    return sides
 
 
 def run_rows(
@@ -262,13 +261,13 @@ def run_rows(
     """Run every (model, workload) row of `rows`, side after side, each side in its own process (`run_side`).
 
     `args`: `argv` (the child's flags), `env(side)` (what the side adds to the environment), `pair(row)` (fills
-    `row["paired"]` and `row["agreement"]` from the sides that ran), `summary(row)` (a line to print), `resume`
-    (pair with the sides an earlier run wrote to `out`). After every side the row's pairs are recomputed and `out`
-    re-written, so a run cut off by a time limit keeps what it finished; `--resume` runs the rest later."""
+    `row["paired"]` and `row["agreement"]` from the sides that ran), `summary(row)` (a line to print), `earlier`
+    (`resume`'s sides of an earlier run, paired with the ones run now). After every side the row's pairs are
+    recomputed and `out` re-written, so a run cut off by a time limit keeps what it finished; `--resume` runs the
+    rest later."""
     for model, workload in rows:
         row = {"model": model, "workload": workload, "sides": {}, "paired": {}, "agreement": {}}
-        if args.get("resume"):
-            row["sides"].update(earlier_sides(out, model, workload))
+        row["sides"].update(args.get("earlier", {}).get((model, workload), {}))
         results["rows"].append(row)
         for side in sides:
             argv = [*args["argv"], "--models", model, "--workloads", workload]
