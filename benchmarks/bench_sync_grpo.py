@@ -22,7 +22,7 @@ log-probabilities of the completion tokens, each side's error to the float32 `re
 (targets compared first), with `tree_fallback == 0` on the tree side.
 
     python benchmarks/bench_sync_grpo.py --models qwen3-1.7b --workloads grpo_P4096_C512 grpo_mixed \\
-        --sides trl tree --out benchmarks/results/sync_grpo_h200_qwen3-1.7b.json
+        --sides reference trl tree --out benchmarks/results/sync_grpo_h200_qwen3-1.7b_paired.json
     python benchmarks/bench_sync_grpo.py --models tiny --scale 0.02 --warmup 1 --steps 8    # CPU smoke run
 """
 

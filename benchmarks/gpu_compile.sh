@@ -4,7 +4,7 @@
 #
 #   PHASES="async-1.7b-grpo tests" bash benchmarks/gpu_compile.sh      (repository root, .whl/async carried)
 #   PHASES=beyond-grpo bash benchmarks/gpu_compile.sh, then PHASES=beyond-grpo-more (one call each: ~5 + ~6 min)
-#   PHASES=generation-modes bash benchmarks/gpu_compile.sh, then PHASES=generation-modes-static (~7 min each)
+#   PHASES=generation-modes bash benchmarks/gpu_compile.sh, then PHASES=generation-modes-tree (~5 min each)
 #
 # Phases write into $KEEP (/tmp, which a warm machine keeps between calls made back to back), so a benchmark split
 # over several calls resumes its file (--resume pairs the sides measured earlier with the new ones); everything in
@@ -118,9 +118,12 @@ for phase in ${PHASES:-tests}; do
       step "${BEYOND_LIMIT:-400}" "$phase" "${BEYOND[@]}" --workloads sft_system_prompt dpo_long_prompt ;;
     beyond-grpo-more)  # resumes beyond-grpo's file: per-turn SFT, TreeRewardTrainer, TreeRLOOTrainer (~6 min)
       step 450 "$phase" "${BEYOND[@]}" --workloads sft_agent_turns reward_pairs rloo_groups ;;
-    generation-modes)  # TreeGRPOTrainer vs trl.GRPOTrainer through HF generate: sides trl, tree, then the float32
-      # reference (replays TRL's first step); 10 steps of ~10-16 s a side on the earlier files' numbers
-      step "${GENMODES_LIMIT:-450}" "$phase" "${GENMODES[@]}" --modes generate ;;
+    generation-modes)  # TreeGRPOTrainer vs trl.GRPOTrainer through HF generate: TRL's side alone (10 steps of ~16 s
+      # and its load: ~280 s), then generation-modes-tree resumes the file in a second call
+      step "${GENMODES_LIMIT:-450}" "$phase" "${GENMODES[@]}" --modes generate --sides trl ;;
+    generation-modes-tree)  # the tree (~13 s a step, its compile ~90 s) and the float32 reference (replays the first
+      # step's completions)
+      step 420 "$phase" "${GENMODES[@]}" --modes generate --sides tree reference ;;
     generation-modes-static)  # resumes generation-modes' file: HF generate with the static cache (~11-13 s a step)
       step "${GENMODES_LIMIT:-450}" "$phase" "${GENMODES[@]}" --modes static_cache ;;
     generation-modes-cb)  # continuous batching (~50 s a step, so one warm-up step): TRL's side alone in one call,

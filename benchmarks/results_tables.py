@@ -54,8 +54,8 @@ from results_registry import (
     README_ROWS,
     SOURCES,
     SYNC_PAIRED,
-    SYNC_ROWS,
     THROUGH_TRAINER,
+    THROUGH_TRAINER_PAIRED,
     TRAINER_PROFILES,
 )
 
@@ -268,47 +268,52 @@ def trainer_row(name: str, wl: str) -> dict:
 
 
 def sync_steps() -> list[str]:
-    notes, paired_rows, rows = Notes(), [], []
+    notes, rows = Notes(), []
     for name, wl in SYNC_PAIRED:
         row = trainer_row(name, wl)
         trl, tree = row["sides"]["trl"], row["sides"]["tree"]
         checks = row["agreement"].values()
-        paired_rows.append([
+        rows.append([
             MODELS[row["model"]], WORKLOADS[wl], f"{secs(trl['median_step_s'])} / {secs(tree['median_step_s'])}",
             f"{trl['first_step_s']:.1f} / {tree['first_step_s']:.1f} s", ranged(row["paired"].get("tree vs trl")),
             f"{pct(tree['mfu'], 1)} / {pct(trl['mfu'], 1)}", f"{tree['peak_gib']:.1f} / {trl['peak_gib']:.1f}",
             f"{sum(c['passed'] for c in checks)} of {len(checks)} pairs", notes.source(name),
         ])  # fmt: skip
-    for name, wl in SYNC_ROWS:
-        row = trainer_row(name, wl)
-        trl, tree = row["sides"]["trl"], row["sides"]["tree"]
-        rows.append([
-            MODELS[row["model"]], WORKLOADS[wl], steps(trl["step_s"]), steps(tree["step_s"]),
-            faster(row["speedup_tree_vs_trl"]), f"{pct(tree['mfu'], 1)} / {pct(trl['mfu'], 1)}",
-            f"{tree['peak_gib']:.1f} / {trl['peak_gib']:.1f} ({x(row['peak_tree_over_trl'])})",
-            "yes" if row["same_completions"] else "**no**", notes.source(name),
-        ])  # fmt: skip
-    paired_headers = ["model", "workload", "median step TRL / tree", "first step TRL / tree", "tree vs TRL",
-                      "MFU tree / TRL", "peak GiB tree / TRL", "agreement", "source"]  # fmt: skip
-    headers = ["model", "workload", "step, TRL (each measured step)", "step, tree", "tree vs TRL (median step)",
-               "MFU tree / TRL", "peak GiB tree / TRL", "same completions", "source"]  # fmt: skip
-    return (
-        [PAIRED_INTRO, ""]
-        + table(paired_headers, paired_rows)
-        + ["Earlier rows (older code: both sides in one process, two measured steps, a ratio of median steps):", ""]
-        + table(headers, rows + pending("sync", len(headers)))
-        + notes.lines()
-    )
+    headers = ["model", "workload", "median step TRL / tree", "first step TRL / tree", "tree vs TRL",
+               "MFU tree / TRL", "peak GiB tree / TRL", "agreement", "source"]  # fmt: skip
+    return [PAIRED_INTRO, ""] + table(headers, rows + pending("sync", len(headers))) + notes.lines()
+
+
+def generation_workload(spec: dict, model: str) -> str:
+    """A bench_generation_modes.py workload: prompts, G, the shared and own prompt, the completion length."""
+    return (f"{MODELS[model]}: {spec['prompts_per_step']} prompts × G={spec['generations']}, "
+            f"P={spec['shared_prompt'] + spec['own_prompt']:,} ({spec['shared_prompt']:,} shared), "
+            f"C={spec['completion']}")  # fmt: skip
 
 
 def through_trainer() -> list[str]:
-    notes, rows = Notes(), []
+    notes, paired_rows, rows = Notes(), [], []
+    for name, mode in THROUGH_TRAINER_PAIRED:
+        row = trainer_row(name, mode)
+        trl, tree = row["sides"]["trl"], row["sides"]["tree"]
+        pair = row["paired"]["tree vs trl"]
+        checks = row["agreement"].values()
+        paired_rows.append([
+            generation_workload(load(name)["workload"], row["model"]), f"`{mode}`",
+            f"{secs(trl['median_step_s'])} / {secs(tree['median_step_s'])}",
+            f"{secs(trl['median_trainer_phase_s'])} / {secs(tree['median_trainer_phase_s'])}", ranged(pair),
+            ranged(pair.get("trainer_phase")), f"{x(tree['token_ceiling'])} / {x(tree['flops_ceiling'])}",
+            f"{pct(tree['trainer_phase_mfu'], 1)} / {pct(trl['trainer_phase_mfu'], 1)}",
+            f"{tree['peak_gib']:.1f} / {trl['peak_gib']:.1f}",
+            f"{sum(c['passed'] for c in checks)} of {len(checks)} pairs", notes.source(name),
+        ])  # fmt: skip
+    paired_headers = ["workload", "generation", "median step TRL / tree", "median trainer phase TRL / tree",
+                      "step, tree vs TRL", "trainer phase, tree vs TRL", "token / FLOP ceiling",
+                      "trainer-phase MFU tree / TRL", "peak GiB tree / TRL", "agreement", "source"]  # fmt: skip
     for mode, tree_file, flat_file in THROUGH_TRAINER:
         tree = load(tree_file)["results"][mode]["tree"]
         spec = load(tree_file)["meta"]["workload"]
-        what = (f"{MODELS[spec['model']]}: {spec['prompts_per_step']} prompts × G={spec['generations']}, "
-                f"P={spec['shared_prompt'] + spec['own_prompt']:,} ({spec['shared_prompt']:,} shared), "
-                f"C={spec['completion']}")  # fmt: skip
+        what = generation_workload(spec, spec["model"])
         if flat_file.endswith(".log"):  # a run its time limit stopped: the steps it printed
             steps = printed_steps(flat_file)
             flat_phase = f"{secs(steps[-1]['logprob_forwards'] + steps[-1]['backward'])} in step {len(steps)}"
@@ -322,7 +327,17 @@ def through_trainer() -> list[str]:
         rows.append([what, f"`{mode}`", flat_phase, secs(tree["mean"]["trainer_phase"]), speed, peak, sources])
     headers = ["workload", "generation", "trainer phase, TRL", "trainer phase, tree", "tree vs TRL",
                "peak memory tree / TRL", "source"]  # fmt: skip
-    return table(headers, rows + pending("through_trainer", len(headers))) + notes.lines()
+    return (
+        [PAIRED_INTRO.replace("micro-batch", "step's policy forward"), ""]
+        + table(paired_headers, paired_rows)
+        + [
+            "Earlier rows (older code: both trainers in one process, 2–3 measured steps, a ratio of mean trainer "
+            "phases):",
+            "",
+        ]  # fmt: skip
+        + table(headers, rows + pending("through_trainer", len(headers)))
+        + notes.lines()
+    )
 
 
 def loop_rows() -> list[str]:
@@ -526,6 +541,12 @@ def generation_modes() -> list[str]:
         return [f"`{mode}`", side, secs(step), f"{secs(generation)} ({pct(generation / step)})",
                 f"{secs(phase)} ({pct(phase / step)})", steps, notes.source(name)]  # fmt: skip
 
+    for name, mode in THROUGH_TRAINER_PAIRED:
+        sides = trainer_row(name, mode)["sides"]
+        for side, key in (("tree", "tree"), ("TRL", "trl")):
+            r = sides[key]
+            rows.append(row(mode, side, r["median_step_s"], r["median_generation_s"], r["median_trainer_phase_s"],
+                            f"{len(r['measured_step_s'])} (median)", name))  # fmt: skip
     for mode, tree_file, flat_file in THROUGH_TRAINER:
         for side, name in (("tree", tree_file), ("TRL", flat_file)):
             if name.endswith(".log"):
@@ -536,7 +557,7 @@ def generation_modes() -> list[str]:
             result = load(name)["results"][mode]["tree" if side == "tree" else "flat"]
             mean = result["mean"]
             rows.append(row(mode, side, mean["step"], mean["generation"], mean["trainer_phase"],
-                            str(len(result["steps"])), name))  # fmt: skip
+                            f"{len(result['steps'])} (mean)", name))  # fmt: skip
     headers = ["generation", "trainer", "step", "generation (share)", "trainer phase (share)", "steps measured",
                "source"]  # fmt: skip
     e2e = load("tree_vs_flat_h200_qwen3-0.6b.json")["e2e"]["qwen3-0.6b"]
@@ -1180,8 +1201,9 @@ SECTIONS = [  # (heading level, title, section, what it measures)
     (3, "Through the trainer at TRL's defaults", through_trainer,
      "`TreeGRPOTrainer` against `trl.GRPOTrainer`, each through `trainer.train()` with the same config: TRL's "
      "defaults (gradient checkpointing and bf16 among them; the tree's own at theirs), one prompt's G completions "
-     "per micro-batch, one micro-batch per prompt of a step; mean of the steps after a warm-up step. Trainer phase "
-     "= every log-prob forward (old-policy, reference, policy) and the backward (`bench_generation_modes.py`)."),
+     "per micro-batch, one micro-batch per prompt of a step; the earlier rows the mean of the steps after a "
+     "warm-up step. Trainer phase = every log-prob forward (old-policy, reference, policy) and the backward "
+     "(`bench_generation_modes.py`)."),
     (3, "Benchmark loop, per model and workload", loop_rows,
      "`bench_tree_vs_flat.py` writes the trainer phase out by hand (old-log-prob forward without grad, policy "
      "forward and backward, gradient checkpointing, LM head on the scored tokens only) and runs it on the same batch "
@@ -1318,31 +1340,16 @@ def readme_table() -> str:
     rows = []
     for model, wl, trainer, eager, compiled in README_ROWS:
         through = "not yet measured"
-        if trainer and trainer[0].endswith("_paired.json"):  # bench_sync_grpo.py on the harness: paired steps
+        if trainer:  # bench_sync_grpo.py / bench_generation_modes.py on the harness: paired steps
             name, key = trainer
-            row = trainer_row(name, key)
-            pair = row["paired"]["tree vs trl"]
+            pair = trainer_row(name, key)["paired"]["tree vs trl"]
+            phase = pair.get("trainer_phase")
             through = (
                 f"**[{x(pair['median'])}](benchmarks/results/{name})** [{x(pair['min'])}, {x(pair['max'])}] per "
-                f"step (paired), memory {x(pair['peak_ratio'])}"
-            )
-        elif trainer and trainer[0].startswith("sync_grpo_"):  # bench_sync_grpo.py: whole steps, median
-            name, key = trainer
-            row = trainer_row(name, key)
-            speed, peak = row["speedup_tree_vs_trl"], row["peak_tree_over_trl"]
-            steps = len(row["sides"]["tree"]["step_s"])
-            through = (
-                f"**[{x(speed)}](benchmarks/results/{name})** per step (ratio of medians of {steps} steps, unpaired; "
-                f"older code), memory {x(peak)}"
-            )
-        elif trainer:  # bench_generation_modes.py: the trainer phase, mean
-            name, mode = trainer
-            tree, flat = (load(name)["results"][mode][side] for side in ("tree", "flat"))
-            speed = flat["mean"]["trainer_phase"] / tree["mean"]["trainer_phase"]
-            peak = tree["peak_memory_gib"] / flat["peak_memory_gib"]
-            through = (
-                f"**[{x(speed)}](benchmarks/results/{name})** trainer phase (ratio of means, unpaired; older code), "
-                f"memory {x(peak)}"
+                f"step (paired)"
+                + (f", trainer phase {x(phase['median'])} [{x(phase['min'])}, {x(phase['max'])}]" if phase else "")
+                + f", memory {x(pair['peak_ratio'])}"
+                + ("; **agreement failed**" if pair.get("failed") else "")
             )
         rows.append([model, wl, through, loop(eager), loop(compiled)])
     headers = ["model shape", "workload", "tree vs `trl.GRPOTrainer` through `trainer.train()` at TRL's defaults",

@@ -247,9 +247,15 @@ for stage in "$@"; do
       timeout 200 python3 benchmarks/attention_gathered_paths.py --workload tau2_like \
         --out "$OUT/attention_gathered_paths_h200_tau2_like.json" 2>&1 | quiet 40 ;;
     # ---- whole GRPO steps through trainer.train(), per generation mode (TreeGRPOTrainer vs trl.GRPOTrainer)
-    generation-modes)
-      timeout 200 python3 benchmarks/bench_generation_modes.py --modes generate continuous_batching static_cache \
-        --steps 3 --out "$OUT/generation_modes_h200.json" 2>&1 | grep -v -i warn | grep -E "^\||step|skipped" ;;
+    generation-modes)  # HF generate, paired per step: TRL's side, then the tree and the float32 reference resuming
+      # the file (gpu_compile.sh's generation-modes phase; two calls made back to back on one machine; carry .whl)
+      python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/async/*.whl
+      PYTHONPATH=/tmp/site:$PWD timeout 450 python3 benchmarks/bench_generation_modes.py --models qwen3-0.6b \
+        --warmup 2 --steps 8 --resume --modes generate --sides trl --out "$OUT/generation_modes_h200_paired.json" \
+        2>&1 | grep -E "^qwen|^  |rror:"
+      PYTHONPATH=/tmp/site:$PWD timeout 420 python3 benchmarks/bench_generation_modes.py --models qwen3-0.6b \
+        --warmup 2 --steps 8 --resume --modes generate --sides tree reference \
+        --out "$OUT/generation_modes_h200_paired.json" 2>&1 | grep -E "^qwen|^  |rror:" ;;
     generation-modes-more)
       timeout 280 python3 benchmarks/bench_generation_modes.py --modes continuous_batching static_cache compiled \
         --steps 3 --out "$OUT/generation_modes_h200_more.json" 2>&1 | grep -v -i warn | grep -E "^\||step|skipped" ;;
@@ -286,8 +292,9 @@ for stage in "$@"; do
       timeout 560 python3 benchmarks/bench_async_grpo.py --warmup 2 --steps 8 --resume \
         --models qwen3-8b --workloads grpo_mixed --sides reference trl tree \
         --out "$OUT/async_grpo_h200_qwen3-8b_paired.json" 2>&1 | grep -E "^qwen|^  |rror:"
-      # the agent rows, in a second call on the same machine
-      timeout 400 python3 benchmarks/bench_async_grpo.py --warmup 2 --steps 8 \
+      # the agent rows, in a second call on the same machine (gpu_compile.sh's async-8b-tau2 phase: the float32
+      # reference scores one micro-batch and stops, which fits beside the 8B shape)
+      timeout 480 python3 benchmarks/bench_async_grpo.py --warmup 2 --steps 8 --resume \
         --models qwen3-8b --workloads tau2_like --sides reference trl tree \
         --out "$OUT/async_grpo_h200_qwen3-8b_paired_tau2.json" 2>&1 | grep -E "^qwen|^  |rror:" ;;
     compile-async-1.7b-profiled)  # the same rows, one more step per side under the torch profiler (gpu_compile.sh's
@@ -308,6 +315,12 @@ for stage in "$@"; do
       PYTHONPATH=/tmp/site:$PWD timeout 190 python3 benchmarks/bench_sync_grpo.py --warmup 2 --steps 8 --resume \
         --models qwen3-1.7b --workloads grpo_mixed --sides tree \
         --out "$OUT/sync_grpo_h200_qwen3-1.7b_paired.json" 2>&1 | grep -E "^qwen|^  |rror:" ;;
+    compile-sync-1.7b-p4096)  # the same on the fixed-length row, every side in one call (gpu_compile.sh's
+      # sync-1.7b-p4096 phase; carry .whl)
+      python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/async/*.whl
+      PYTHONPATH=/tmp/site:$PWD timeout 560 python3 benchmarks/bench_sync_grpo.py --warmup 2 --steps 8 --resume \
+        --models qwen3-1.7b --workloads grpo_P4096_C512 --sides reference trl tree \
+        --out "$OUT/sync_grpo_h200_qwen3-1.7b_P4096_paired.json" 2>&1 | grep -E "^qwen|^  |rror:" ;;
     beyond-grpo-paired)  # TreeSFTTrainer / TreeDPOTrainer, the reward and RLOO trainers vs TRL's, each side in its own
       # process, paired per step (gpu_compile.sh's beyond-grpo and beyond-grpo-more phases, the last row by itself;
       # calls made back to back, each resuming the file; carry .whl)
