@@ -1,0 +1,241 @@
+"""Prefix reuse on a GPU: one optimizer step's log-prob forward and backward, split into micro-batches vs as one
+forest in chunks (`tree_prefix_reuse`), step time, peak memory and agreement, on the workloads of
+`bench_prefix_reuse_plan.py` (which counts their forwarded tokens without a model).
+
+Methods, on the same sequences every step (weights fixed: no optimizer step, so every step repeats one step's work):
+
+- `split`: what the trainers do without prefix reuse — `pack_forest(sequences, max_tokens_per_mb=budget)`, then per
+  micro-batch `forest_logprobs` and its backward, each micro-batch repeating the prefix its sequences need; a
+  sequence longer than the budget is refused (recorded as such);
+- `reuse`: `sequence_logprobs(..., prefix_reuse=True)` and one backward: the step as one forest in chunks of `budget`
+  rows, every row forwarded once (`hf_tree_attn.prefix_reuse`; on CUDA its FlexAttention path,
+  `HF_TREE_ATTN_PREFIX_REUSE_CUDA=flex` unless set otherwise).
+
+The loss is the same for both: a fixed random weight per scored token times its log-probability, summed, over the
+step's scored tokens. Random-weight bf16 models of the named shapes (no download), every decoder layer checkpointed
+(non-reentrant), as the planner's estimates assume. Both methods run in one process, one after the other, each
+with `--warmup` unmeasured and `--steps` measured steps (CUDA-synchronized); `paired["split vs reuse"]` is the
+split's seconds over reuse's per measured step (`harness.paired`: min / median / max). Agreement, on the first
+step: the per-token log-probabilities of the two methods within `harness.LOGPROB_BOUND` of the dtype, and the
+cosine of their parameter gradients (each tensor's, the least reported; at least `GRAD_COSINE`); a row that fails
+is marked `failed`. MFU: 3x the forward FLOPs of the step's sequences as one prefix forest (`estimate_flops`'
+`tree_flops`; recompute not counted) per step second over 989 TFLOP/s.
+
+    python benchmarks/bench_prefix_reuse_gpu.py --models qwen3-1.7b --workloads agent_2x20x4 \\
+        --out benchmarks/results/prefix_reuse_gpu_h200_qwen3-1.7b.json
+    python benchmarks/bench_prefix_reuse_gpu.py --models tiny --workloads smoke --device cpu --dtype float32 \\
+        --warmup 1 --steps 8                                                                 # CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_TREE_ATTN_PREFIX_REUSE_CUDA", "flex")
+
+import torch  # noqa: E402
+from transformers import AutoModelForCausalLM, Qwen3Config  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
+from bench_prefix_reuse_plan import WORKLOADS as PLAN_WORKLOADS  # noqa: E402
+from bench_tree_vs_flat import MODELS, PEAK_FLOPS  # noqa: E402
+from harness import LOGPROB_BOUND, agreement, paired, provenance  # noqa: E402
+
+from hf_tree_attn import forest_logprobs, gather_sequences, pack_forest, sequence_logprobs  # noqa: E402
+from hf_tree_attn.chunked import plan_chunks  # noqa: E402
+from hf_tree_attn.metrics import estimate_flops  # noqa: E402
+from hf_tree_attn.support import rope_split_lengths  # noqa: E402
+
+GRAD_COSINE = 0.99
+GIB = 2**30
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, vocab_size=512, max_position_embeddings=4096)  # fmt: skip
+
+
+def smoke() -> list[list[int]]:
+    """Two small agent conversations (a CPU run): samples sharing a system prompt and their histories."""
+    rng = random.Random(0)
+    system = [rng.randrange(3, 500) for _ in range(64)]
+    samples = []
+    for _ in range(2):
+        history = list(system)
+        for _ in range(4):
+            history += [rng.randrange(3, 500) for _ in range(24)]
+            samples += [history + [rng.randrange(3, 500) for _ in range(16)] for _ in range(2)]
+            history += samples[-1][len(history) :]
+    return samples
+
+
+WORKLOADS = {**PLAN_WORKLOADS, "smoke": (smoke, 256)}
+
+
+def build_model(name: str, device: str, dtype: torch.dtype) -> torch.nn.Module:
+    config = Qwen3Config(**(TINY if name == "tiny" else MODELS[name]))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="tree_flex").to(device)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model.train()
+
+
+def step(model, sequences, budget: int, method: str, weights: list[torch.Tensor], scored: int) -> list[torch.Tensor]:
+    """One step's forward and backward by `method`; the per-sequence log-probabilities (detached)."""
+    device = next(model.parameters()).device
+    model.zero_grad(set_to_none=True)
+    if method == "reuse":
+        logps = sequence_logprobs(model, sequences, budget, prefix_reuse=True)
+        (sum((w * lp).sum() for w, lp in zip(weights, logps)) / scored).backward()
+        return [lp.detach() for lp in logps]
+    out: list[torch.Tensor | None] = [None] * len(sequences)
+    splits = rope_split_lengths(model.config)
+    for forest in pack_forest(sequences, max_tokens_per_mb=budget, split_lengths=splits):
+        forest = forest.to(device)
+        table, _ = forest_logprobs(model, forest)
+        values = gather_sequences(forest, table)
+        (sum((weights[i] * v).sum() for i, v in zip(forest.seq_ids, values)) / scored).backward()
+        for i, v in zip(forest.seq_ids, values):
+            out[i] = v.detach()
+    return out
+
+
+def synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_method(model, sequences, budget, method, weights, scored, args) -> tuple[dict, dict | None]:
+    """`method`'s steps: its times and peak memory, and its first step's log-probs and gradients (None where the
+    method refuses the workload: `({"refused": why}, None)`)."""
+    device = args.device
+    if device == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    splits = rope_split_lengths(model.config)
+    if method == "split":
+        try:
+            forests = pack_forest(sequences, max_tokens_per_mb=budget, split_lengths=splits)
+        except ValueError as error:
+            return {"refused": str(error).split(". ")[0]}, None
+        forwarded = sum(f.num_tree_tokens for f in forests)
+    else:  # the forests `sequence_logprobs` runs: one per length class, in chunks where larger than the budget
+        forests = pack_forest(sequences, split_lengths=splits, two_level=False)
+        forwarded = sum(plan_chunks(f, budget).forwarded_rows if f.seq_len > budget else f.num_tree_tokens
+                        for f in forests)  # fmt: skip
+    seconds, first = [], None
+    for k in range(args.warmup + args.steps):
+        synchronize(device)
+        start = time.perf_counter()
+        logps = step(model, sequences, budget, method, weights, scored)
+        synchronize(device)
+        seconds.append(time.perf_counter() - start)
+        if k == 0:
+            first = {
+                "logps": torch.cat(logps).float().cpu().tolist(),
+                "grads": {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None},
+            }
+    result = {
+        "step_s": seconds, "first_step_s": seconds[0], "measured_step_s": seconds[args.warmup:],
+        "median_step_s": statistics.median(seconds[args.warmup:]),
+        "peak_gib": torch.cuda.max_memory_allocated() / GIB if device == "cuda" else None,
+    }  # fmt: skip
+    result["forwards" if method == "split" else "forests"] = len(forests)
+    result["forwarded"] = forwarded
+    return result, first
+
+
+def gradient_cosine(a: dict, b: dict) -> float:
+    """The least cosine over parameter tensors of two gradient dicts (the same names)."""
+    assert a.keys() == b.keys() and a
+    return min(torch.nn.functional.cosine_similarity(a[n].float().flatten(), b[n].float().flatten(), dim=0).item()
+               for n in a)  # fmt: skip
+
+
+def measure(model_name: str, workload: str, args, save) -> dict:
+    """One (model, workload) row; `save(row)` after each method (a run cut off by a time limit keeps them)."""
+    build, budget = WORKLOADS[workload]
+    budget = args.budget or budget
+    sequences = build()
+    dtype = getattr(torch, args.dtype)
+    model = build_model(model_name, args.device, dtype)
+    (forest,) = pack_forest(sequences, two_level=False)
+    scored = sum(len(s) - 1 for s in sequences)
+    g = torch.Generator().manual_seed(1)
+    weights = [torch.randn(len(s) - 1, generator=g).to(args.device) for s in sequences]
+    flops = 3 * estimate_flops(model.config, sequences)["tree_flops"]
+    row = {"model": model_name, "workload": workload, "budget": budget, "sequences": len(sequences),
+           "longest": max(map(len, sequences)), "unique": forest.num_tree_tokens, "methods": {}}  # fmt: skip
+    firsts = {}
+    for method in args.methods:
+        result, first = run_method(model, sequences, budget, method, weights, scored, args)
+        row["methods"][method] = result
+        if first is None:
+            print(f"  {method}: {result['refused']}", flush=True)
+            continue
+        firsts[method] = first
+        result["mfu"] = flops / result["median_step_s"] / PEAK_FLOPS
+        result["forwarded_over_unique"] = result["forwarded"] / row["unique"]
+        save(row)
+        print(f"  {method}: {result['median_step_s']:.3f} s (first {result['first_step_s']:.1f} s)  "
+              f"mfu {100 * result['mfu']:.1f}%  peak {result['peak_gib'] or 0:.1f} GiB", flush=True)  # fmt: skip
+    if {"split", "reuse"} <= firsts.keys():
+        split, reuse = row["methods"]["split"], row["methods"]["reuse"]
+        check = agreement(firsts["reuse"]["logps"], firsts["split"]["logps"], bound=LOGPROB_BOUND[args.dtype])
+        check["gradient_cosine"] = gradient_cosine(firsts["reuse"]["grads"], firsts["split"]["grads"])
+        check["passed"] = check["passed"] and check["gradient_cosine"] >= GRAD_COSINE
+        row["agreement"] = check
+        try:
+            row["paired"] = paired(split["measured_step_s"], reuse["measured_step_s"])
+        except ValueError as error:
+            row["paired"] = {"error": str(error)}
+        row["paired"]["failed"] = not check["passed"]
+        pair = row["paired"]
+        if "median" in pair:
+            print(f"  split vs reuse: {pair['median']:.2f}x [{pair['min']:.2f}, {pair['max']:.2f}] "
+                  f"{'FAILED agreement' if pair['failed'] else 'agrees'} (max |dlogp| {check['max_abs']:.3g}, "
+                  f"gradient cosine {check['gradient_cosine']:.5f})", flush=True)  # fmt: skip
+    del model, firsts
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=["qwen3-1.7b"], choices=[*MODELS, "tiny"])
+    parser.add_argument("--workloads", nargs="+", default=["agent_2x20x4"], choices=list(WORKLOADS))
+    parser.add_argument("--methods", nargs="+", default=["split", "reuse"], choices=["split", "reuse"])
+    parser.add_argument("--budget", type=int, help="token budget (default: the workload's)")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=8, help="measured steps (at least 8 for a ratio)")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--out", default="benchmarks/results/prefix_reuse_gpu.json")
+    args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device here (use --device cpu for a smoke run)")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    results = {**provenance(), "peak_flops": PEAK_FLOPS, "cuda_path": os.environ["HF_TREE_ATTN_PREFIX_REUSE_CUDA"],
+               "dtype": args.dtype, "warmup": args.warmup, "steps": args.steps, "rows": []}  # fmt: skip
+    for model_name in args.models:
+        for workload in args.workloads:
+            print(f"{model_name:<12} {workload}", flush=True)
+            done = list(results["rows"])
+
+            def save(row: dict, done: list = done) -> None:
+                results["rows"] = [*done, row]
+                out.write_text(json.dumps(results, indent=1))
+
+            save(measure(model_name, workload, args, save))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
