@@ -1233,7 +1233,10 @@ SECTIONS = [  # (heading level, title, section, what it measures)
      "later chunks read (`tree_prefix_reuse=True`). Forwarded counts the forward passes' rows (both then recompute "
      "each checkpointed layer once). The estimate is `hf_tree_attn.reuse_planner`'s, bf16, every layer "
      "checkpointed: the backward's peak beyond weights, gradients and optimizer state, at chunks of the budget; the "
-     "least over chunk sizes beside it. Not yet measured on a GPU."),
+     "least over chunk sizes beside it. Not yet measured on a GPU: `bench_prefix_reuse_gpu.py` (stage "
+     "`prefix-reuse-gpu`) times the two layouts on these workloads; its one call so far, Qwen3-0.6B shape on "
+     "`agent_2x20x4`, ran out of its 190 s before the split's nine steps ended (each forwards ~290k rows whose "
+     "attention spans histories of up to 50k tokens), and wrote nothing."),
     (2, "FLOP ceiling and MFU", flop_ceiling_and_mfu,
      "MFU = model FLOPs of the trainer phase (`estimate_flops` × 4: old-log-prob forward, policy forward, backward; "
      "recompute not counted) / time / 989 TFLOPS (the H200's dense bf16 peak). A tree that recomputes fewer layers "
