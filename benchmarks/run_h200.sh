@@ -353,10 +353,12 @@ for stage in "$@"; do
     gpu-tests-prefix-reuse)  # prefix reuse on CUDA, both attention paths
       timeout 300 python3 -m pytest -v -rfEs -m gpu -p no:cacheprovider tests/test_gpu_prefix_reuse.py 2>&1 \
         | grep -v DEBUG > "$OUT/h200_gpu_tests_prefix_reuse.log" ;;
-    prefix-reuse-gpu)  # one step split into micro-batches vs one forest in chunks (prefix reuse), Qwen3-0.6B and
-      # 1.7B shapes on the agent workloads, FlexAttention path; each (model, workload) row several minutes
+    prefix-reuse-gpu)  # one step split into micro-batches vs one forest in chunks (prefix reuse), FlexAttention path,
+      # Qwen3-0.6B shape on the agent workload whose split repeats most (~20 s a split step by the FLOP count: its
+      # attention spans histories of up to 50k tokens)
       timeout 560 python3 benchmarks/bench_prefix_reuse_gpu.py --models qwen3-0.6b --workloads agent_2x20x4 \
-        --warmup 1 --steps 8 --out "$OUT/prefix_reuse_gpu_h200_qwen3-0.6b.json" 2>&1 | quiet 12
+        --warmup 1 --steps 8 --out "$OUT/prefix_reuse_gpu_h200_qwen3-0.6b.json" 2>&1 | quiet 12 ;;
+    prefix-reuse-gpu-1.7b)  # the same at the Qwen3-1.7B shape, in a call of its own
       timeout 560 python3 benchmarks/bench_prefix_reuse_gpu.py --models qwen3-1.7b --workloads agent_4x20 \
         --warmup 1 --steps 8 --out "$OUT/prefix_reuse_gpu_h200_qwen3-1.7b.json" 2>&1 | quiet 12 ;;
     async-grpo-prefix-kernels)  # the tree side of the 1.7B rows on the shared-prefix kernels for every two-level
