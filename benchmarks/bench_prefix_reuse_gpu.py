@@ -2,7 +2,8 @@
 forest in chunks (`tree_prefix_reuse`), step time, peak memory and agreement, on the workloads of
 `bench_prefix_reuse_plan.py` (which counts their forwarded tokens without a model).
 
-Methods, on the same sequences every step (weights fixed: no optimizer step, so every step repeats one step's work):
+Methods, on the same sequences every step (weights fixed, so every step repeats one step's work: no optimizer step,
+or with `--optimizer` an AdamW step at learning rate 0, which holds and updates its states as training does):
 
 - `split`: what the trainers do without prefix reuse — `pack_forest(sequences, max_tokens_per_mb=budget)`, then per
   micro-batch `forest_logprobs` and its backward, each micro-batch repeating the prefix its sequences need; a
@@ -15,14 +16,16 @@ The loss is the same for both: a fixed random weight per scored token times its 
 step's scored tokens. Random-weight bf16 models of the named shapes (no download), every decoder layer checkpointed
 (non-reentrant), as the planner's estimates assume. Both methods run in one process, one after the other, each
 with `--warmup` unmeasured and `--steps` measured steps (CUDA-synchronized); `paired["split vs reuse"]` is the
-split's seconds over reuse's per measured step (`harness.paired`: min / median / max). Agreement, on the first
-step: the per-token log-probabilities of the two methods within `harness.LOGPROB_BOUND` of the dtype, and the
-cosine of their parameter gradients (each tensor's, the least reported; at least `GRAD_COSINE`); a row that fails
-is marked `failed`. MFU: 3x the forward FLOPs of the step's sequences as one prefix forest (`estimate_flops`'
-`tree_flops`; recompute not counted) per step second over 989 TFLOP/s.
+split's seconds over reuse's per measured step (`harness.paired`: min / median / max); peak memory after the
+warm-up. Agreement, on the first step: the per-token log-probabilities of the two methods within
+`harness.LOGPROB_BOUND` of the dtype, and the cosine of their parameter gradients (each tensor's, the least reported;
+at least `GRAD_COSINE`); a row that fails is marked `failed`. MFU: 3x the forward FLOPs of the step's sequences as
+one prefix forest (`estimate_flops`' `tree_flops`; recompute not counted) per step second over 989 TFLOP/s.
 
     python benchmarks/bench_prefix_reuse_gpu.py --models qwen3-1.7b --workloads agent_2x20x4 \\
         --out benchmarks/results/prefix_reuse_gpu_h200_qwen3-1.7b.json
+    python benchmarks/bench_prefix_reuse_gpu.py --models qwen3-8b --workloads trajectory_96k --methods reuse \\
+        --optimizer --out benchmarks/results/prefix_reuse_gpu_h200_qwen3-8b_trajectory.json    # fits one H200?
     python benchmarks/bench_prefix_reuse_gpu.py --models tiny --workloads smoke --device cpu --dtype float32 \\
         --warmup 1 --steps 8                                                                 # CPU smoke run
 """
@@ -114,6 +117,9 @@ def run_method(model, sequences, budget, method, weights, scored, args) -> tuple
     """`method`'s steps: its times and peak memory, and its first step's log-probs and gradients (None where the
     method refuses the workload: `({"refused": why}, None)`)."""
     device = args.device
+    # AdamW at learning rate 0: its states held and updated as in training, the weights unchanged (every step the
+    # same work); made per method, so its states count in each method's peak memory
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.0) if args.optimizer else None
     if device == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -128,18 +134,22 @@ def run_method(model, sequences, budget, method, weights, scored, args) -> tuple
         forests = pack_forest(sequences, split_lengths=splits, two_level=False)
         forwarded = sum(plan_chunks(f, budget).forwarded_rows if f.seq_len > budget else f.num_tree_tokens
                         for f in forests)  # fmt: skip
-    seconds, first = [], None
+    seconds, first = [], {}
     for k in range(args.warmup + args.steps):
         synchronize(device)
         start = time.perf_counter()
         logps = step(model, sequences, budget, method, weights, scored)
+        if optimizer is not None:
+            optimizer.step()
         synchronize(device)
         seconds.append(time.perf_counter() - start)
-        if k == 0:
+        if k == 0 and len(args.methods) > 1:  # for the agreement check, on the host (an 8B model's are 16 GB)
             first = {
                 "logps": torch.cat(logps).float().cpu().tolist(),
-                "grads": {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None},
+                "grads": {n: p.grad.detach().cpu() for n, p in model.named_parameters() if p.grad is not None},
             }
+        if k == args.warmup - 1 and device == "cuda":  # the peak after the warm-up (compile and autotuning left out)
+            torch.cuda.reset_peak_memory_stats()
     result = {
         "step_s": seconds, "first_step_s": seconds[0], "measured_step_s": seconds[args.warmup:],
         "median_step_s": statistics.median(seconds[args.warmup:]),
@@ -216,6 +226,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8, help="measured steps (at least 8 for a ratio)")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--optimizer", action="store_true", help="an AdamW step (learning rate 0) after each step")
     parser.add_argument("--out", default="benchmarks/results/prefix_reuse_gpu.json")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -223,7 +234,8 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     results = {**provenance(), "peak_flops": PEAK_FLOPS, "cuda_path": os.environ["HF_TREE_ATTN_PREFIX_REUSE_CUDA"],
-               "dtype": args.dtype, "warmup": args.warmup, "steps": args.steps, "rows": []}  # fmt: skip
+               "dtype": args.dtype, "warmup": args.warmup, "steps": args.steps, "optimizer": args.optimizer,
+               "rows": []}  # fmt: skip
     for model_name in args.models:
         for workload in args.workloads:
             print(f"{model_name:<12} {workload}", flush=True)

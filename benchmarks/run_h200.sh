@@ -358,6 +358,11 @@ for stage in "$@"; do
       # attention spans histories of up to 50k tokens)
       timeout 560 python3 benchmarks/bench_prefix_reuse_gpu.py --models qwen3-0.6b --workloads agent_2x20x4 \
         --warmup 1 --steps 8 --out "$OUT/prefix_reuse_gpu_h200_qwen3-0.6b.json" 2>&1 | quiet 12 ;;
+    prefix-reuse-gpu-8b-trajectory)  # the 96k-token trajectory with 8 branches at the Qwen3-8B shape in 32k-row
+      # chunks, with AdamW's states held (the split refuses it): does one step fit in one H200, and how long is it
+      timeout 560 python3 benchmarks/bench_prefix_reuse_gpu.py --models qwen3-8b --workloads trajectory_96k \
+        --methods reuse --optimizer --warmup 1 --steps 8 \
+        --out "$OUT/prefix_reuse_gpu_h200_qwen3-8b_trajectory.json" 2>&1 | quiet 12 ;;
     prefix-reuse-gpu-1.7b)  # the same at the Qwen3-1.7B shape, in a call of its own
       timeout 560 python3 benchmarks/bench_prefix_reuse_gpu.py --models qwen3-1.7b --workloads agent_4x20 \
         --warmup 1 --steps 8 --out "$OUT/prefix_reuse_gpu_h200_qwen3-1.7b.json" 2>&1 | quiet 12 ;;

@@ -1,0 +1,40 @@
+"""benchmarks/bench_prefix_reuse_gpu.py on the CPU (float32, a tiny model): the split and the prefix-reuse step of
+one workload agree (log-probabilities, gradients), reuse forwards every unique row once where the split repeats
+prefixes, and a reuse step that is off fails the row's agreement and marks its ratio failed."""
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import bench_prefix_reuse_gpu as bench  # noqa: E402
+
+ARGS = dict(device="cpu", dtype="float32", warmup=1, steps=8, budget=None, optimizer=True, methods=["split", "reuse"])
+
+
+def _row() -> dict:
+    return bench.measure("tiny", "smoke", argparse.Namespace(**ARGS), save=lambda row: None)
+
+
+def test_split_and_reuse_agree_and_reuse_forwards_each_row_once():
+    row = _row()
+    split, reuse = row["methods"]["split"], row["methods"]["reuse"]
+    assert row["agreement"]["passed"], row["agreement"]
+    assert row["agreement"]["max_abs"] < 1e-5 and row["agreement"]["gradient_cosine"] > 0.99999
+    assert reuse["forwarded"] == row["unique"] and split["forwarded"] > row["unique"]
+    assert split["forwards"] > 1 and row["paired"]["steps"] == 8 and not row["paired"]["failed"]
+
+
+def test_a_reuse_step_that_is_off_fails_the_row(monkeypatch):
+    step = bench.step
+
+    def off(model, sequences, budget, method, weights, scored):
+        logps = step(model, sequences, budget, method, weights, scored)
+        return [lp + 0.01 for lp in logps] if method == "reuse" else logps
+
+    monkeypatch.setattr(bench, "step", off)
+    row = _row()
+    assert not row["agreement"]["passed"] and row["paired"]["failed"]
+    assert torch.isclose(torch.tensor(row["agreement"]["max_abs"]), torch.tensor(0.01), atol=1e-5)
