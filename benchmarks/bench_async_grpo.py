@@ -391,15 +391,12 @@ def main():
     parser.add_argument("--sides", nargs="+", default=["trl", "tree"], choices=list(SIDES))
     parser.add_argument("--activation-budget-gib", type=float, default=40.0)
     parser.add_argument("--token-budget", type=int, default=32768, help="TRL's token_budget: unique tokens per row")
-    parser.add_argument("--steps", type=int, default=8, help="measured optimizer steps (at least 8 for a ratio)")
-    parser.add_argument("--warmup", type=int, default=2, help="optimizer steps before the measured ones")
     parser.add_argument(
         "--profile",
         action="store_true",
         help="one more step per side under the torch profiler, after the timed ones: its kernel time by "
         "kind, the top kernels and host ops, under the side's `profile`",
     )
-    parser.add_argument("--scale", type=float, default=1.0, help="scale every length (CPU smoke runs)")
     parser.add_argument("--dtype", default="bfloat16", help="model weights (AsyncGRPOConfig.dtype)")
     parser.add_argument(
         "--gdn-route",
@@ -407,17 +404,10 @@ def main():
         help="the hybrids' Gated DeltaNet kernels (a route of benchmarks/gdn_kernels.py; default: as resolved); each "
         "side records the kernels that ran",
     )
-    parser.add_argument("--out", default="benchmarks/results/async_grpo.json")
-    parser.add_argument("--side", choices=list(SIDES), help=argparse.SUPPRESS)  # a child process: this side only
-    parser.add_argument("--side-out", help=argparse.SUPPRESS)
-    parser.add_argument("--resume", action="store_true", help="keep the sides --out already holds; run the others")
-    args = parser.parse_args()
-    if args.warmup < 1 or args.steps < 1:
-        parser.error(f"--warmup {args.warmup} --steps {args.steps}: both need at least 1")
-    from harness import provenance, resume, run_rows, write_side
+    from harness import provenance, result_file, run_child, run_rows, side_arguments
 
-    if args.side is not None:
-        write_side(args.side_out, side_main(args))
+    args = side_arguments(parser, SIDES, "benchmarks/results/async_grpo.json")
+    if run_child(args, side_main):
         return
     cuda = torch.cuda.is_available()
     import gdn_kernels
@@ -432,14 +422,12 @@ def main():
         "peak_flops": PEAK_FLOPS,
         "rows": [],
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    earlier = resume(out, results, [(m, w) for m in args.models for w in args.workloads]) if args.resume else {}
+    rows = [(m, w) for m in args.models for w in args.workloads]
+    out, earlier = result_file(args, results, rows)
     child = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
              if k in ("activation_budget_gib", "token_budget", "steps", "warmup", "scale", "dtype",
                       "gdn_route")]  # fmt: skip
     child += ["--profile"] * args.profile
-    rows = [(m, w) for m in args.models for w in args.workloads]
     run_rows(Path(__file__), out, results, rows, args.sides, {
         "argv": child, "env": lambda side: SIDES[side][2], "pair": lambda row: _pair(row, args.dtype),
         "summary": _summary, "earlier": earlier})  # fmt: skip

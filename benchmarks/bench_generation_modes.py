@@ -90,9 +90,10 @@ from harness import (  # noqa: E402
     pair_sides,
     paired,
     provenance,
-    resume,
+    result_file,
+    run_child,
     run_rows,
-    write_side,
+    side_arguments,
 )
 
 from hf_tree_attn.metrics import estimate_flops  # noqa: E402
@@ -463,9 +464,6 @@ def main():
     parser.add_argument("--models", nargs="+", default=["qwen3-0.6b"], choices=list(SHAPES))
     parser.add_argument("--modes", "--workloads", nargs="+", default=list(MODES), choices=list(MODES))
     parser.add_argument("--sides", nargs="+", default=list(SIDES), choices=SIDES)
-    parser.add_argument("--steps", type=int, default=8, help="measured optimizer steps (at least 8 for a ratio)")
-    parser.add_argument("--warmup", type=int, default=2, help="optimizer steps before the measured ones")
-    parser.add_argument("--scale", type=float, default=1.0, help="scale every length (CPU smoke runs)")
     parser.add_argument("--generations", type=int, default=16, help="G, completions per prompt")
     parser.add_argument("--prompts-per-step", type=int, default=2, help="prompts (groups) per optimizer step")
     parser.add_argument("--shared-prompt", type=int, default=2048, help="system-prompt tokens shared by all")
@@ -477,15 +475,8 @@ def main():
         default=0.0,
         help="noise of this relative size on the tree side's weights (its agreement must fail)",
     )
-    parser.add_argument("--out", default="benchmarks/results/generation_modes.json")
-    parser.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)  # a child process: this side only
-    parser.add_argument("--side-out", help=argparse.SUPPRESS)
-    parser.add_argument("--resume", action="store_true", help="keep the sides --out already holds; run the others")
-    args = parser.parse_args()
-    if args.warmup < 1 or args.steps < 1:
-        parser.error(f"--warmup {args.warmup} --steps {args.steps}: both need at least 1")
-    if args.side is not None:
-        write_side(args.side_out, side_main(args))
+    args = side_arguments(parser, SIDES, "benchmarks/results/generation_modes.json")
+    if run_child(args, side_main):
         return
     results = {
         **provenance(),
@@ -495,10 +486,8 @@ def main():
         "peak_flops": PEAK_FLOPS,
         "rows": [],
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     rows = [(m, w) for m in args.models for w in args.modes]
-    earlier = resume(out, results, rows) if args.resume else {}
+    out, earlier = result_file(args, results, rows)
     runnable = []
     for model, mode in rows:
         reason = skipped(mode)

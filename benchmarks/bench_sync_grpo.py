@@ -43,7 +43,16 @@ sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
 from bench_async_grpo import SIDES, _summary, model_config  # noqa: E402
 from bench_balance_fsdp import length_reward, stub_rollout  # noqa: E402
 from bench_tree_vs_flat import MODELS, PEAK_FLOPS  # noqa: E402
-from harness import StepClock, compile_report, pair_sides, provenance, resume, run_rows, write_side  # noqa: E402
+from harness import (  # noqa: E402
+    StepClock,
+    compile_report,
+    pair_sides,
+    provenance,
+    result_file,
+    run_child,
+    run_rows,
+    side_arguments,
+)
 
 from hf_tree_attn.metrics import estimate_flops  # noqa: E402
 from trainers import toy_task  # noqa: E402
@@ -160,18 +169,10 @@ def main():
     parser.add_argument("--models", nargs="+", default=["qwen3-1.7b"], choices=[*MODELS, "tiny"])
     parser.add_argument("--workloads", nargs="+", default=["grpo_P4096_C512"], choices=list(WORKLOADS))
     parser.add_argument("--sides", nargs="+", default=["trl", "tree"], choices=SYNC_SIDES)
-    parser.add_argument("--steps", type=int, default=8, help="measured optimizer steps (at least 8 for a ratio)")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--scale", type=float, default=1.0, help="scale every length (CPU smoke runs)")
-    parser.add_argument("--out", default="benchmarks/results/sync_grpo.json")
-    parser.add_argument("--side", choices=SYNC_SIDES, help=argparse.SUPPRESS)  # a child process: this side only
-    parser.add_argument("--side-out", help=argparse.SUPPRESS)
-    parser.add_argument("--resume", action="store_true", help="keep the sides --out already holds; run the others")
-    args = parser.parse_args()
+    args = side_arguments(parser, SYNC_SIDES, "benchmarks/results/sync_grpo.json")
     if args.warmup + args.steps > PROMPTS:
         parser.error(f"--warmup {args.warmup} + --steps {args.steps} > {PROMPTS} prompts (one per step)")
-    if args.side is not None:
-        write_side(args.side_out, side_main(args))
+    if run_child(args, side_main):
         return
     results = {
         **provenance(),
@@ -179,11 +180,9 @@ def main():
         "peak_flops": PEAK_FLOPS,
         "rows": [],
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    earlier = resume(out, results, [(m, w) for m in args.models for w in args.workloads]) if args.resume else {}
-    child = [f"--steps={args.steps}", f"--warmup={args.warmup}", f"--scale={args.scale}"]
     rows = [(m, w) for m in args.models for w in args.workloads]
+    out, earlier = result_file(args, results, rows)
+    child = [f"--steps={args.steps}", f"--warmup={args.warmup}", f"--scale={args.scale}"]
     run_rows(Path(__file__), out, results, rows, args.sides, {
         "argv": child, "env": lambda side: SIDES[side][2], "pair": _pair, "summary": _summary,
         "earlier": earlier})  # fmt: skip

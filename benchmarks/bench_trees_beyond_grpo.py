@@ -66,7 +66,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "benchmarks"), str(REPO / "tests")]
 from bench_tree_vs_flat import MODELS, PEAK_FLOPS  # noqa: E402
-from harness import StepClock, pair_sides, provenance, resume, run_rows, write_side  # noqa: E402
+from harness import StepClock, pair_sides, provenance, result_file, run_child, run_rows, side_arguments  # noqa: E402
 
 from hf_tree_attn.metrics import estimate_flops  # noqa: E402
 
@@ -460,9 +460,6 @@ def main():
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
     parser.add_argument("--sides", nargs="+", default=list(SIDES), choices=SIDES)
     parser.add_argument("--batch", type=int, default=8, help="samples (SFT) or pairs (DPO, reward) per batch")
-    parser.add_argument("--steps", type=int, default=8, help="measured optimizer steps (at least 8 for a ratio)")
-    parser.add_argument("--warmup", type=int, default=2, help="optimizer steps before the measured ones")
-    parser.add_argument("--scale", type=float, default=1.0, help="scale every length (CPU smoke runs)")
     parser.add_argument("--no-cudnn-sdpa", action="store_true", help="SDPA without its cuDNN backend, every side")
     parser.add_argument(
         "--perturb-tree",
@@ -470,15 +467,8 @@ def main():
         default=0.0,
         help="noise of this relative size on the tree side's weights (its agreement must fail)",
     )
-    parser.add_argument("--out", default="benchmarks/results/trees_beyond_grpo.json")
-    parser.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)  # a child process: this side only
-    parser.add_argument("--side-out", help=argparse.SUPPRESS)
-    parser.add_argument("--resume", action="store_true", help="keep the sides --out already holds; run the others")
-    args = parser.parse_args()
-    if args.warmup < 1 or args.steps < 1:
-        parser.error(f"--warmup {args.warmup} --steps {args.steps}: both need at least 1")
-    if args.side is not None:
-        write_side(args.side_out, side_main(args))
+    args = side_arguments(parser, SIDES, "benchmarks/results/trees_beyond_grpo.json")
+    if run_child(args, side_main):
         return
     results = {
         **provenance(),
@@ -488,12 +478,10 @@ def main():
         "peak_flops": PEAK_FLOPS,
         "rows": [],
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    earlier = resume(out, results, [(m, w) for m in args.models for w in args.workloads]) if args.resume else {}
+    rows = [(m, w) for m in args.models for w in args.workloads]
+    out, earlier = result_file(args, results, rows)
     child = [f"--steps={args.steps}", f"--warmup={args.warmup}", f"--scale={args.scale}", f"--batch={args.batch}",
              f"--perturb-tree={args.perturb_tree}", *(["--no-cudnn-sdpa"] if args.no_cudnn_sdpa else [])]  # fmt: skip
-    rows = [(m, w) for m in args.models for w in args.workloads]
     run_rows(Path(__file__), out, results, rows, args.sides, {
         "argv": child, "env": lambda side: {}, "pair": _pair, "summary": _summary, "earlier": earlier})  # fmt: skip
 

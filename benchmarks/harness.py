@@ -7,6 +7,8 @@ ratios and agreement checks that can fail.
   step's seconds from `train()`'s start (the compile cost), the peak memory after the warm-up.
 - `run_side(script, side, argv, env)`: one side of a comparison in a process of its own (its own CUDA context,
   allocator, compile caches in memory and module state), which writes its result as JSON (`write_side`).
+- `side_arguments(parser, sides, out)`, `run_child(args, side_main)`, `result_file(args, results, rows)`: the
+  command line, child process and result file every side-by-side benchmark shares.
 - `resume(out, results, planned)`: the rows and sides an earlier run of the same benchmark wrote (`--resume`).
 - `run_rows(...)`: a benchmark's rows, side after side, each row's pairs and the result file re-written after every
   side (a call that runs out of time keeps the sides it finished).
@@ -25,6 +27,7 @@ ratios and agreement checks that can fail.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -234,6 +237,39 @@ def compile_report(trainer) -> dict:
 
 def write_side(path: str, result: dict) -> None:
     Path(path).write_text(json.dumps(result))
+
+
+def side_arguments(parser: argparse.ArgumentParser, sides, out: str) -> argparse.Namespace:
+    """The flags every side-by-side benchmark shares — `--steps`, `--warmup`, `--scale`, `--out`, `--resume`, and the
+    hidden `--side` / `--side-out` a child process gets (`run_side`) — added to `parser`, the command line parsed,
+    and `--warmup` / `--steps` checked (at least 1 each)."""
+    parser.add_argument("--steps", type=int, default=8, help="measured optimizer steps (at least 8 for a ratio)")
+    parser.add_argument("--warmup", type=int, default=2, help="optimizer steps before the measured ones")
+    parser.add_argument("--scale", type=float, default=1.0, help="scale every length (CPU smoke runs)")
+    parser.add_argument("--out", default=out)
+    parser.add_argument("--resume", action="store_true", help="keep the sides --out already holds; run the others")
+    parser.add_argument("--side", choices=list(sides), help=argparse.SUPPRESS)  # a child process: this side only
+    parser.add_argument("--side-out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.warmup < 1 or args.steps < 1:
+        parser.error(f"--warmup {args.warmup} --steps {args.steps}: both need at least 1")
+    return args
+
+
+def run_child(args: argparse.Namespace, side_main) -> bool:
+    """In a child process (`--side`): run that side (`side_main(args)`), write its result where the parent reads it,
+    and return True; in the parent, False."""
+    if args.side is None:
+        return False
+    write_side(args.side_out, side_main(args))
+    return True
+
+
+def result_file(args: argparse.Namespace, results: dict, rows: list[tuple[str, str]]) -> tuple[Path, dict]:
+    """`--out` (its folder made) and, with `--resume`, the sides an earlier run wrote for `rows` (`resume`)."""
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return out, (resume(out, results, rows) if args.resume else {})
 
 
 def resume(out: Path, results: dict, planned: list[tuple[str, str]]) -> dict[tuple[str, str], dict]:
