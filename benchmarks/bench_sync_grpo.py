@@ -8,7 +8,8 @@ decoder layers compiled). Random bf16 weights from a config shaped like Qwen3-1.
 tokenizer. One group of G=16 completions per optimizer step (`per_device_train_batch_size=16`,
 `num_generations=16`). Sides (`bench_async_grpo.SIDES` names): `trl`, `trl_compiled` (accelerate's regional
 compilation, dynamic shapes), `tree`, `tree_eager` (`tree_compile=False`), `reference` (TRL's trainer in float32,
-one step: the exact values the agreement checks measure against). Workloads:
+its first policy forward without autograd, then stopped: the exact values the agreement checks measure against).
+Workloads:
 
 - `grpo_P4096_C512`: 4,096-token prompts, 512-token completions;
 - `grpo_mixed`: prompts U[1000, 6000] tokens, completions U[64, 1024].
@@ -29,6 +30,7 @@ log-probabilities of the completion tokens, each side's error to the float32 `re
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import statistics
 import sys
@@ -40,7 +42,7 @@ from transformers import AutoModelForCausalLM
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
-from bench_async_grpo import SIDES, _summary, model_config  # noqa: E402
+from bench_async_grpo import SIDES, ScoresTaken, _summary, model_config  # noqa: E402
 from bench_balance_fsdp import length_reward, stub_rollout  # noqa: E402
 from bench_tree_vs_flat import MODELS, PEAK_FLOPS  # noqa: E402
 from harness import (  # noqa: E402
@@ -76,17 +78,21 @@ def recording(rollout, calls: list):
 
 class FirstScores:
     """The first policy forward's completion-token log-probabilities (`_get_per_token_logps_and_entropies`, the hook
-    both trainers run) and their target tokens, row by row, the rows in the order of their tokens."""
+    both trainers run) and their target tokens, row by row, the rows in the order of their tokens. `stop`: run that
+    forward without autograd and raise `ScoresTaken` (no backward, no optimizer state: the float32 reference of an 8B
+    model fits)."""
 
-    def __init__(self):
-        self.targets, self.log_probs = None, None
+    def __init__(self, stop: bool = False):
+        self.targets, self.log_probs, self.stop = None, None, stop
 
     def install(self, trainer):
         hook = trainer._get_per_token_logps_and_entropies
 
         def recording(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
-            out = hook(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
-            if self.targets is None and torch.is_grad_enabled():
+            first = self.targets is None and torch.is_grad_enabled()  # the policy forward (the others run no_grad)
+            with torch.no_grad() if first and self.stop else contextlib.nullcontext():
+                out = hook(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
+            if first:
                 # TRL shuffles a generation batch's rows, the tree keeps each group in order: rows sorted by content.
                 mask = attention_mask[:, -logits_to_keep:].bool()
                 rows = sorted(
@@ -95,6 +101,8 @@ class FirstScores:
                 )
                 self.targets = [t for ids, _ in rows for t in ids]
                 self.log_probs = [v for _, values in rows for v in values]
+                if self.stop:
+                    raise ScoresTaken
             return out
 
         trainer._get_per_token_logps_and_entropies = recording
@@ -113,7 +121,7 @@ def side_main(args) -> dict:
     config = model_config(args.models[0])
     config.pad_token_id, config.eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
     torch.manual_seed(0)
-    reference = args.side == "reference"  # TRL's trainer in float32, one step: the exact first scores
+    reference = args.side == "reference"  # TRL's trainer in float32, its first policy forward: the exact scores
     with torch.device("cuda" if cuda else "cpu"):
         dtype = torch.float32 if reference else torch.bfloat16
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
@@ -128,7 +136,7 @@ def side_main(args) -> dict:
         max_steps=1 if reference else args.warmup + args.steps, logging_steps=1, save_strategy="no", report_to="none",
         disable_tqdm=True, seed=0, bf16=cuda and not reference, use_cpu=not cuda,
     )  # fmt: skip
-    clock, calls, scores = StepClock(args.warmup), [], FirstScores()
+    clock, calls, scores = StepClock(args.warmup), [], FirstScores(stop=reference)
     rollout = recording(stub_rollout(args.scale, WORKLOADS[workload][1]), calls)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -136,7 +144,8 @@ def side_main(args) -> dict:
         trainer = trainer_class(model, length_reward, training_args, train_dataset=dataset,
                                 processing_class=tokenizer, callbacks=[clock], rollout_func=rollout)  # fmt: skip
         scores.install(trainer)
-        trainer.train()
+        with contextlib.suppress(ScoresTaken):  # the reference: its first policy forward scored, nothing more
+            trainer.train()
     if reference:
         return {"first_scores": {"targets": scores.targets, "log_probs": scores.log_probs}, "dtype": "float32"}
     timing = clock.summary()

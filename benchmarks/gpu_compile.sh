@@ -111,6 +111,9 @@ for phase in ${PHASES:-tests}; do
       # call
       step 560 "$phase" "${SYNC[@]}" --models qwen3-1.7b --workloads grpo_P4096_C512 --sides reference trl tree \
         --out "$KEEP/sync_grpo_h200_qwen3-1.7b_P4096_paired.json" ;;
+    sync-8b-p4096)  # the same row at the Qwen3-8B shape (the float32 reference scores one forward and stops)
+      step 560 "$phase" "${SYNC[@]}" --models qwen3-8b --workloads grpo_P4096_C512 --sides reference trl tree \
+        --out "$KEEP/sync_grpo_h200_qwen3-8b_P4096_paired.json" ;;
     sync-1.7b-tree)  # resumes sync-1.7b's file (its reference and TRL sides): the tree side
       step 190 "$phase" "${SYNC[@]}" --models qwen3-1.7b --workloads grpo_mixed --sides tree \
         --out "$KEEP/sync_grpo_h200_qwen3-1.7b_paired.json" ;;

@@ -321,6 +321,11 @@ for stage in "$@"; do
       PYTHONPATH=/tmp/site:$PWD timeout 560 python3 benchmarks/bench_sync_grpo.py --warmup 2 --steps 8 --resume \
         --models qwen3-1.7b --workloads grpo_P4096_C512 --sides reference trl tree \
         --out "$OUT/sync_grpo_h200_qwen3-1.7b_P4096_paired.json" 2>&1 | grep -E "^qwen|^  |rror:" ;;
+    compile-sync-8b-p4096)  # the same at the Qwen3-8B shape (gpu_compile.sh's sync-8b-p4096 phase; carry .whl)
+      python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/async/*.whl
+      PYTHONPATH=/tmp/site:$PWD timeout 560 python3 benchmarks/bench_sync_grpo.py --warmup 2 --steps 8 --resume \
+        --models qwen3-8b --workloads grpo_P4096_C512 --sides reference trl tree \
+        --out "$OUT/sync_grpo_h200_qwen3-8b_P4096_paired.json" 2>&1 | grep -E "^qwen|^  |rror:" ;;
     beyond-grpo-paired)  # TreeSFTTrainer / TreeDPOTrainer, the reward and RLOO trainers vs TRL's, each side in its own
       # process, paired per step (gpu_compile.sh's beyond-grpo and beyond-grpo-more phases, the last row by itself;
       # calls made back to back, each resuming the file; carry .whl)
