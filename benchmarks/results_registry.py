@@ -534,7 +534,7 @@ NOTES = {
 # Not measured yet, per section: one row each until a result file answers it.
 PENDING = {
     "sync": [
-        "Qwen3-8B shape, G=16, P=4,096, C=512",
+        "Qwen3-8B shape, G=16, P=4,096, C=512 (stage `compile-sync-8b-p4096`)",
     ],
     "through_trainer": [
         "DeepSpeed ZeRO step times (ZeRO-2 / ZeRO-3 are tested equal to TRL on one H200, not timed)",
