@@ -94,24 +94,50 @@ def test_same_as_trl_async(family, tmp_path):
         assert tree_entry["tree_checkpointed_layers"] == 1.0 and tree_entry.get("tree_kept_attention", 0.0) == 0.0
 
 
-def _away_from_clip(samples: list, path: str, margin: float, epsilon: float = 0.2) -> list:
+def _away_from_clip(samples: list, path: str, margin: float, epsilon: float = 0.2, later=None) -> list:
     """`samples` with each scored token's generator log-prob moved, where needed, so that its importance ratio under
     the saved model is at least `margin` (in log space) from both clip edges `log(1 -+ epsilon)`: still some tokens
-    clipped and some not, but none that a bf16 rounding of its log-prob could carry across an edge."""
+    clipped and some not, but none that a bf16 rounding of its log-prob could carry across an edge. `later`: the
+    weights of a later step (a state dict), under which every ratio keeps the same margin as well (a sample scored
+    at that step meets those weights); each token's log-prob moves to the nearest value that keeps both."""
     edges = np.log([1 - epsilon, 1 + epsilon])
     eager = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
+    moved = None
+    if later is not None:
+        moved = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
+        moved.load_state_dict(later)
     out = []
     with torch.no_grad():
         for sample in samples:
             logps = eager_logprobs(eager, sample.input_ids.tolist()).numpy()
+            shift = np.zeros_like(logps) if moved is None else eager_logprobs(moved, sample.input_ids.tolist()).numpy()
+            if moved is not None:
+                shift = shift - logps  # the later step's log ratio is this step's plus `shift`
             old = sample.old_log_probs.copy()
             log_ratio = logps - old[1:]
-            for edge in edges:
-                near = np.abs(log_ratio - edge) < margin
-                log_ratio[near] = edge + np.where(log_ratio[near] < edge, -margin, margin)
+            for i, (r, d) in enumerate(zip(log_ratio, shift)):
+                bad = [(e - s - margin, e - s + margin) for e in edges for s in {0.0, float(d)}]
+                if any(lo < r < hi for lo, hi in bad):
+                    allowed = [x for lo, hi in bad for x in (lo, hi) if not any(a < x < b for a, b in bad)]
+                    log_ratio[i] = min(allowed, key=lambda x: abs(x - r))
             old[1:] = (logps - log_ratio).astype(np.float32)
             out.append(dataclasses.replace(sample, old_log_probs=old))
     return out
+
+
+def _weights_after_first_step(path: str, samples: list, out: Path) -> dict:
+    """The float32 reference run's weights after its first optimizer step: those its second step scores with."""
+    from transformers import TrainerCallback
+
+    kept = {}
+
+    class Keep(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            if state.global_step == 1:
+                kept.update({n: t.detach().clone() for n, t in model.state_dict().items()})
+
+    train(False, path, samples, out, prepare=lambda trainer: trainer.add_callback(Keep()))
+    return kept
 
 
 @pytest.mark.parametrize("weights", ["float32", "bfloat16"])
@@ -126,9 +152,12 @@ def test_as_close_to_float32_as_trl_under_bf16(weights, tmp_path):
 
     The clipped objective's gradient jumps where a token's ratio crosses a clip edge, and a bf16 log-prob moves by
     up to ~0.05 here: a token that one side's rounding carries across and the other's does not would change a step's
-    gradient by a whole token's share, by chance. The replayed ratios keep 0.1 from both edges."""
+    gradient by a whole token's share, by chance. The replayed ratios keep 0.1 from both edges, under the saved
+    weights and under the float32 run's weights after its first step (what the second step scores with)."""
     path = save_model(tiny_family_config("qwen3"), tmp_path / "model")
     samples = _away_from_clip(replayed_samples(path), path, margin=0.1)
+    later = _weights_after_first_step(path, samples, tmp_path / "first")
+    samples = _away_from_clip(samples, path, margin=0.1, later=later)
     _, ref_losses, ref_grads = train(False, path, samples, tmp_path / "fp32")
     mixed = dict(bf16=True, dtype=weights)
     trl, trl_losses, trl_grads = train(False, path, samples, tmp_path, **mixed)

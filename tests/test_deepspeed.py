@@ -90,6 +90,7 @@ def _check_logprobs(stage: int, rank: int) -> dict:
     """Tree log-probs and gradients through `deepspeed.initialize` against the unsharded model: the largest errors."""
     import deepspeed
     from deepspeed.utils import safe_get_full_grad
+    from transformers.integrations import HfDeepSpeedConfig, unset_hf_deepspeed_config
 
     errors = {}
     for tied in (False, True):
@@ -104,11 +105,22 @@ def _check_logprobs(stage: int, rank: int) -> dict:
             with torch.no_grad():
                 _, expected_logps, expected_entropy = _forest_loss(reference, RANK_SEQUENCES[rank], chunk_rows)
 
-            model = _tiny_model(tied)
             config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage}}
             config["zero_allow_untested_optimizer"] = True
+            # Under ZeRO-3 transformers builds the model partitioned (`zero.Init`) while a DeepSpeed config is set,
+            # as `from_pretrained` does under a trainer's: DeepSpeed cannot partition a whole float64 model itself.
+            ds_config = HfDeepSpeedConfig(config) if stage == 3 else None
+            model = _tiny_model(tied)
             optimizer = torch.optim.SGD(model.parameters())
             engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+            if ds_config is not None:
+                unset_hf_deepspeed_config()  # the next reference model is built whole
+                # `zero.Init` draws the initial weights in its own order: the reference's, copied in
+                params = dict(engine.module.named_parameters())
+                with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=0):
+                    if torch.distributed.get_rank() == 0:
+                        for name, p in reference.named_parameters():
+                            params[name].data.copy_(p.data)
             if stage == 3:  # partitioned: nothing readable outside a forward
                 assert engine.module.lm_head.weight.numel() == 0
             loss, logps, entropy = _forest_loss(engine, RANK_SEQUENCES[rank], chunk_rows)
