@@ -44,12 +44,11 @@ from pathlib import Path
 os.environ.setdefault("HF_TREE_ATTN_PREFIX_REUSE_CUDA", "flex")
 
 import torch  # noqa: E402
-from transformers import AutoModelForCausalLM, Qwen3Config  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
 from bench_prefix_reuse_plan import WORKLOADS as PLAN_WORKLOADS  # noqa: E402
-from bench_tree_vs_flat import MODELS, PEAK_FLOPS  # noqa: E402
+from bench_tree_vs_flat import MODELS, PEAK_FLOPS, _sync, build_model  # noqa: E402
 from harness import LOGPROB_BOUND, agreement, paired, provenance  # noqa: E402
 
 from hf_tree_attn import forest_logprobs, gather_sequences, pack_forest, sequence_logprobs  # noqa: E402
@@ -59,8 +58,6 @@ from hf_tree_attn.support import rope_split_lengths  # noqa: E402
 
 GRAD_COSINE = 0.99
 GIB = 2**30
-TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=16, vocab_size=512, max_position_embeddings=4096)  # fmt: skip
 
 
 def smoke() -> list[list[int]]:
@@ -78,14 +75,6 @@ def smoke() -> list[list[int]]:
 
 
 WORKLOADS = {**PLAN_WORKLOADS, "smoke": (smoke, 256)}
-
-
-def build_model(name: str, device: str, dtype: torch.dtype) -> torch.nn.Module:
-    config = Qwen3Config(**(TINY if name == "tiny" else MODELS[name]))
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="tree_flex").to(device)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return model.train()
 
 
 def step(model, sequences, budget: int, method: str, weights: list[torch.Tensor], scored: int) -> list[torch.Tensor]:
@@ -106,11 +95,6 @@ def step(model, sequences, budget: int, method: str, weights: list[torch.Tensor]
         for i, v in zip(forest.seq_ids, values):
             out[i] = v.detach()
     return out
-
-
-def synchronize(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
 
 
 def run_method(model, sequences, budget, method, weights, scored, args) -> tuple[dict, dict | None]:
@@ -136,12 +120,12 @@ def run_method(model, sequences, budget, method, weights, scored, args) -> tuple
                         for f in forests)  # fmt: skip
     seconds, first = [], {}
     for k in range(args.warmup + args.steps):
-        synchronize(device)
+        _sync()
         start = time.perf_counter()
         logps = step(model, sequences, budget, method, weights, scored)
         if optimizer is not None:
             optimizer.step()
-        synchronize(device)
+        _sync()
         seconds.append(time.perf_counter() - start)
         if k == 0 and len(args.methods) > 1:  # for the agreement check, on the host (an 8B model's are 16 GB)
             first = {
@@ -173,7 +157,7 @@ def measure(model_name: str, workload: str, args, save) -> dict:
     budget = args.budget or budget
     sequences = build()
     dtype = getattr(torch, args.dtype)
-    model = build_model(model_name, args.device, dtype)
+    model = build_model(model_name, torch.device(args.device), dtype=dtype)  # every layer checkpointed
     (forest,) = pack_forest(sequences, two_level=False)
     scored = sum(len(s) - 1 for s in sequences)
     g = torch.Generator().manual_seed(1)
@@ -218,7 +202,7 @@ def measure(model_name: str, workload: str, args, save) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", default=["qwen3-1.7b"], choices=[*MODELS, "tiny"])
+    parser.add_argument("--models", nargs="+", default=["qwen3-1.7b"], choices=list(MODELS))
     parser.add_argument("--workloads", nargs="+", default=["agent_2x20x4"], choices=list(WORKLOADS))
     parser.add_argument("--methods", nargs="+", default=["split", "reuse"], choices=["split", "reuse"])
     parser.add_argument("--budget", type=int, help="token budget (default: the workload's)")

@@ -109,10 +109,10 @@ def _away_from_clip(samples: list, path: str, margin: float, epsilon: float = 0.
     out = []
     with torch.no_grad():
         for sample in samples:
-            logps = eager_logprobs(eager, sample.input_ids.tolist()).numpy()
-            shift = np.zeros_like(logps) if moved is None else eager_logprobs(moved, sample.input_ids.tolist()).numpy()
-            if moved is not None:
-                shift = shift - logps  # the later step's log ratio is this step's plus `shift`
+            ids = sample.input_ids.tolist()
+            logps = eager_logprobs(eager, ids).numpy()
+            # the later step's log ratio is this step's plus `shift`
+            shift = np.zeros_like(logps) if moved is None else eager_logprobs(moved, ids).numpy() - logps
             old = sample.old_log_probs.copy()
             log_ratio = logps - old[1:]
             for i, (r, d) in enumerate(zip(log_ratio, shift)):
