@@ -14,8 +14,10 @@ or with `--optimizer` an AdamW step at learning rate 0, which holds and updates 
 
 The loss is the same for both: a fixed random weight per scored token times its log-probability, summed, over the
 step's scored tokens. Random-weight bf16 models of the named shapes (no download), every decoder layer checkpointed
-(non-reentrant), as the planner's estimates assume. Both methods run in one process, one after the other, each
-with `--warmup` unmeasured and `--steps` measured steps (CUDA-synchronized); `paired["split vs reuse"]` is the
+(non-reentrant), as the planner's estimates assume. Both methods run in one process, one after the other, or
+each in its own (`--methods split`, then `--methods reuse --resume`, both with `--first-dir`: the second run keeps
+the first's steps and reads its first step back for the agreement check), each with `--warmup` unmeasured and
+`--steps` measured steps (CUDA-synchronized); `paired["split vs reuse"]` is the
 split's seconds over reuse's per measured step (`harness.paired`: min / median / max); peak memory after the
 warm-up. Agreement, on the first step: the per-token log-probabilities of the two methods within
 `harness.LOGPROB_BOUND` of the dtype, and the cosine of their parameter gradients (each tensor's, the least reported;
@@ -127,7 +129,7 @@ def run_method(model, sequences, budget, method, weights, scored, args) -> tuple
             optimizer.step()
         _sync()
         seconds.append(time.perf_counter() - start)
-        if k == 0 and len(args.methods) > 1:  # for the agreement check, on the host (an 8B model's are 16 GB)
+        if k == 0 and (len(args.methods) > 1 or args.first_dir):  # the agreement check's, on the host (8B: 16 GB)
             first = {
                 "logps": torch.cat(logps).float().cpu().tolist(),
                 "grads": {n: p.grad.detach().cpu() for n, p in model.named_parameters() if p.grad is not None},
@@ -151,8 +153,9 @@ def gradient_cosine(a: dict, b: dict) -> float:
                for n in a)  # fmt: skip
 
 
-def measure(model_name: str, workload: str, args, save) -> dict:
-    """One (model, workload) row; `save(row)` after each method (a run cut off by a time limit keeps them)."""
+def measure(model_name: str, workload: str, args, save, earlier: dict) -> dict:
+    """One (model, workload) row; `save(row)` after each method (a run cut off by a time limit keeps them).
+    `earlier`: methods an earlier run measured for this row (`--resume`), kept and paired with the ones run now."""
     build, budget = WORKLOADS[workload]
     budget = args.budget or budget
     sequences = build()
@@ -166,12 +169,21 @@ def measure(model_name: str, workload: str, args, save) -> dict:
     row = {"model": model_name, "workload": workload, "budget": budget, "sequences": len(sequences),
            "longest": max(map(len, sequences)), "unique": forest.num_tree_tokens, "methods": {}}  # fmt: skip
     firsts = {}
+    for method, result in earlier.items():
+        if method not in args.methods:
+            row["methods"][method] = result
+            path = first_path(args, model_name, workload, method)
+            if path is not None and path.exists():
+                firsts[method] = torch.load(path)
     for method in args.methods:
         result, first = run_method(model, sequences, budget, method, weights, scored, args)
         row["methods"][method] = result
         if first is None:
             print(f"  {method}: {result['refused']}", flush=True)
             continue
+        if (path := first_path(args, model_name, workload, method)) is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(first, path)
         firsts[method] = first
         result["mfu"] = flops / result["median_step_s"] / PEAK_FLOPS
         result["forwarded_over_unique"] = result["forwarded"] / row["unique"]
@@ -200,6 +212,11 @@ def measure(model_name: str, workload: str, args, save) -> dict:
     return row
 
 
+def first_path(args, model_name: str, workload: str, method: str) -> Path | None:
+    """Where `--first-dir` holds a method's first-step log-probs and gradients for a row (None without it)."""
+    return Path(args.first_dir) / f"{model_name}_{workload}_{method}.pt" if args.first_dir else None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["qwen3-1.7b"], choices=list(MODELS))
@@ -212,6 +229,13 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--optimizer", action="store_true", help="an AdamW step (learning rate 0) after each step")
     parser.add_argument("--out", default="benchmarks/results/prefix_reuse_gpu.json")
+    parser.add_argument(
+        "--resume", action="store_true",
+        help="keep the methods an earlier run wrote to --out for the same rows and pair them with the ones run now "
+             "(each method in its own process; the agreement check reads the earlier one's first step from "
+             "--first-dir)",
+    )  # fmt: skip
+    parser.add_argument("--first-dir", help="write each method's first-step log-probs and gradients there")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device here (use --device cpu for a smoke run)")
@@ -220,6 +244,17 @@ def main() -> None:
     results = {**provenance(), "peak_flops": PEAK_FLOPS, "cuda_path": os.environ["HF_TREE_ATTN_PREFIX_REUSE_CUDA"],
                "dtype": args.dtype, "warmup": args.warmup, "steps": args.steps, "optimizer": args.optimizer,
                "rows": []}  # fmt: skip
+    earlier = {}
+    if args.resume and out.exists():
+        before = json.loads(out.read_text())
+        keys = ("command", "git_commit", "git_dirty", "time_utc")
+        results["earlier_runs"] = [*before.get("earlier_runs", []), {k: before.get(k) for k in keys}]
+        for row in before["rows"]:
+            methods = {m: r for m, r in row["methods"].items() if "refused" not in r}
+            if (row["model"], row["workload"]) in {(m, w) for m in args.models for w in args.workloads}:
+                earlier[row["model"], row["workload"]] = methods
+            else:
+                results["rows"].append(row)
     for model_name in args.models:
         for workload in args.workloads:
             print(f"{model_name:<12} {workload}", flush=True)
@@ -229,7 +264,7 @@ def main() -> None:
                 results["rows"] = [*done, row]
                 out.write_text(json.dumps(results, indent=1))
 
-            save(measure(model_name, workload, args, save))
+            save(measure(model_name, workload, args, save, earlier.get((model_name, workload), {})))
     print(f"wrote {out}")
 
 

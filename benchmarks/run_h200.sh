@@ -358,11 +358,19 @@ for stage in "$@"; do
     gpu-tests-prefix-reuse)  # prefix reuse on CUDA, both attention paths
       timeout 300 python3 -m pytest -v -rfEs -m gpu -p no:cacheprovider tests/test_gpu_prefix_reuse.py 2>&1 \
         | grep -v DEBUG > "$OUT/h200_gpu_tests_prefix_reuse.log" ;;
-    prefix-reuse-gpu)  # one step split into micro-batches vs one forest in chunks (prefix reuse), FlexAttention path,
-      # Qwen3-0.6B shape on the agent workload whose split repeats most (~20 s a split step by the FLOP count: its
-      # attention spans histories of up to 50k tokens)
+    prefix-reuse-gpu-split)  # one step split into micro-batches (what the trainers do without prefix reuse), Qwen3-0.6B
+      # shape on the agent workload whose split repeats most (~26 s a step: its attention spans histories of up to
+      # 50k tokens); its own call, then `prefix-reuse-gpu` on the same machine
       timeout 560 python3 benchmarks/bench_prefix_reuse_gpu.py --models qwen3-0.6b --workloads agent_2x20x4 \
-        --warmup 1 --steps 8 --out "$OUT/prefix_reuse_gpu_h200_qwen3-0.6b.json" 2>&1 | quiet 12 ;;
+        --methods split --warmup 1 --steps 8 --first-dir /tmp/prefix_reuse_first \
+        --out "$OUT/prefix_reuse_gpu_h200_qwen3-0.6b.json" 2>&1 | quiet 12
+      cp "$OUT/prefix_reuse_gpu_h200_qwen3-0.6b.json" /tmp/prefix_reuse_gpu_h200_qwen3-0.6b.json ;;
+    prefix-reuse-gpu)  # the same step as one forest in chunks (prefix reuse, FlexAttention path) in a process of its
+      # own, paired step by step with `prefix-reuse-gpu-split`'s (kept in /tmp by that stage) and checked against it
+      cp /tmp/prefix_reuse_gpu_h200_qwen3-0.6b.json "$OUT/" 2>/dev/null
+      timeout 560 python3 benchmarks/bench_prefix_reuse_gpu.py --models qwen3-0.6b --workloads agent_2x20x4 \
+        --methods reuse --resume --warmup 2 --steps 8 --first-dir /tmp/prefix_reuse_first \
+        --out "$OUT/prefix_reuse_gpu_h200_qwen3-0.6b.json" 2>&1 | quiet 12 ;;
     prefix-reuse-gpu-8b-trajectory)  # the 96k-token trajectory with 8 branches at the Qwen3-8B shape in 32k-row
       # chunks, with AdamW's states held (the split refuses it): does one step fit in one H200, and how long is it
       timeout 560 python3 benchmarks/bench_prefix_reuse_gpu.py --models qwen3-8b --workloads trajectory_96k \

@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+from collections.abc import Callable
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
@@ -57,12 +58,33 @@ FORCE_REGISTER_ENV = "HF_TREE_ATTN_FORCE_REGISTER"
 # ancestor-or-self mask handed to every layer would silently drop them.
 _WINDOW_FIELDS = ("sliding_window", "attention_chunk_size")
 
-_compiled_flex_attention = None
+
+def _flex_with_grad(query, key, value, **kwargs):
+    return flex_attention(query, key, value, **kwargs)
+
+
+def _flex_without_grad(query, key, value, **kwargs):
+    return flex_attention(query, key, value, **kwargs)
+
+
+# FlexAttention compiled once per grad mode: dynamo guards on the grad mode and counts a function's graphs against
+# its recompile limit (8 per code object). Prefix reuse calls it without grad (its forward) and with (the chunks'
+# recomputes) on shapes that change from chunk to chunk; in one code object those graphs passed the limit, after
+# which every call silently ran the eager reference (the full float32 scores matrix: out of memory on an H200 at
+# 65k-row chunks). Two wrappers, two code objects, two budgets.
+_COMPILED_FLEX: dict[bool, Callable] = {}
+
+
+def _compiled_flex(grad: bool) -> Callable:
+    """The compiled FlexAttention for calls with (`grad=True`) or without autograd."""
+    if grad not in _COMPILED_FLEX:
+        _COMPILED_FLEX[grad] = torch.compile(_flex_with_grad if grad else _flex_without_grad, dynamic=None)
+    return _COMPILED_FLEX[grad]
 
 
 def _flex_attention(query, key, value, return_lse: bool = False, **kwargs):
-    """FlexAttention, compiled once; `(out, lse | None)` with `lse` `(batch, heads, q_len)` float32 (natural log)."""
-    global _compiled_flex_attention
+    """FlexAttention, compiled once per grad mode; `(out, lse | None)` with `lse` `(batch, heads, q_len)` float32
+    (natural log)."""
     if return_lse:
         from torch.nn.attention.flex_attention import AuxRequest
 
@@ -72,15 +94,13 @@ def _flex_attention(query, key, value, return_lse: bool = False, **kwargs):
     if torch.compiler.is_compiling() or (return_lse and query.device.type == "cpu"):
         out = flex_attention(query, key, value, **kwargs)
     else:
-        if _compiled_flex_attention is None:
-            _compiled_flex_attention = torch.compile(flex_attention, dynamic=None)
         # With autocast off: the inputs already are in the autocast dtype (`_autocast_inputs`), all FlexAttention's
         # autocast does, and dynamo guards on the autocast state, so a forward under autocast and one without would
         # each compile a graph. Graphs of `flex_attention` count against dynamo's recompile limit (8) in the whole
         # process, transformers' compiled flex included; past it every call silently runs the eager reference (the
         # full scores matrix, in float32: slow, memory-bound, other rounding than the kernel).
         with torch.autocast(query.device.type, enabled=False):
-            out = _compiled_flex_attention(query, key, value, **kwargs)
+            out = _compiled_flex(torch.is_grad_enabled())(query, key, value, **kwargs)
     if return_lse:
         out, aux = out
         return out, aux.lse

@@ -83,21 +83,20 @@ def context_tree_mask_mod(subtree_end: torch.Tensor, context_end: torch.Tensor, 
     (`hf_tree_attn.chunked`): own rows by the ancestor-or-self test on the chunk's local `subtree_end` `(S,)` int;
     context row `r` (an ancestor of the chunk's first row) seen by query `q` iff `context_end[r] > query_rows[q]`
     (`(P,)` and `(S,)` int, global rows: `q`'s subtree is inside `r`'s)."""
-    num_context = context_end.shape[0]
+    # One code object, and no Python int, for every chunk: the compiled mask builder and FlexAttention guard on the
+    # mask_mod's code and on the ints it captures (each new context size would compile again); dummy rows where
+    # there is no context.
+    count = torch.tensor(context_end.shape[0], device=context_end.device)
+    last = (count - 1).clamp(min=0)
+    if context_end.shape[0] == 0:
+        context_end = context_end.new_zeros(2)  # not 1: dynamo specializes sizes 0 and 1
 
     def own_mask(q_idx, own_idx):
         return (own_idx <= q_idx) & (q_idx < subtree_end[own_idx.clamp(min=0)])
 
-    if num_context == 0:
-
-        def context_tree_mask(b, h, q_idx, kv_idx):
-            return own_mask(q_idx, kv_idx)
-
-        return context_tree_mask
-
     def context_tree_mask(b, h, q_idx, kv_idx):
-        sees_context = context_end[kv_idx.clamp(max=num_context - 1)] > query_rows[q_idx]
-        return torch.where(kv_idx < num_context, sees_context, own_mask(q_idx, kv_idx - num_context))
+        sees_context = context_end[torch.minimum(kv_idx, last)] > query_rows[q_idx]
+        return torch.where(kv_idx < count, sees_context, own_mask(q_idx, kv_idx - count))
 
     return context_tree_mask
 
@@ -196,7 +195,9 @@ def _block_mask(
     if _compiled_create_block_mask is None:
         _compiled_create_block_mask = torch.compile(create_block_mask, dynamic=True)
     kv_size = size if kv_size is None else kv_size
-    return _compiled_create_block_mask(mask_mod, None, None, size, kv_size, device=device, BLOCK_SIZE=block_size)
+    # Without grad whatever the caller's mode (a mask has none): dynamo guards on it, one graph serves both
+    with torch.no_grad():
+        return _compiled_create_block_mask(mask_mod, None, None, size, kv_size, device=device, BLOCK_SIZE=block_size)
 
 
 def tree_block_mask(subtree_end: torch.Tensor, block_size: int = 128) -> BlockMask:

@@ -11,11 +11,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench_prefix_reuse_gpu as bench  # noqa: E402
 
-ARGS = dict(device="cpu", dtype="float32", warmup=1, steps=8, budget=None, optimizer=True, methods=["split", "reuse"])
+ARGS = dict(device="cpu", dtype="float32", warmup=1, steps=8, budget=None, optimizer=True, methods=["split", "reuse"],
+            first_dir=None)  # fmt: skip
 
 
 def _row() -> dict:
-    return bench.measure("tiny", "smoke", argparse.Namespace(**ARGS), save=lambda row: None)
+    return bench.measure("tiny", "smoke", argparse.Namespace(**ARGS), save=lambda row: None, earlier={})
 
 
 def test_split_and_reuse_agree_and_reuse_forwards_each_row_once():
@@ -38,3 +39,22 @@ def test_a_reuse_step_that_is_off_fails_the_row(monkeypatch):
     row = _row()
     assert not row["agreement"]["passed"] and row["paired"]["failed"]
     assert torch.isclose(torch.tensor(row["agreement"]["max_abs"]), torch.tensor(0.01), atol=1e-5)
+
+
+def test_methods_run_in_their_own_processes_are_paired_on_resume(tmp_path, monkeypatch):
+    """`--methods split` then `--methods reuse --resume`: the second run keeps the first's split, reads its first
+    step from `--first-dir`, and pairs and checks the two as one run would; the first run's provenance is kept."""
+    import json
+
+    out = tmp_path / "out.json"
+    common = ["--models", "tiny", "--workloads", "smoke", "--device", "cpu", "--dtype", "float32", "--warmup", "1",
+              "--out", str(out), "--first-dir", str(tmp_path / "first")]  # fmt: skip
+    for extra in (["--methods", "split"], ["--methods", "reuse", "--resume"]):
+        monkeypatch.setattr(sys, "argv", ["bench_prefix_reuse_gpu.py", *common, *extra])
+        bench.main()
+    result = json.loads(out.read_text())
+    (row,) = result["rows"]
+    assert row["methods"].keys() == {"split", "reuse"} and len(result["earlier_runs"]) == 1
+    assert row["agreement"]["passed"] and row["agreement"]["gradient_cosine"] > 0.99999, row["agreement"]
+    assert row["paired"]["steps"] == 8 and not row["paired"]["failed"]
+    assert row["paired"]["median"] > 0

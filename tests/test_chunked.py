@@ -349,6 +349,40 @@ def test_block_mask_forward_equals_dense(monkeypatch):
         torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
 
 
+def test_chunk_block_masks_compile_once_for_every_context_size_and_grad_mode():
+    """The chunks' BlockMasks come from one compiled graph whatever their context size (none included) and grad
+    mode: dynamo guards on the mask_mod's code, the ints it captures and the grad mode, and a function's graphs
+    count against its recompile limit (8) for the whole process, past which it silently runs eagerly (a chunked
+    step's forward runs without grad, its recomputes with; on an H200 the limit was passed and a step ran out of
+    memory)."""
+    from torch._dynamo.utils import counters
+
+    from hf_tree_attn.masks import ContextMaskSource, causal_mask_mod
+
+    def chunk_mask(context: int, size: int = 256) -> torch.Tensor:
+        source = ContextMaskSource(
+            subtree_end=torch.arange(1, size + 1, dtype=torch.int32),
+            depth=torch.arange(size),
+            seq_lengths=torch.tensor([size]),
+            dense=False,
+            context_end=torch.full((context,), 10**6, dtype=torch.int32),
+            context_depth=torch.arange(context),
+            query_rows=torch.arange(size, dtype=torch.int32) + context,
+        )
+        return source.mask(causal_mask_mod).to_dense()
+
+    chunk_mask(384)  # the static graph, then the dynamic one
+    chunk_mask(128, size=384)
+    graphs = counters["stats"]["unique_graphs"]
+    for grad in (False, True):
+        with torch.set_grad_enabled(grad):
+            for context in (0, 128, 512, 896):
+                mask = chunk_mask(context)
+                assert mask.shape == (1, 1, 2, (context + 256) // 128)
+                assert bool(mask[0, 0, :, : context // 128].all()), "a context block every query sees is not full"
+    assert counters["stats"]["unique_graphs"] == graphs, "a chunk's context size or grad mode compiled a new graph"
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Each row forwarded once; the kept keys and values as estimated
 

@@ -566,7 +566,7 @@ def test_block_mask_forward_on_cpu_matches_dense(monkeypatch):
     kernel can fail to build after other shapes compiled it dynamically)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    monkeypatch.setattr(hf_tree_attn.attention, "_compiled_flex_attention", flex_attention)
+    monkeypatch.setattr(hf_tree_attn.attention, "_compiled_flex", lambda grad: flex_attention)
     tree, _ = hybrid_twin_models("qwen3_5")
     (forest,) = pack_forest(forest_case("grpo", seed=2))
     kwargs = hf_tree_attn.logprobs.forest_forward_kwargs(forest, "cpu")
