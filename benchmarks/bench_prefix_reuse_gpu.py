@@ -16,7 +16,8 @@ The loss is the same for both: a fixed random weight per scored token times its 
 step's scored tokens. Random-weight bf16 models of the named shapes (no download), every decoder layer checkpointed
 (non-reentrant), as the planner's estimates assume. Both methods run in one process, one after the other, or
 each in its own (`--methods split`, then `--methods reuse --resume`, both with `--first-dir`: the second run keeps
-the first's steps and reads its first step back for the agreement check), each with `--warmup` unmeasured and
+the first's steps and reads its first step back for the agreement check; where that first step is missing, the
+ratio is recorded with `agreement_checked: false`), each with `--warmup` unmeasured and
 `--steps` measured steps (CUDA-synchronized); `paired["split vs reuse"]` is the
 split's seconds over reuse's per measured step (`harness.paired`: min / median / max); peak memory after the
 warm-up. Agreement, on the first step: the per-token log-probabilities of the two methods within
@@ -190,22 +191,30 @@ def measure(model_name: str, workload: str, args, save, earlier: dict) -> dict:
         save(row)
         print(f"  {method}: {result['median_step_s']:.3f} s (first {result['first_step_s']:.1f} s)  "
               f"mfu {100 * result['mfu']:.1f}%  peak {result['peak_gib'] or 0:.1f} GiB", flush=True)  # fmt: skip
-    if {"split", "reuse"} <= firsts.keys():
+    measured = {m for m, r in row["methods"].items() if "refused" not in r}
+    if {"split", "reuse"} <= measured:
         split, reuse = row["methods"]["split"], row["methods"]["reuse"]
-        check = agreement(firsts["reuse"]["logps"], firsts["split"]["logps"], bound=LOGPROB_BOUND[args.dtype])
-        check["gradient_cosine"] = gradient_cosine(firsts["reuse"]["grads"], firsts["split"]["grads"])
-        check["passed"] = check["passed"] and check["gradient_cosine"] >= GRAD_COSINE
+        if {"split", "reuse"} <= firsts.keys():
+            check = agreement(firsts["reuse"]["logps"], firsts["split"]["logps"], bound=LOGPROB_BOUND[args.dtype])
+            check["gradient_cosine"] = gradient_cosine(firsts["reuse"]["grads"], firsts["split"]["grads"])
+            check["passed"] = check["passed"] and check["gradient_cosine"] >= GRAD_COSINE
+        else:  # an earlier run's first step not in --first-dir (e.g. written on a machine since given back)
+            check = {"passed": None, "not_checked": f"no first step of {sorted({'split', 'reuse'} - firsts.keys())}"}
         row["agreement"] = check
         try:
             row["paired"] = paired(split["measured_step_s"], reuse["measured_step_s"])
         except ValueError as error:
             row["paired"] = {"error": str(error)}
-        row["paired"]["failed"] = not check["passed"]
+        row["paired"]["failed"] = check["passed"] is False
+        row["paired"]["agreement_checked"] = check["passed"] is not None
         pair = row["paired"]
         if "median" in pair:
-            print(f"  split vs reuse: {pair['median']:.2f}x [{pair['min']:.2f}, {pair['max']:.2f}] "
-                  f"{'FAILED agreement' if pair['failed'] else 'agrees'} (max |dlogp| {check['max_abs']:.3g}, "
-                  f"gradient cosine {check['gradient_cosine']:.5f})", flush=True)  # fmt: skip
+            verdict = ("agreement NOT CHECKED" if check["passed"] is None else "FAILED agreement" if pair["failed"]
+                       else "agrees")  # fmt: skip
+            detail = "" if check["passed"] is None else (
+                f" (max |dlogp| {check['max_abs']:.3g}, gradient cosine {check['gradient_cosine']:.5f})")  # fmt: skip
+            print(f"  split vs reuse: {pair['median']:.2f}x [{pair['min']:.2f}, {pair['max']:.2f}] {verdict}{detail}",
+                  flush=True)  # fmt: skip
     del model, firsts
     if args.device == "cuda":
         torch.cuda.empty_cache()

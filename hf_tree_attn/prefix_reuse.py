@@ -364,6 +364,7 @@ class _Step:
             self.runs = np.array([len(i) > 0 or h for i, h in zip(self.items, holds)], dtype=bool)
             self.size = len(sources)
         self.present: list[bool] | None = None  # which of the head's outputs are tensors (known after a chunk)
+        self.released = False  # the stores freed by the backward
 
     def forward(self) -> tuple[torch.Tensor, ...]:
         tables: list[torch.Tensor | None] | None = None
@@ -388,6 +389,11 @@ class _Step:
         return tuple(t for t in tables if t is not None)
 
     def backward(self, grads: tuple[torch.Tensor, ...]) -> None:
+        if self.released:
+            raise RuntimeError(
+                "Prefix reuse's backward ran twice on one forward (retain_graph=True): its kept keys and values are "
+                "freed by the first. Run the forward again for a second backward."
+            )
         self.kv_grad, self.rec_grad = {}, {}
         for c in reversed(np.flatnonzero(self.runs).tolist()):
             with contextlib.ExitStack() as stack:
@@ -421,7 +427,13 @@ class _Step:
                 if key not in self.rec_grad:
                     self.rec_grad[key] = torch.zeros_like(self.rec[key], dtype=torch.float32)
                 self.rec_grad[key].index_add_(0, slots, leaf.grad.float())
-        self.kv_grad, self.rec_grad = {}, {}
+            # The chunk's graph reaches back to its context through the layers' checkpoints (their recompute keeps
+            # `tree_context`): a cycle through autograd's nodes that Python's collector cannot see, which kept every
+            # step's stores alive. Cut it.
+            context.release()
+        # The stores are the step's largest tensors: free them now, not when the outputs' graph goes.
+        self.kv, self.kv_grad, self.rec, self.rec_grad, self.states = {}, {}, {}, {}, {}
+        self.released = True
 
     @contextlib.contextmanager
     def _layer_hooks(self):
@@ -583,6 +595,11 @@ class ChunkContext:
         # What the context keys and values hang from in the backward (`_GatherKept`): it needs an input that
         # requires a gradient for autograd to reach it.
         self.anchor = torch.zeros((), device=step.device, requires_grad=True) if backward else None
+
+    def release(self) -> None:
+        """Drop what ties the chunk's graph to it (after its backward)."""
+        self.own, self.rec_own, self.rec_leaves, self._convs = {}, {}, {}, {}
+        self.step = self.mask_source = None
 
     @torch.compiler.disable
     def attend(self, module, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -58,3 +58,17 @@ def test_methods_run_in_their_own_processes_are_paired_on_resume(tmp_path, monke
     assert row["agreement"]["passed"] and row["agreement"]["gradient_cosine"] > 0.99999, row["agreement"]
     assert row["paired"]["steps"] == 8 and not row["paired"]["failed"]
     assert row["paired"]["median"] > 0
+
+
+def test_a_resumed_run_without_the_earlier_first_step_records_the_check_as_not_done(tmp_path, monkeypatch):
+    import json
+
+    out = tmp_path / "out.json"
+    common = ["--models", "tiny", "--workloads", "smoke", "--device", "cpu", "--dtype", "float32", "--warmup", "1",
+              "--out", str(out)]  # fmt: skip
+    for extra in (["--methods", "split"], ["--methods", "reuse", "--resume"]):
+        monkeypatch.setattr(sys, "argv", ["bench_prefix_reuse_gpu.py", *common, *extra])
+        bench.main()
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["agreement"]["passed"] is None and "split" in row["agreement"]["not_checked"]
+    assert row["paired"]["steps"] == 8 and not row["paired"]["failed"] and not row["paired"]["agreement_checked"]

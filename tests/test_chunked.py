@@ -291,6 +291,38 @@ def test_checkpointed_chunk_holds_one_layers_context_at_a_time(monkeypatch):
     assert all(not others for others in alive_at_gather), [len(o) for o in alive_at_gather]
 
 
+def test_a_step_frees_its_stores_with_its_backward():
+    """After the backward, a chunked step holds nothing: with layers checkpointed, each chunk's graph reached back to
+    its context through the checkpoints' kept arguments, a cycle through autograd's nodes that Python's collector
+    cannot free, and every step's kept keys and values stayed alive (on an H200 a 0.6B model's steps ran out of
+    memory one after another). A second backward of one forward is refused."""
+    import gc
+
+    tree, _ = twin_models("qwen3")
+    tree.train()
+    _enable_checkpointing(tree, use_reentrant=False)
+    steps = []
+    init = prefix_reuse_module._Step.__init__
+
+    def recording(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        steps.append(weakref.ref(self))
+
+    prefix_reuse_module._Step.__init__ = recording
+    try:
+        sequences = _trie(3, seed=32)
+        for _ in range(2):
+            logps = sequence_logprobs(tree, sequences, BUDGET, prefix_reuse=True)
+            sum(lp.sum() for lp in logps).backward(retain_graph=True)
+            with pytest.raises(RuntimeError, match="ran twice"):
+                sum(lp.sum() for lp in logps).backward()
+            del logps
+            gc.collect()
+    finally:
+        prefix_reuse_module._Step.__init__ = init
+    assert len(steps) == 2 and all(step() is None for step in steps), "a step outlived its outputs"
+
+
 def test_recompute_repeats_the_forward_under_dropout_and_autocast():
     """Each chunk's recompute in the backward sees the dropout masks and the autocast its forward saw (the backward
     runs outside the caller's autocast block): its last MLP's outputs (bf16, after dropout) are bit-identical to the
