@@ -100,9 +100,9 @@ def step(model, sequences, budget: int, method: str, weights: list[torch.Tensor]
     return out
 
 
-def run_method(model, sequences, budget, method, weights, scored, args) -> tuple[dict, dict | None]:
+def run_method(model, sequences, budget, method, weights, scored, args, progress=None) -> tuple[dict, dict | None]:
     """`method`'s steps: its times and peak memory, and its first step's log-probs and gradients (None where the
-    method refuses the workload: `({"refused": why}, None)`)."""
+    method refuses the workload: `({"refused": why}, None)`). `progress(seconds)` after every step."""
     device = args.device
     # AdamW at learning rate 0: its states held and updated as in training, the weights unchanged (every step the
     # same work); made per method, so its states count in each method's peak memory
@@ -130,6 +130,8 @@ def run_method(model, sequences, budget, method, weights, scored, args) -> tuple
             optimizer.step()
         _sync()
         seconds.append(time.perf_counter() - start)
+        if progress is not None:
+            progress(seconds)
         if k == 0 and (len(args.methods) > 1 or args.first_dir):  # the agreement check's, on the host (8B: 16 GB)
             first = {
                 "logps": torch.cat(logps).float().cpu().tolist(),
@@ -177,7 +179,12 @@ def measure(model_name: str, workload: str, args, save, earlier: dict) -> dict:
             if path is not None and path.exists():
                 firsts[method] = torch.load(path)
     for method in args.methods:
-        result, first = run_method(model, sequences, budget, method, weights, scored, args)
+
+        def progress(seconds: list[float], method: str = method) -> None:  # a run cut off keeps the steps it ran
+            row["methods"][method] = {"incomplete": True, "step_s": list(seconds)}
+            save(row)
+
+        result, first = run_method(model, sequences, budget, method, weights, scored, args, progress)
         row["methods"][method] = result
         if first is None:
             print(f"  {method}: {result['refused']}", flush=True)
@@ -259,7 +266,7 @@ def main() -> None:
         keys = ("command", "git_commit", "git_dirty", "time_utc")
         results["earlier_runs"] = [*before.get("earlier_runs", []), {k: before.get(k) for k in keys}]
         for row in before["rows"]:
-            methods = {m: r for m, r in row["methods"].items() if "refused" not in r}
+            methods = {m: r for m, r in row["methods"].items() if "refused" not in r and "incomplete" not in r}
             if (row["model"], row["workload"]) in {(m, w) for m in args.models for w in args.workloads}:
                 earlier[row["model"], row["workload"]] = methods
             else:

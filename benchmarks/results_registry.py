@@ -120,6 +120,7 @@ SOURCES = {
     "generation_modes_cpu_tiny_compiled_recompiles.log": None,
     "tree_vs_flat_h200.png": None,
     "prefix_reuse_plan_cpu.json": None,
+    "prefix_reuse_gpu_h200_qwen3-0.6b.json": "prefix-reuse-gpu-split",
 }
 
 # Through trainer.train(), generation a `rollout_func`, each side in its own process, paired per step
@@ -265,6 +266,8 @@ BEYOND_GRPO = [
 ]
 # Forwarded over unique tokens, micro-batches vs prefix reuse, and the reuse planner's estimates (CPU, layouts only).
 PREFIX_REUSE_PLAN = "prefix_reuse_plan_cpu.json"
+# bench_prefix_reuse_gpu.py on the H200: split vs prefix reuse, each in its own process.
+PREFIX_REUSE_GPU = ["prefix_reuse_gpu_h200_qwen3-0.6b.json"]
 # The same on the harness (each side in its own process, paired per step, agreement checked): its rows supersede
 # the older files' rows of the same workloads.
 BEYOND_PAIRED = ["trees_beyond_grpo_h200_paired.json"]

@@ -47,6 +47,7 @@ from results_registry import (
     PLOT,
     PREFIX_NEW_SHAPES,
     PREFIX_PARTS,
+    PREFIX_REUSE_GPU,
     PREFIX_REUSE_PLAN,
     PREFIX_RUNS,
     PROBES_ON_GPU,
@@ -443,6 +444,36 @@ def prefix_reuse_plan() -> list[str]:
                "forwarded / unique, prefix reuse", "model shape",
                "reuse peak estimate GiB (activations / context / kept K/V + grads)", "least estimate GiB",
                "source"]  # fmt: skip
+    return table(headers, rows) + notes.lines() + prefix_reuse_gpu()
+
+
+def prefix_reuse_gpu() -> list[str]:
+    """bench_prefix_reuse_gpu.py: each layout's step on the H200, and the paired ratio where both ran."""
+    notes, rows = Notes(), []
+    for name in PREFIX_REUSE_GPU:
+        for row in load(name)["rows"]:
+            cells = []
+            for method in ("split", "reuse"):
+                run = row["methods"].get(method)
+                if run is None or "incomplete" in run:
+                    cells.append("*not yet timed*")
+                elif "refused" in run:
+                    cells.append("refused")
+                else:
+                    measured = run["measured_step_s"]
+                    cells.append(
+                        f"{secs(run['median_step_s'])} [{min(measured):.2f}, {max(measured):.2f} s], "
+                        f"{x(run['forwarded_over_unique'])} forwarded, MFU {pct(run['mfu'], 1)}, "
+                        f"{run['peak_gib']:.1f} GiB"
+                    )
+            pair = row.get("paired")
+            unchecked = pair and "median" in pair and not pair.get("agreement_checked", True)
+            rows.append([
+                MODELS[row["model"]], f"`{row['workload']}`", f"{row['budget']:,}", *cells,
+                ranged(pair) + (" (agreement not checked)" if unchecked else ""), notes.source(name),
+            ])  # fmt: skip
+    headers = ["model shape", "workload", "budget", "split: median step [range], forwarded / unique, MFU, peak",
+               "prefix reuse: the same", "split over reuse, per step", "source"]  # fmt: skip
     return table(headers, rows) + notes.lines()
 
 
@@ -1233,10 +1264,15 @@ SECTIONS = [  # (heading level, title, section, what it measures)
      "later chunks read (`tree_prefix_reuse=True`). Forwarded counts the forward passes' rows (both then recompute "
      "each checkpointed layer once). The estimate is `hf_tree_attn.reuse_planner`'s, bf16, every layer "
      "checkpointed: the backward's peak beyond weights, gradients and optimizer state, at chunks of the budget; the "
-     "least over chunk sizes beside it. Not yet measured on a GPU: `bench_prefix_reuse_gpu.py` (stage "
-     "`prefix-reuse-gpu`) times the two layouts on these workloads; its one call so far, Qwen3-0.6B shape on "
-     "`agent_2x20x4`, ran out of its 190 s before the split's nine steps ended (each forwards ~290k rows whose "
-     "attention spans histories of up to 50k tokens), and wrote nothing."),
+     "least over chunk sizes beside it. The second table: the two layouts timed on the H200 "
+     "(`bench_prefix_reuse_gpu.py`, stages `prefix-reuse-gpu-split` then `prefix-reuse-gpu`, each layout in its own "
+     "process, the log-prob loss's forward and backward of one step, 8 measured steps after the warm-up). Prefix "
+     "reuse's first runs there found two faults, both fixed and covered by CPU tests since: its forward without "
+     "grad and its recomputes with grad, over chunks whose context size changes, compiled FlexAttention past "
+     "dynamo's recompile limit, after which FlexAttention runs its eager reference (the full scores matrix: out of "
+     "memory); and each step's kept keys and values stayed alive after its backward (a reference cycle through the "
+     "layers' checkpoints), so the third step ran out of memory. Its timed run after the fixes reached its time "
+     "limit before it wrote a step (the script now writes each step as it ends)."),
     (2, "FLOP ceiling and MFU", flop_ceiling_and_mfu,
      "MFU = model FLOPs of the trainer phase (`estimate_flops` × 4: old-log-prob forward, policy forward, backward; "
      "recompute not counted) / time / 989 TFLOPS (the H200's dense bf16 peak). A tree that recomputes fewer layers "

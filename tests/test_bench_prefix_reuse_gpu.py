@@ -72,3 +72,35 @@ def test_a_resumed_run_without_the_earlier_first_step_records_the_check_as_not_d
     (row,) = json.loads(out.read_text())["rows"]
     assert row["agreement"]["passed"] is None and "split" in row["agreement"]["not_checked"]
     assert row["paired"]["steps"] == 8 and not row["paired"]["failed"] and not row["paired"]["agreement_checked"]
+
+
+def test_a_run_cut_off_keeps_the_steps_it_ran(monkeypatch):
+    """A run stopped by a time limit in the middle of a method has written the steps that method finished."""
+    saved, calls = [], []
+    step = bench.step
+
+    def cut_off(model, sequences, budget, method, weights, scored):
+        calls.append(method)
+        if calls.count("reuse") == 4:
+            raise TimeoutError("the time limit")
+        return step(model, sequences, budget, method, weights, scored)
+
+    monkeypatch.setattr(bench, "step", cut_off)
+    args = argparse.Namespace(**ARGS)
+    try:
+        bench.measure("tiny", "smoke", args, save=lambda row: saved.append(json_copy(row)), earlier={})
+    except TimeoutError:
+        pass
+    else:
+        raise AssertionError("the cut-off never came")
+    last = saved[-1]["methods"]
+    assert last["split"]["median_step_s"] > 0 and len(last["split"]["step_s"]) == 9
+    assert (
+        last["reuse"] == {"incomplete": True, "step_s": last["reuse"]["step_s"]} and len(last["reuse"]["step_s"]) == 3
+    )
+
+
+def json_copy(row: dict) -> dict:
+    import json
+
+    return json.loads(json.dumps(row))
