@@ -4,21 +4,22 @@
 its first row, computed by earlier chunks). This module runs such a plan with exact log-probs, entropies and
 gradients for any loss of them, at the memory of one chunk's activations plus the kept keys and values:
 
-- **forward** (no autograd): the chunks in order. In every attention layer a chunk stores the post-RoPE keys and
-  values of its rows that later chunks read (a per-layer store indexed by `ChunkPlan.slot`), and attends over
-  `[its context rows' keys and values, gathered from the store; its own]` with the chunk's mask `(1, 1, S, P + S)`
+- **forward** (no autograd; the last chunk, which keeps nothing, with autograd where a backward follows, its graph kept
+  for the backward to start from): the chunks in order. In every attention layer a chunk stores the post-RoPE keys and
+  values of its rows that later chunks read (a per-layer store indexed by `ChunkPlan.slot`), and attends over `[its
+  context rows' keys and values, gathered from the store; its own]` with the chunk's mask `(1, 1, S, P + S)`
   (`hf_tree_attn.masks.ContextMaskSource`). Each token is scored by the chunk holding its parent row.
-- **backward**: the chunks in reverse, each recomputed with autograd on; one `torch.autograd.backward` per chunk
-  from its log-probs / entropies (the incoming gradients) and its own kept keys and values (the gradients later
-  chunks sent them). Each layer's context keys and values are gathered from the store by an autograd node
-  (`_GatherKept`) that adds the gradient it receives into a float32 gradient store at the context rows, for the
-  earlier chunks that computed them, when the backward reaches that layer: no layer's context is held until the
+- **backward**: the chunks in reverse, each recomputed with autograd on (the last from its kept graph); one
+  `torch.autograd.backward` per chunk from its log-probs / entropies (the incoming gradients) and its own kept keys and
+  values (the gradients later chunks sent them). Each layer's context keys and values are gathered from the store by an
+  autograd node (`_GatherKept`) that adds the gradient it receives into a float32 gradient store at the context rows,
+  for the earlier chunks that computed them, when the backward reaches that layer: no layer's context is held until the
   chunk's backward ends, and where the model checkpoints its layers only the running layer's is alive. Parameter
   gradients accumulate in `.grad` as they would in one backward (the reentrant pattern of `torch.utils.checkpoint(...,
   use_reentrant=True)`, with its limits: `loss.backward()`, not `torch.autograd.grad`). So a data-parallel wrapper
-  whose hooks expect one gradient per parameter per backward, and the same forwards on every rank, cannot reduce
-  them: under DDP run the step under its `no_sync()` and average the `.grad`s over the ranks once per optimizer step,
-  as the trainers do (`trainer.core.prefix_reuse_gradient_sync`).
+  whose hooks expect one gradient per parameter per backward, and the same forwards on every rank, cannot reduce them:
+  under DDP run the step under its `no_sync()` and average the `.grad`s over the ranks once per optimizer step, as the
+  trainers do (`trainer.core.prefix_reuse_gradient_sync`).
 
 **State-carrying layers** (hybrids: gated and Kimi delta rule, Mamba-2, short convolutions;
 `hf_tree_attn.recurrent`) are handled the same way. A chunk is a forest of its own rows (`recurrent.ChunkRows`)
@@ -31,8 +32,9 @@ stores keyed by the layer (a forward pre-hook names the one running), written in
 context states / inputs are leaves whose gradients go into a float32 store for the earlier chunk, and the chunk's
 own kept states / inputs receive the gradients later chunks sent them, as the keys and values do.
 
-Cost: one forward without autograd, one recompute and one backward per chunk, what full activation checkpointing
-costs, with every row forwarded once. Memory beyond one chunk: `kept_kv_bytes` in the forward (the kept keys and
+Cost: one forward, one recompute (none for the last chunk) and one backward per chunk, what full activation
+checkpointing costs, with every row forwarded once; where the model checkpoints its own layers too, their recompute
+in the backward comes on top. Memory beyond one chunk: `kept_kv_bytes` in the forward (the kept keys and
 values of every attention layer, held until the backward), and as much again in float32 for their gradients during
 the backward; on hybrids also the kept recurrent states (one per state-carrying layer and kept row, float32 for the
 torch delta rule) and convolution inputs (`kept_state_bytes`), and their float32 gradients. RNG and autocast
@@ -41,7 +43,8 @@ states of each chunk's forward are restored for its recompute.
 What it refuses, before any forward (`prefix_reuse_error`): models `check_tree_model` refuses; chunked attention,
 layer kinds it does not know and attention temperature tuning (not verified with context rows). The way out is
 `prefix_reuse=False`. Transformers' non-reentrant activation checkpointing inside the model works; the
-reentrant one is refused when its backward runs. Decoder layers compiled by `hf_tree_attn.compile` run eagerly here.
+reentrant one is refused (its forward keeps no graph). Decoder layers compiled by `hf_tree_attn.compile` run
+eagerly here.
 
 Devices: on CPU the chunk masks are dense and attention runs through SDPA / HF's eager math (softcap, sinks). On
 CUDA the FlexAttention path (a `BlockMask` over the concatenated keys) is built but has not been run on a GPU: its
@@ -55,6 +58,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import weakref
 
 import numpy as np
 import torch
@@ -301,7 +305,7 @@ class _PrefixReuse(torch.autograd.Function):
     def forward(ctx, step: _Step, *params: torch.Tensor):
         ctx.step = step
         ctx.num_params = len(params)
-        return step.forward()
+        return step.forward(keep_last=True)
 
     @staticmethod
     def backward(ctx, *grads):
@@ -365,13 +369,24 @@ class _Step:
             self.size = len(sources)
         self.present: list[bool] | None = None  # which of the head's outputs are tensors (known after a chunk)
         self.released = False  # the stores freed by the backward
+        self.last: tuple | None = None  # (chunk, context, items, outputs) of a last chunk run with autograd
 
-    def forward(self) -> tuple[torch.Tensor, ...]:
+    def forward(self, keep_last: bool = False) -> tuple[torch.Tensor, ...]:
+        """The chunks in order, without autograd; with `keep_last` (a backward follows) the last chunk with autograd,
+        its graph kept for the backward to start from (it keeps no row for a later chunk, and the backward would
+        recompute it first: one forward of its rows saved, at the memory the backward's first chunk takes anyway)."""
         tables: list[torch.Tensor | None] | None = None
+        chunks = np.flatnonzero(self.runs).tolist()
         with torch.no_grad(), eager_layers(self.model), self._layer_hooks():
-            for c in np.flatnonzero(self.runs).tolist():
+            for c in chunks:
                 self.states[c] = _rng_state(self.device)
-                _, items, outputs = self._run(c, backward=False)
+                if keep_last and c == chunks[-1]:
+                    with torch.enable_grad():
+                        self.last = (c, *self._run(c, backward=True))
+                    _, items, outputs = self.last[1:]
+                    outputs = None if outputs is None else tuple(o if o is None else o.detach() for o in outputs)
+                else:
+                    _, items, outputs = self._run(c, backward=False)
                 if outputs is None:
                     continue
                 if tables is None:
@@ -396,14 +411,20 @@ class _Step:
             )
         self.kv_grad, self.rec_grad = {}, {}
         for c in reversed(np.flatnonzero(self.runs).tolist()):
+            kept = self.last is not None and self.last[0] == c
             with contextlib.ExitStack() as stack:
-                stack.enter_context(_restored_rng(self.device, self.states[c]))
-                for autocast in _autocasts(self.autocast):
-                    stack.enter_context(autocast)
+                # the forward's RNG and autocast for the recompute (a kept graph's checkpoints hold theirs)
+                if not kept:
+                    stack.enter_context(_restored_rng(self.device, self.states[c]))
+                    for autocast in _autocasts(self.autocast):
+                        stack.enter_context(autocast)
                 stack.enter_context(eager_layers(self.model))
                 stack.enter_context(self._layer_hooks())
                 stack.enter_context(torch.enable_grad())
-                context, items, values = self._run(c, backward=True)
+                if kept:
+                    (_, context, items, values), self.last = self.last, None
+                else:
+                    context, items, values = self._run(c, backward=True)
                 # The outputs the loss reads: a zero gradient (an output only metrics read) adds nothing.
                 values = [v for v in values or () if v is not None]
                 outputs = [
@@ -432,7 +453,7 @@ class _Step:
             # step's stores alive. Cut it.
             context.release()
         # The stores are the step's largest tensors: free them now, not when the outputs' graph goes.
-        self.kv, self.kv_grad, self.rec, self.rec_grad, self.states = {}, {}, {}, {}, {}
+        self.kv, self.kv_grad, self.rec, self.rec_grad, self.states, self.last = {}, {}, {}, {}, {}, None
         self.released = True
 
     @contextlib.contextmanager
@@ -548,12 +569,13 @@ class _GatherKept(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, anchor, step, module, index, slots):
-        ctx.step, ctx.module, ctx.index, ctx.slots = step, module, index, slots
+        # Weakly: the graph must not hold the step, which may hold the graph (its kept last chunk)
+        ctx.step, ctx.module, ctx.index, ctx.slots = weakref.ref(step), module, index, slots
         return step.kv[module][index].index_select(2, slots)
 
     @staticmethod
     def backward(ctx, grad):
-        step, module = ctx.step, ctx.module
+        step, module = ctx.step(), ctx.module
         if module not in step.kv_grad:
             step.kv_grad[module] = tuple(torch.zeros_like(t, dtype=torch.float32) for t in step.kv[module])
         step.kv_grad[module][ctx.index].index_add_(2, ctx.slots, grad.float())
@@ -578,7 +600,8 @@ class ChunkContext:
     """
 
     def __init__(self, step, mask_source, context_slots, context_fill, own_local, own_slots, backward, rows):
-        self.step = step
+        # Weakly, as `_GatherKept` does: the layers' checkpoints keep this context (their arguments) in the graph
+        self._step = weakref.ref(step)
         self.rows = rows  # (first row, end row, padded size)
         self.rec_leaves: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # key -> (context states, slots)
         self.rec_own: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # key -> (own kept states, slots)
@@ -599,7 +622,11 @@ class ChunkContext:
     def release(self) -> None:
         """Drop what ties the chunk's graph to it (after its backward)."""
         self.own, self.rec_own, self.rec_leaves, self._convs = {}, {}, {}, {}
-        self.step = self.mask_source = None
+        self.mask_source = None
+
+    @property
+    def step(self) -> _Step:
+        return self._step()
 
     @torch.compiler.disable
     def attend(self, module, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -629,7 +656,8 @@ class ChunkContext:
                     t.new_zeros(t.shape[0], t.shape[1], slots, t.shape[3]) for t in (key, value)
                 )
             if self.backward:
-                self.own[module] = own
+                if len(self.own_local):  # none: no later chunk sends gradients (and no cycle through the graph)
+                    self.own[module] = own
             else:
                 for kept, rows in zip(store, own):
                     kept.index_copy_(2, self.own_slots, rows.to(kept.dtype))
@@ -791,7 +819,8 @@ class ChunkContext:
         """Keep this chunk's `values` (`(len(slots), ...)`) at `slots` for later chunks (forward); in the backward,
         record them as outputs the gradients later chunks sent them flow back from."""
         if self.backward:
-            self.rec_own.setdefault(key, (values, slots))  # a recompute's second call keeps the first's
+            if len(slots):
+                self.rec_own.setdefault(key, (values, slots))  # a recompute's second call keeps the first's
             return
         store = self.step.rec.get(key)
         if store is None:
