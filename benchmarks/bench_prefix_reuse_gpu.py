@@ -16,8 +16,8 @@ The loss is the same for both: a fixed random weight per scored token times its 
 step's scored tokens. Random-weight bf16 models of the named shapes (no download), every decoder layer checkpointed
 (non-reentrant), as the planner's estimates assume. Both methods run in one process, one after the other, or
 each in its own (`--methods split`, then `--methods reuse --resume`, both with `--first-dir`: the second run keeps
-the first's steps and reads its first step back for the agreement check; where that first step is missing, the
-ratio is recorded with `agreement_checked: false`), each with `--warmup` unmeasured and
+the first's steps and reads its first step back for the agreement check; where that first step is missing, it runs
+one unmeasured step of the first's method for it, `agreement_steps_rerun`), each with `--warmup` unmeasured and
 `--steps` measured steps (CUDA-synchronized); `paired["split vs reuse"]` is the
 split's seconds over reuse's per measured step (`harness.paired`: min / median / max); peak memory after the
 warm-up. Agreement, on the first step: the per-token log-probabilities of the two methods within
@@ -132,11 +132,8 @@ def run_method(model, sequences, budget, method, weights, scored, args, progress
         seconds.append(time.perf_counter() - start)
         if progress is not None:
             progress(seconds)
-        if k == 0 and (len(args.methods) > 1 or args.first_dir):  # the agreement check's, on the host (8B: 16 GB)
-            first = {
-                "logps": torch.cat(logps).float().cpu().tolist(),
-                "grads": {n: p.grad.detach().cpu() for n, p in model.named_parameters() if p.grad is not None},
-            }
+        if k == 0 and (len(args.methods) > 1 or args.first_dir or args.resume):  # the agreement check's
+            first = first_step(model, logps)
         if k == args.warmup - 1 and device == "cuda":  # the peak after the warm-up (compile and autotuning left out)
             torch.cuda.reset_peak_memory_stats()
     result = {
@@ -147,6 +144,14 @@ def run_method(model, sequences, budget, method, weights, scored, args, progress
     result["forwards" if method == "split" else "forests"] = len(forests)
     result["forwarded"] = forwarded
     return result, first
+
+
+def first_step(model, logps: list[torch.Tensor]) -> dict:
+    """A step's log-probs and parameter gradients, on the host (an 8B model's are 16 GB), for the agreement check."""
+    return {
+        "logps": torch.cat(logps).float().cpu().tolist(),
+        "grads": {n: p.grad.detach().cpu() for n, p in model.named_parameters() if p.grad is not None},
+    }
 
 
 def gradient_cosine(a: dict, b: dict) -> float:
@@ -201,27 +206,25 @@ def measure(model_name: str, workload: str, args, save, earlier: dict) -> dict:
     measured = {m for m, r in row["methods"].items() if "refused" not in r}
     if {"split", "reuse"} <= measured:
         split, reuse = row["methods"]["split"], row["methods"]["reuse"]
-        if {"split", "reuse"} <= firsts.keys():
-            check = agreement(firsts["reuse"]["logps"], firsts["split"]["logps"], bound=LOGPROB_BOUND[args.dtype])
-            check["gradient_cosine"] = gradient_cosine(firsts["reuse"]["grads"], firsts["split"]["grads"])
-            check["passed"] = check["passed"] and check["gradient_cosine"] >= GRAD_COSINE
-        else:  # an earlier run's first step not in --first-dir (e.g. written on a machine since given back)
-            check = {"passed": None, "not_checked": f"no first step of {sorted({'split', 'reuse'} - firsts.keys())}"}
+        for method in sorted({"split", "reuse"} - firsts.keys()):
+            # an earlier run's first step not in --first-dir (e.g. written on a machine since given back): one
+            # unmeasured step of that method here, on the same data
+            firsts[method] = first_step(model, step(model, sequences, budget, method, weights, scored))
+            row.setdefault("agreement_steps_rerun", []).append(method)
+        check = agreement(firsts["reuse"]["logps"], firsts["split"]["logps"], bound=LOGPROB_BOUND[args.dtype])
+        check["gradient_cosine"] = gradient_cosine(firsts["reuse"]["grads"], firsts["split"]["grads"])
+        check["passed"] = check["passed"] and check["gradient_cosine"] >= GRAD_COSINE
         row["agreement"] = check
         try:
             row["paired"] = paired(split["measured_step_s"], reuse["measured_step_s"])
         except ValueError as error:
             row["paired"] = {"error": str(error)}
-        row["paired"]["failed"] = check["passed"] is False
-        row["paired"]["agreement_checked"] = check["passed"] is not None
+        row["paired"]["failed"] = not check["passed"]
         pair = row["paired"]
         if "median" in pair:
-            verdict = ("agreement NOT CHECKED" if check["passed"] is None else "FAILED agreement" if pair["failed"]
-                       else "agrees")  # fmt: skip
-            detail = "" if check["passed"] is None else (
-                f" (max |dlogp| {check['max_abs']:.3g}, gradient cosine {check['gradient_cosine']:.5f})")  # fmt: skip
-            print(f"  split vs reuse: {pair['median']:.2f}x [{pair['min']:.2f}, {pair['max']:.2f}] {verdict}{detail}",
-                  flush=True)  # fmt: skip
+            print(f"  split vs reuse: {pair['median']:.2f}x [{pair['min']:.2f}, {pair['max']:.2f}] "
+                  f"{'FAILED agreement' if pair['failed'] else 'agrees'} (max |dlogp| {check['max_abs']:.3g}, "
+                  f"gradient cosine {check['gradient_cosine']:.5f})", flush=True)  # fmt: skip
     del model, firsts
     if args.device == "cuda":
         torch.cuda.empty_cache()
@@ -249,7 +252,7 @@ def main() -> None:
         "--resume", action="store_true",
         help="keep the methods an earlier run wrote to --out for the same rows and pair them with the ones run now "
              "(each method in its own process; the agreement check reads the earlier one's first step from "
-             "--first-dir)",
+             "--first-dir, or runs one step of it where it is not there)",
     )  # fmt: skip
     parser.add_argument("--first-dir", help="write each method's first-step log-probs and gradients there")
     args = parser.parse_args()

@@ -466,11 +466,9 @@ def prefix_reuse_gpu() -> list[str]:
                         f"{x(run['forwarded_over_unique'])} forwarded, MFU {pct(run['mfu'], 1)}, "
                         f"{run['peak_gib']:.1f} GiB"
                     )
-            pair = row.get("paired")
-            unchecked = pair and "median" in pair and not pair.get("agreement_checked", True)
             rows.append([
-                MODELS[row["model"]], f"`{row['workload']}`", f"{row['budget']:,}", *cells,
-                ranged(pair) + (" (agreement not checked)" if unchecked else ""), notes.source(name),
+                MODELS[row["model"]], f"`{row['workload']}`", f"{row['budget']:,}", *cells, ranged(row.get("paired")),
+                notes.source(name),
             ])  # fmt: skip
     headers = ["model shape", "workload", "budget", "split: median step [range], forwarded / unique, MFU, peak",
                "prefix reuse: the same", "split over reuse, per step", "source"]  # fmt: skip

@@ -367,7 +367,7 @@ for stage in "$@"; do
       cp "$OUT/prefix_reuse_gpu_h200_qwen3-0.6b.json" /tmp/prefix_reuse_gpu_h200_qwen3-0.6b.json ;;
     prefix-reuse-gpu)  # the same step as one forest in chunks (prefix reuse, FlexAttention path) in a process of its
       # own, paired step by step with `prefix-reuse-gpu-split`'s (kept in /tmp by that stage) and checked against it
-      # (on a machine since given back, the committed file's split: the ratio then records agreement_checked false)
+      # (on a machine since given back, the committed file's split, and one split step re-run for the agreement check)
       cp /tmp/prefix_reuse_gpu_h200_qwen3-0.6b.json "$OUT/" 2>/dev/null \
         || cp benchmarks/results/prefix_reuse_gpu_h200_qwen3-0.6b.json "$OUT/"
       timeout 560 python3 benchmarks/bench_prefix_reuse_gpu.py --models qwen3-0.6b --workloads agent_2x20x4 \

@@ -60,7 +60,9 @@ def test_methods_run_in_their_own_processes_are_paired_on_resume(tmp_path, monke
     assert row["paired"]["median"] > 0
 
 
-def test_a_resumed_run_without_the_earlier_first_step_records_the_check_as_not_done(tmp_path, monkeypatch):
+def test_a_resumed_run_without_the_earlier_first_step_reruns_it_for_the_check(tmp_path, monkeypatch):
+    """Without `--first-dir` (the earlier process's first step gone), the resumed run re-runs one step of the earlier
+    method on the same data for the agreement check, and says so; an off reuse step still fails the row."""
     import json
 
     out = tmp_path / "out.json"
@@ -70,8 +72,15 @@ def test_a_resumed_run_without_the_earlier_first_step_records_the_check_as_not_d
         monkeypatch.setattr(sys, "argv", ["bench_prefix_reuse_gpu.py", *common, *extra])
         bench.main()
     (row,) = json.loads(out.read_text())["rows"]
-    assert row["agreement"]["passed"] is None and "split" in row["agreement"]["not_checked"]
-    assert row["paired"]["steps"] == 8 and not row["paired"]["failed"] and not row["paired"]["agreement_checked"]
+    assert row["agreement_steps_rerun"] == ["split"] and row["agreement"]["passed"], row["agreement"]
+    assert row["paired"]["steps"] == 8 and not row["paired"]["failed"]
+
+    step = bench.step
+    monkeypatch.setattr(bench, "step", lambda *a: [lp + 0.01 for lp in step(*a)] if a[3] == "reuse" else step(*a))
+    monkeypatch.setattr(sys, "argv", ["bench_prefix_reuse_gpu.py", *common, "--methods", "reuse", "--resume"])
+    bench.main()
+    (row,) = json.loads(out.read_text())["rows"]
+    assert not row["agreement"]["passed"] and row["paired"]["failed"]
 
 
 def test_a_run_cut_off_keeps_the_steps_it_ran(monkeypatch):
