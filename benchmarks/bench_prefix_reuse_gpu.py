@@ -28,7 +28,8 @@ one prefix forest (`estimate_flops`' `tree_flops`; recompute not counted) per st
     python benchmarks/bench_prefix_reuse_gpu.py --models qwen3-1.7b --workloads agent_2x20x4 \\
         --out benchmarks/results/prefix_reuse_gpu_h200_qwen3-1.7b.json
     python benchmarks/bench_prefix_reuse_gpu.py --models qwen3-8b --workloads trajectory_96k --methods reuse \\
-        --optimizer --out benchmarks/results/prefix_reuse_gpu_h200_qwen3-8b_trajectory.json    # fits one H200?
+        --budget 2176 --optimizer --steps 2 \\
+        --out benchmarks/results/prefix_reuse_gpu_h200_qwen3-8b_trajectory.json              # fits one H200?
     python benchmarks/bench_prefix_reuse_gpu.py --models tiny --workloads smoke --device cpu --dtype float32 \\
         --warmup 1 --steps 8                                                                 # CPU smoke run
 """

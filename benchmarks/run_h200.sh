@@ -373,14 +373,24 @@ for stage in "$@"; do
       timeout 560 python3 benchmarks/bench_prefix_reuse_gpu.py --models qwen3-0.6b --workloads agent_2x20x4 \
         --methods reuse --resume --warmup 2 --steps 8 --first-dir /tmp/prefix_reuse_first \
         --out "$OUT/prefix_reuse_gpu_h200_qwen3-0.6b.json" 2>&1 | quiet 12 ;;
-    prefix-reuse-gpu-8b-trajectory)  # the 96k-token trajectory with 8 branches at the Qwen3-8B shape in 32k-row
-      # chunks, with AdamW's states held (the split refuses it): does one step fit in one H200, and how long is it
+    prefix-reuse-gpu-8b-trajectory)  # the 96k-token trajectory with 8 branches at the Qwen3-8B shape, with AdamW's
+      # states held (the split refuses it): does one step fit in one H200, and how long is it. In chunks of 2,176 rows,
+      # the planner's least estimate (43.7 GiB beside 89 GiB of weights, gradients and moments; at the workload's
+      # 32k-row budget it estimates 62.5 GiB, past the H200); ~1 min a step by the FLOP count, so 2 measured steps
       timeout 560 python3 benchmarks/bench_prefix_reuse_gpu.py --models qwen3-8b --workloads trajectory_96k \
-        --methods reuse --optimizer --warmup 1 --steps 8 \
+        --budget 2176 --methods reuse --optimizer --warmup 1 --steps 2 \
         --out "$OUT/prefix_reuse_gpu_h200_qwen3-8b_trajectory.json" 2>&1 | quiet 12 ;;
-    prefix-reuse-gpu-1.7b)  # the same at the Qwen3-1.7B shape, in a call of its own
+    prefix-reuse-gpu-1.7b-split)  # `prefix-reuse-gpu-split` at the Qwen3-1.7B shape on the 4-conversation agent step
       timeout 560 python3 benchmarks/bench_prefix_reuse_gpu.py --models qwen3-1.7b --workloads agent_4x20 \
-        --warmup 1 --steps 8 --out "$OUT/prefix_reuse_gpu_h200_qwen3-1.7b.json" 2>&1 | quiet 12 ;;
+        --methods split --warmup 1 --steps 8 --first-dir /tmp/prefix_reuse_first \
+        --out "$OUT/prefix_reuse_gpu_h200_qwen3-1.7b.json" 2>&1 | quiet 12
+      cp "$OUT/prefix_reuse_gpu_h200_qwen3-1.7b.json" /tmp/prefix_reuse_gpu_h200_qwen3-1.7b.json ;;
+    prefix-reuse-gpu-1.7b)  # `prefix-reuse-gpu` at the same shape, after `prefix-reuse-gpu-1.7b-split`
+      cp /tmp/prefix_reuse_gpu_h200_qwen3-1.7b.json "$OUT/" 2>/dev/null \
+        || cp benchmarks/results/prefix_reuse_gpu_h200_qwen3-1.7b.json "$OUT/"
+      timeout 560 python3 benchmarks/bench_prefix_reuse_gpu.py --models qwen3-1.7b --workloads agent_4x20 \
+        --methods reuse --resume --warmup 2 --steps 8 --first-dir /tmp/prefix_reuse_first \
+        --out "$OUT/prefix_reuse_gpu_h200_qwen3-1.7b.json" 2>&1 | quiet 12 ;;
     async-grpo-prefix-kernels)  # the tree side of the 1.7B rows on the shared-prefix kernels for every two-level
       # forest (the committed file ran before the CUDA rule waited for recurring shapes: the size rule alone)
       python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/async/*.whl
