@@ -46,11 +46,11 @@ layer kinds it does not know and attention temperature tuning (not verified with
 reentrant one is refused (its forward keeps no graph). Decoder layers compiled by `hf_tree_attn.compile` run
 eagerly here.
 
-Devices: on CPU the chunk masks are dense and attention runs through SDPA / HF's eager math (softcap, sinks). On
-CUDA the FlexAttention path (a `BlockMask` over the concatenated keys) is built but has not been run on a GPU: its
-forward is checked against the dense path on CPU only. So CUDA is refused unless `HF_TREE_ATTN_PREFIX_REUSE_CUDA`
-(or `CUDA_PATH`) picks a path: `flex` (the `BlockMask`) or `dense` (SDPA on dense masks: exact, `S * (P + S)` bytes
-of mask per layer kind).
+Devices: on CPU the chunk masks are dense and attention runs through SDPA / HF's eager math (softcap, sinks). On CUDA
+the FlexAttention path (a `BlockMask` over the concatenated keys) and the dense one have passed their exactness tests
+on an H200 (`tests/test_gpu_prefix_reuse.py`), but a step's time and memory there are not yet measured. So CUDA is
+refused unless `HF_TREE_ATTN_PREFIX_REUSE_CUDA` (or `CUDA_PATH`) picks a path: `flex` (the `BlockMask`) or `dense`
+(SDPA on dense masks: exact, `S * (P + S)` bytes of mask per layer kind).
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ __all__ = [
     "prefix_reuse_error",
 ]
 
-# How prefix reuse attends on CUDA: "flex", "dense", or None (refused: not yet run on a GPU).
+# How prefix reuse attends on CUDA: "flex", "dense", or None (refused: its step not yet measured on a GPU).
 CUDA_PATH = os.environ.get("HF_TREE_ATTN_PREFIX_REUSE_CUDA") or None
 
 _ATTENTION_KINDS = ("full_attention", "sliding_attention")
@@ -279,9 +279,10 @@ def _checked(model, forest: PackedForest, temperature: float, pad_multiple: int 
     device = forest.input_ids.device
     if device.type == "cuda" and CUDA_PATH not in ("flex", "dense"):
         raise NotImplementedError(
-            f"Prefix reuse on CUDA has not been run on a GPU yet (HF_TREE_ATTN_PREFIX_REUSE_CUDA={CUDA_PATH!r}): "
-            "its FlexAttention path is checked on CPU in inference only. Set HF_TREE_ATTN_PREFIX_REUSE_CUDA=flex "
-            "(a BlockMask over the concatenated keys) or =dense (SDPA on dense masks), or use prefix_reuse=False."
+            f"Prefix reuse on CUDA is opt-in (HF_TREE_ATTN_PREFIX_REUSE_CUDA={CUDA_PATH!r}): it passed its exactness "
+            "tests on an H200, but its step's time and memory there are not yet measured. Set "
+            "HF_TREE_ATTN_PREFIX_REUSE_CUDA=flex (a BlockMask over the concatenated keys) or =dense (SDPA on dense "
+            "masks), or use prefix_reuse=False."
         )
     dense = device.type != "cuda" or CUDA_PATH == "dense"
     if pad_multiple is None:

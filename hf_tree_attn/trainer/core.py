@@ -390,8 +390,9 @@ def prefix_reuse_refusal(trainer, models) -> str | None:
         )
     if trainer.accelerator.device.type == "cuda" and prefix_reuse.CUDA_PATH not in ("flex", "dense"):
         return (
-            f"it runs on CUDA, where prefix reuse has not yet run on a GPU (HF_TREE_ATTN_PREFIX_REUSE_CUDA="
-            f"{prefix_reuse.CUDA_PATH!r}). Set HF_TREE_ATTN_PREFIX_REUSE_CUDA=flex or =dense to run it."
+            "it runs on CUDA, where prefix reuse is opt-in: its step is not yet measured on a GPU "
+            f"(HF_TREE_ATTN_PREFIX_REUSE_CUDA={prefix_reuse.CUDA_PATH!r}). Set HF_TREE_ATTN_PREFIX_REUSE_CUDA=flex or "
+            "=dense to run it."
         )
     return None
 
