@@ -437,6 +437,23 @@ def pad_sequences(values: Sequence[torch.Tensor], padding_value: float = 0.0) ->
     return padded, mask
 
 
+def _same_forest_count_under_fsdp(model: torch.nn.Module, forests: int, device: torch.device) -> bool:
+    """Whether `model` is FSDP2-sharded; if so, refuse (on every rank alike) ranks with different forest counts."""
+    from .prefix_reuse import _fsdp_sharded
+
+    if not _fsdp_sharded(model):
+        return False
+    counts = torch.tensor([forests, -forests], device=device if device.type == "cuda" else "cpu")
+    torch.distributed.all_reduce(counts, op=torch.distributed.ReduceOp.MAX)
+    if int(counts[0]) != -int(counts[1]):
+        raise NotImplementedError(
+            f"Prefix reuse under FSDP: ranks laid their sequences out as {-int(counts[1])} to {int(counts[0])} "
+            "forests (RoPE length classes), and every rank must run the same forwards. Give every rank sequences of "
+            "the same length classes, or use prefix_reuse=False."
+        )
+    return True
+
+
 def sequence_logprobs(
     model: torch.nn.Module,
     sequences: Sequence[TokenSequence],
@@ -470,6 +487,7 @@ def sequence_logprobs(
     entropies: list[torch.Tensor | None] = [None] * len(sequences)
     splits = rope_split_lengths(unwrap_model(model).config)
     chunked = prefix_reuse and max_tokens_per_mb is not None
+    sharded = False
     if chunked:
         from .prefix_reuse import chunked_forest_logprobs, prefix_reuse_error
 
@@ -478,11 +496,14 @@ def sequence_logprobs(
         if error is not None:
             raise NotImplementedError(error)
         forests = pack_forest(sequences, split_lengths=splits, two_level=False)  # one per length class
+        # Under FSDP2 every rank must run the same forwards: each forest in chunks (dummies even out the ranks'
+        # chunk counts, `prefix_reuse._fsdp_dummies`), and as many forests on every rank.
+        sharded = _same_forest_count_under_fsdp(model, len(forests), device)
     else:
         forests = pack_forest(sequences, max_tokens_per_mb=max_tokens_per_mb, split_lengths=splits)
     for forest in forests:
         forest = forest.to(device)
-        if chunked and forest.seq_len > max_tokens_per_mb:
+        if chunked and (forest.seq_len > max_tokens_per_mb or sharded):
             table, entropy_table = chunked_forest_logprobs(
                 model, forest, max_tokens_per_mb, temperature=temperature, return_entropy=return_entropy
             )

@@ -19,7 +19,10 @@ gradients for any loss of them, at the memory of one chunk's activations plus th
   use_reentrant=True)`, with its limits: `loss.backward()`, not `torch.autograd.grad`). So a data-parallel wrapper
   whose hooks expect one gradient per parameter per backward, and the same forwards on every rank, cannot reduce them:
   under DDP run the step under its `no_sync()` and average the `.grad`s over the ranks once per optimizer step, as the
-  trainers do (`trainer.core.prefix_reuse_gradient_sync`).
+  trainers do (`trainer.core.prefix_reuse_gradient_sync`). FSDP2 (`fully_shard`) reduces each backward's gradients
+  itself, but gathers parameters and reduces gradients in collectives every rank must call alike: ranks whose forests
+  cut into fewer chunks run dummy chunks until every rank runs as many, and every chunk gathers the LM head and runs
+  a backward (`_fsdp_dummies`; not for hybrids or the caller's own head).
 
 **State-carrying layers** (hybrids: gated and Kimi delta rule, Mamba-2, short convolutions;
 `hf_tree_attn.recurrent`) are handled the same way. A chunk is a forest of its own rows (`recurrent.ChunkRows`)
@@ -370,20 +373,25 @@ class _Step:
             self.size = len(sources)
         self.present: list[bool] | None = None  # which of the head's outputs are tensors (known after a chunk)
         self.released = False  # the stores freed by the backward
-        self.last: tuple | None = None  # (chunk, context, items, outputs) of a last chunk run with autograd
+        self.last: tuple | None = None  # (position, context, items, outputs) of a last chunk run with autograd
+        # The chunks in the order they run: their indices, then under FSDP the dummies (-1) that give every rank
+        # the same number of chunks (`_fsdp_dummies`).
+        self.fsdp = _fsdp_sharded(model)
+        self.order = np.flatnonzero(self.runs).tolist()
+        if self.fsdp:
+            self.order += [-1] * _fsdp_dummies(model, len(self.order), self.device, pairs is not None)
 
     def forward(self, keep_last: bool = False) -> tuple[torch.Tensor, ...]:
         """The chunks in order, without autograd; with `keep_last` (a backward follows) the last chunk with autograd,
         its graph kept for the backward to start from (it keeps no row for a later chunk, and the backward would
         recompute it first: one forward of its rows saved, at the memory the backward's first chunk takes anyway)."""
         tables: list[torch.Tensor | None] | None = None
-        chunks = np.flatnonzero(self.runs).tolist()
         with torch.no_grad(), eager_layers(self.model), self._layer_hooks():
-            for c in chunks:
-                self.states[c] = _rng_state(self.device)
-                if keep_last and c == chunks[-1]:
+            for k, c in enumerate(self.order):
+                self.states[k] = _rng_state(self.device)
+                if keep_last and k == len(self.order) - 1:
                     with torch.enable_grad():
-                        self.last = (c, *self._run(c, backward=True))
+                        self.last = (k, *self._run(c, backward=True))
                     _, items, outputs = self.last[1:]
                     outputs = None if outputs is None else tuple(o if o is None else o.detach() for o in outputs)
                 else:
@@ -411,12 +419,13 @@ class _Step:
                 "freed by the first. Run the forward again for a second backward."
             )
         self.kv_grad, self.rec_grad = {}, {}
-        for c in reversed(np.flatnonzero(self.runs).tolist()):
-            kept = self.last is not None and self.last[0] == c
+        for k in reversed(range(len(self.order))):
+            c = self.order[k]
+            kept = self.last is not None and self.last[0] == k
             with contextlib.ExitStack() as stack:
                 # the forward's RNG and autocast for the recompute (a kept graph's checkpoints hold theirs)
                 if not kept:
-                    stack.enter_context(_restored_rng(self.device, self.states[c]))
+                    stack.enter_context(_restored_rng(self.device, self.states[k]))
                     for autocast in _autocasts(self.autocast):
                         stack.enter_context(autocast)
                 stack.enter_context(eager_layers(self.model))
@@ -440,6 +449,8 @@ class _Step:
                 for key, (tensor, slots) in context.rec_own.items():  # kept states / conv inputs later chunks read
                     if key in self.rec_grad:
                         outputs.append((tensor, self.rec_grad[key][slots].to(tensor.dtype)))
+                if context.probe is not None:  # under FSDP every chunk runs a backward through every layer
+                    outputs.append((context.probe, torch.zeros_like(context.probe)))
                 outputs = [(t, g) for t, g in outputs if t.requires_grad]
                 if outputs:
                     torch.autograd.backward([t for t, _ in outputs], [g for _, g in outputs])
@@ -504,11 +515,12 @@ class _Step:
         """Chunk `c` through the model and the LM head: `(context, scored items (E,), the head's outputs (E,) each)`,
         the outputs None where the chunk scores nothing."""
         plan, device, pad = self.plan, self.device, self.pad_multiple
-        a, b = int(plan.bounds[c]), int(plan.bounds[c + 1])
+        dummy = c < 0  # under FSDP: the forest's first row alone, keeping and scoring nothing (`_fsdp_dummies`)
+        a, b = (0, 1) if dummy else (int(plan.bounds[c]), int(plan.bounds[c + 1]))
         n = b - a
         size = -(-n // pad) * pad
         fill = size - n
-        context_rows = torch.from_numpy(plan.context[c]).to(device)
+        context_rows = torch.from_numpy(plan.context[0 if dummy else c]).to(device)
         context_fill = -(-len(context_rows) // pad) * pad - len(context_rows)
 
         # Padding rows are fed the chunk's first token, for the reason `forest_forward_kwargs` gives.
@@ -533,6 +545,8 @@ class _Step:
         )
         own = torch.arange(a, b, device=device)
         kept = self.slot[a:b] >= 0
+        if dummy:
+            kept = torch.zeros_like(kept)
         context = ChunkContext(
             self,
             source,
@@ -551,7 +565,18 @@ class _Step:
             "use_cache": False,
         }
         hidden, _ = _final_hidden_states(self.model, inputs)
-        items = self.items[c]
+        items = self.items[0][:0] if dummy else self.items[c]
+        if self.fsdp:
+            # The LM head gathers its shards (a collective) once in every chunk, scoring or not, with one extra row
+            # (the chunk's first, its gradient zero) that the backward always starts from: every rank then runs the
+            # same collectives, chunk for chunk.
+            sources = torch.cat([self.parent[items] - a, items.new_zeros(1)])
+            outputs = lm_head_logprobs(
+                self.model, hidden[0], sources, self.ids[torch.cat([items, items.new_zeros(1)])], **self.head
+            )
+            context.probe = outputs[0][-1:]
+            outputs = tuple(o if o is None else o[:-1] for o in outputs)
+            return context, items, (outputs if len(items) else None)
         if len(items) == 0:
             return context, items, None
         if self.pairs is None:
@@ -603,6 +628,7 @@ class ChunkContext:
     def __init__(self, step, mask_source, context_slots, context_fill, own_local, own_slots, backward, rows):
         # Weakly, as `_GatherKept` does: the layers' checkpoints keep this context (their arguments) in the graph
         self._step = weakref.ref(step)
+        self.probe: torch.Tensor | None = None  # under FSDP: a zero-weighted output every chunk's backward starts from
         self.rows = rows  # (first row, end row, padded size)
         self.rec_leaves: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # key -> (context states, slots)
         self.rec_own: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # key -> (own kept states, slots)
@@ -623,7 +649,7 @@ class ChunkContext:
     def release(self) -> None:
         """Drop what ties the chunk's graph to it (after its backward)."""
         self.own, self.rec_own, self.rec_leaves, self._convs = {}, {}, {}, {}
-        self.mask_source = None
+        self.mask_source = self.probe = None
 
     @property
     def step(self) -> _Step:
@@ -827,6 +853,39 @@ class ChunkContext:
         if store is None:
             store = self.step.rec[key] = values.new_zeros((total, *values.shape[1:]))
         store.index_copy_(0, slots, values.to(store.dtype))
+
+
+def _fsdp_sharded(model: torch.nn.Module) -> bool:
+    """Whether `model` (or a module of it) is sharded by FSDP2's `fully_shard` in a running process group."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return False
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def _fsdp_dummies(model: torch.nn.Module, chunks: int, device: torch.device, pairs: bool) -> int:
+    """How many dummy chunks this rank runs so that every rank runs as many chunks as the rank with the most.
+
+    FSDP2 gathers each sharded module's parameters in its forward (and its backward) and reduce-scatters their
+    gradients in the backward: collectives every rank must call alike. Ranks cut their forests into different
+    numbers of chunks, so the ones with fewer run dummy chunks (one row, keeping and scoring nothing, its gradient
+    zero) until they match. Refuses what that does not cover: the caller's own head (its collectives are its own)
+    and state-carrying layers (a dummy would write states later chunks read)."""
+    from .recurrent import TREE_LAYERS, _class_path
+
+    if pairs:
+        raise NotImplementedError(
+            "Prefix reuse with the caller's head (chunked_forest_scores) under FSDP: the head's collectives are not "
+            "aligned across ranks. " + _FIX
+        )
+    if any(_class_path(type(m)) in TREE_LAYERS for m in model.modules()):
+        raise NotImplementedError(
+            "Prefix reuse of a model with state-carrying layers (a hybrid) under FSDP is not verified. " + _FIX
+        )
+    count = torch.tensor([chunks], device=device if device.type == "cuda" else "cpu")
+    torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX)
+    return int(count.item()) - chunks
 
 
 def _rng_state(device: torch.device) -> tuple:

@@ -635,6 +635,15 @@ def check_tree_model(model: torch.nn.Module) -> None:
         raise NotImplementedError(error)
 
 
+def _is_fsdp2_class(cls: type) -> bool:
+    """Whether `cls` is the class FSDP2's `fully_shard` swaps a module's for: `FSDP<Class>(FSDPModule, Class)`."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without distributed
+        return False
+    return len(cls.__bases__) == 2 and cls.__bases__[0] is FSDPModule
+
+
 def _lm_head_error(model: torch.nn.Module) -> str | None:
     head = model.get_output_embeddings()
     # PEFT `modules_to_save=["lm_head"]` wraps a plain copy per adapter and resolves `.weight` to the active one
@@ -642,13 +651,16 @@ def _lm_head_error(model: torch.nn.Module) -> str | None:
     base = getattr(head, "original_module", head)
     # `torch.compile` of the head (accelerate's `compile_regions` compiles it whole) computes the same linear map.
     base = getattr(base, "_orig_mod", base)
+    cls = type(base)
+    if _is_fsdp2_class(cls):  # the same map, sharded
+        cls = cls.__bases__[-1]
     if hasattr(head, "lora_A"):
         return (
             f"The output embedding is a {type(head).__name__} (a LoRA on `lm_head`), not a plain nn.Linear. The tree "
             "LM head reads `lm_head.weight` directly: leave `lm_head` out of the adapter's target_modules (to train "
             "it, use `modules_to_save=['lm_head']` instead)."
         )
-    if type(base) is not torch.nn.Linear:
+    if cls is not torch.nn.Linear:
         return (
             f"The output embedding is a {type(head).__name__}, not a plain nn.Linear: the tree LM head reads "
             "`lm_head.weight` directly and cannot reproduce its logits. Train this model with tree_packing=False."

@@ -371,8 +371,8 @@ def prefix_reuse_refusal(trainer, models) -> str | None:
             return error
     if trainer.is_fsdp_enabled or trainer.is_deepspeed_enabled:
         return (
-            "FSDP / DeepSpeed wrap the model: their gradient hooks and parameter gathering are not verified with a "
-            "backward run per chunk from inside the loss's backward."
+            "FSDP / DeepSpeed wrap the model: the trainers' prefix reuse is not verified under them (under FSDP2, "
+            "sequence_logprobs(..., prefix_reuse=True) itself is, on CPU; a trainer's FSDP run needs GPUs)."
         )
     if trainer.accelerator.num_processes > 1 and (reason := _ddp_refusal(trainer)) is not None:
         return reason
