@@ -10,14 +10,13 @@ chunks, then 1 (a forest within the budget) and 3; without the dummy chunks that
 import copy
 import datetime
 import os
-import socket
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from helpers import exit_distributed_worker
 from test_chunked import BUDGET, _num_chunks, _trie
-from test_fsdp_cpu import _model, _shard_like_accelerate
+from test_fsdp_cpu import _free_port, _model, _shard_like_accelerate
 
 from hf_tree_attn import sequence_logprobs
 
@@ -69,12 +68,6 @@ def _worker(rank: int, port: int) -> None:
     finally:
         dist.destroy_process_group()
     exit_distributed_worker()  # as test_fsdp_cpu: gloo's threads can abort the interpreter's teardown
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_prefix_reuse_under_fsdp2_equals_unsharded_with_unequal_chunk_counts():
