@@ -44,6 +44,8 @@ from helpers import TOLERANCES
 from helpers import tiny_config as tiny_family_config
 from transformers import AutoModelForCausalLM
 
+from hf_tree_attn import prefix_reuse
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -681,10 +683,23 @@ def test_prefix_reuse_forwards_each_step_token_once(tmp_path, monkeypatch):
     samples = _reuse_samples(path)
     rows = _spy_on_rows(monkeypatch)
     forwarded = defaultdict(int)
+    # The chunked forward (its last chunk runs with grad, its graph kept for the backward) apart from the chunks'
+    # recomputes in the backward
+    in_forward = []
+    chunked_forward = prefix_reuse._Step.forward
+
+    def flagged(step, *args, **kwargs):
+        in_forward.append(True)
+        try:
+            return chunked_forward(step, *args, **kwargs)
+        finally:
+            in_forward.pop()
+
+    monkeypatch.setattr(prefix_reuse._Step, "forward", flagged)
 
     def count(trainer):
         def hook(module, args):
-            if not torch.is_grad_enabled():  # the forward pass, not a chunk's recompute in the backward
+            if in_forward or not torch.is_grad_enabled():  # the forward pass, not a chunk's recompute
                 forwarded[trainer.state.global_step] += args[0].shape[-1]
 
         trainer.model.get_input_embeddings().register_forward_pre_hook(hook)
