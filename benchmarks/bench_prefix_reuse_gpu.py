@@ -14,16 +14,17 @@ or with `--optimizer` an AdamW step at learning rate 0, which holds and updates 
 
 The loss is the same for both: a fixed random weight per scored token times its log-probability, summed, over the
 step's scored tokens. Random-weight bf16 models of the named shapes (no download), every decoder layer checkpointed
-(non-reentrant), as the planner's estimates assume. Both methods run in one process, one after the other, or
-each in its own (`--methods split`, then `--methods reuse --resume`, both with `--first-dir`: the second run keeps
-the first's steps and reads its first step back for the agreement check; where that first step is missing, it runs
-one unmeasured step of the first's method for it, `agreement_steps_rerun`), each with `--warmup` unmeasured and
-`--steps` measured steps (CUDA-synchronized); `paired["split vs reuse"]` is the
-split's seconds over reuse's per measured step (`harness.paired`: min / median / max); peak memory after the
-warm-up. Agreement, on the first step: the per-token log-probabilities of the two methods within
-`harness.LOGPROB_BOUND` of the dtype, and the cosine of their parameter gradients (each tensor's, the least reported;
-at least `GRAD_COSINE`); a row that fails is marked `failed`. MFU: 3x the forward FLOPs of the step's sequences as
-one prefix forest (`estimate_flops`' `tree_flops`; recompute not counted) per step second over 989 TFLOP/s.
+(non-reentrant), as the planner's estimates assume (`--checkpointing none`: no layer, so that prefix reuse recomputes
+each chunk once and not each layer again, at the memory of every chunk's activations). Both methods run in one process,
+one after the other, or each in its own (`--methods split`, then `--methods reuse --resume`, both with `--first-dir`:
+the second run keeps the first's steps and reads its first step back for the agreement check; where that first step is
+missing, it runs one unmeasured step of the first's method for it, `agreement_steps_rerun`), each with `--warmup`
+unmeasured and `--steps` measured steps (CUDA-synchronized); `paired["split vs reuse"]` is the split's seconds over
+reuse's per measured step (`harness.paired`: min / median / max); peak memory after the warm-up. Agreement, on the
+first step: the per-token log-probabilities of the two methods within `harness.LOGPROB_BOUND` of the dtype, and the
+cosine of their parameter gradients (each tensor's, the least reported; at least `GRAD_COSINE`); a row that fails is
+marked `failed`. MFU: 3x the forward FLOPs of the step's sequences as one prefix forest (`estimate_flops`'
+`tree_flops`; recompute not counted) per step second over 989 TFLOP/s.
 
     python benchmarks/bench_prefix_reuse_gpu.py --models qwen3-1.7b --workloads agent_2x20x4 \\
         --out benchmarks/results/prefix_reuse_gpu_h200_qwen3-1.7b.json
@@ -169,7 +170,7 @@ def measure(model_name: str, workload: str, args, save, earlier: dict) -> dict:
     budget = args.budget or budget
     sequences = build()
     dtype = getattr(torch, args.dtype)
-    model = build_model(model_name, torch.device(args.device), dtype=dtype)  # every layer checkpointed
+    model = build_model(model_name, torch.device(args.device), checkpointing=args.checkpointing, dtype=dtype)
     (forest,) = pack_forest(sequences, two_level=False)
     scored = sum(len(s) - 1 for s in sequences)
     g = torch.Generator().manual_seed(1)
@@ -248,6 +249,11 @@ def main() -> None:
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--optimizer", action="store_true", help="an AdamW step (learning rate 0) after each step")
+    parser.add_argument(
+        "--checkpointing", default="all", choices=["all", "none"],
+        help="the model's own activation checkpointing of its decoder layers (none: prefix reuse recomputes each "
+             "chunk once, not each layer again in the backward; every chunk's activations held in its backward)",
+    )  # fmt: skip
     parser.add_argument("--out", default="benchmarks/results/prefix_reuse_gpu.json")
     parser.add_argument(
         "--resume", action="store_true",
@@ -263,6 +269,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     results = {**provenance(), "peak_flops": PEAK_FLOPS, "cuda_path": os.environ["HF_TREE_ATTN_PREFIX_REUSE_CUDA"],
                "dtype": args.dtype, "warmup": args.warmup, "steps": args.steps, "optimizer": args.optimizer,
+               "checkpointing": args.checkpointing,
                "rows": []}  # fmt: skip
     earlier = {}
     if args.resume and out.exists():

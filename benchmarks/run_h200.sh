@@ -373,6 +373,11 @@ for stage in "$@"; do
       timeout 560 python3 benchmarks/bench_prefix_reuse_gpu.py --models qwen3-0.6b --workloads agent_2x20x4 \
         --methods reuse --resume --warmup 2 --steps 8 --first-dir /tmp/prefix_reuse_first \
         --out "$OUT/prefix_reuse_gpu_h200_qwen3-0.6b.json" 2>&1 | quiet 12 ;;
+    prefix-reuse-gpu-no-ckpt)  # prefix reuse on the same step without the model's own layer checkpointing (each chunk
+      # recomputed once, not each layer again in the backward), in 32k-row chunks for the activations it then holds
+      timeout 560 python3 benchmarks/bench_prefix_reuse_gpu.py --models qwen3-0.6b --workloads agent_2x20x4 \
+        --methods reuse --checkpointing none --budget 32768 --warmup 2 --steps 8 \
+        --out "$OUT/prefix_reuse_gpu_h200_qwen3-0.6b_no_ckpt.json" 2>&1 | quiet 12 ;;
     prefix-reuse-gpu-8b-trajectory)  # the 96k-token trajectory with 8 branches at the Qwen3-8B shape, with AdamW's
       # states held (the split refuses it): does one step fit in one H200, and how long is it. In chunks of 2,176 rows,
       # the planner's least estimate (43.7 GiB beside 89 GiB of weights, gradients and moments; at the workload's

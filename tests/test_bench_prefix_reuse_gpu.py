@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench_prefix_reuse_gpu as bench  # noqa: E402
 
 ARGS = dict(device="cpu", dtype="float32", warmup=1, steps=8, budget=None, optimizer=True, methods=["split", "reuse"],
-            first_dir=None)  # fmt: skip
+            first_dir=None, checkpointing="all")  # fmt: skip
 
 
 def _row() -> dict:
@@ -113,3 +113,11 @@ def json_copy(row: dict) -> dict:
     import json
 
     return json.loads(json.dumps(row))
+
+
+def test_without_the_models_checkpointing_reuse_still_agrees():
+    """`--checkpointing none`: the layers are not checkpointed (prefix reuse's chunk recompute the only one), and
+    the two layouts still agree."""
+    args = argparse.Namespace(**{**ARGS, "checkpointing": "none", "optimizer": False})
+    row = bench.measure("tiny", "smoke", args, save=lambda row: None, earlier={})
+    assert row["agreement"]["passed"] and row["agreement"]["gradient_cosine"] > 0.99999, row["agreement"]
