@@ -54,7 +54,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
 from bench_prefix_reuse_plan import WORKLOADS as PLAN_WORKLOADS  # noqa: E402
 from bench_tree_vs_flat import MODELS, PEAK_FLOPS, _sync, build_model  # noqa: E402
-from harness import LOGPROB_BOUND, agreement, paired, provenance  # noqa: E402
+from harness import LOGPROB_BOUND, agreement, earlier_runs, paired, provenance  # noqa: E402
 
 from hf_tree_attn import forest_logprobs, gather_sequences, pack_forest, sequence_logprobs  # noqa: E402
 from hf_tree_attn.chunked import plan_chunks  # noqa: E402
@@ -274,8 +274,7 @@ def main() -> None:
     earlier = {}
     if args.resume and out.exists():
         before = json.loads(out.read_text())
-        keys = ("command", "git_commit", "git_dirty", "time_utc")
-        results["earlier_runs"] = [*before.get("earlier_runs", []), {k: before.get(k) for k in keys}]
+        results["earlier_runs"] = earlier_runs(before)
         for row in before["rows"]:
             methods = {m: r for m, r in row["methods"].items() if "refused" not in r and "incomplete" not in r}
             if (row["model"], row["workload"]) in {(m, w) for m in args.models for w in args.workloads}:

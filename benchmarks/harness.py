@@ -272,6 +272,12 @@ def result_file(args: argparse.Namespace, results: dict, rows: list[tuple[str, s
     return out, (resume(out, results, rows) if args.resume else {})
 
 
+def earlier_runs(earlier: dict) -> list[dict]:
+    """The provenance of the runs behind an earlier result file `earlier` (its own, after those it resumed)."""
+    keys = ("command", "git_commit", "git_dirty", "time_utc")
+    return [*earlier.get("earlier_runs", []), {k: earlier.get(k) for k in keys}]
+
+
 def resume(out: Path, results: dict, planned: list[tuple[str, str]]) -> dict[tuple[str, str], dict]:
     """Into `results`, the rows of an earlier run's `out` that this run does not redo (`planned`: its (model,
     workload) rows), and that run's provenance under `earlier_runs`. Returns the sides the earlier run wrote without
@@ -286,8 +292,7 @@ def resume(out: Path, results: dict, planned: list[tuple[str, str]]) -> dict[tup
             results["rows"].append(row)
             continue
         sides.setdefault(key, {}).update({n: side for n, side in row["sides"].items() if "error" not in side})
-    keys = ("command", "git_commit", "git_dirty", "time_utc")
-    results["earlier_runs"] = [*earlier.get("earlier_runs", []), {k: earlier.get(k) for k in keys}]
+    results["earlier_runs"] = earlier_runs(earlier)
     return sides
 
 

@@ -21,7 +21,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .compile import call_compiled
 from .model_inputs import check_forest_inputs, lm_head_weight_and_bias
-from .support import check_tree_model, config_field, logit_scale, rope_split_lengths, unwrap_model
+from .support import check_tree_model, config_field, fsdp2_sharded, logit_scale, rope_split_lengths, unwrap_model
 from .tree import PackedForest, TokenSequence, check_token_budget, pack_forest
 
 __all__ = [
@@ -439,9 +439,7 @@ def pad_sequences(values: Sequence[torch.Tensor], padding_value: float = 0.0) ->
 
 def _same_forest_count_under_fsdp(model: torch.nn.Module, forests: int, device: torch.device) -> bool:
     """Whether `model` is FSDP2-sharded; if so, refuse (on every rank alike) ranks with different forest counts."""
-    from .prefix_reuse import _fsdp_sharded
-
-    if not _fsdp_sharded(model):
+    if not fsdp2_sharded(model):
         return False
     counts = torch.tensor([forests, -forests], device=device if device.type == "cuda" else "cpu")
     torch.distributed.all_reduce(counts, op=torch.distributed.ReduceOp.MAX)

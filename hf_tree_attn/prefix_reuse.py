@@ -71,7 +71,7 @@ from .compile import eager_layers
 from .logprobs import _final_hidden_states, lm_head_logprobs
 from .masks import ContextMaskSource
 from .model_inputs import check_forest_inputs
-from .support import check_tree_model, config_field, unwrap_model
+from .support import check_tree_model, config_field, fsdp2_sharded, unwrap_model
 from .tree import PackedForest
 
 __all__ = [
@@ -376,7 +376,7 @@ class _Step:
         self.last: tuple | None = None  # (position, context, items, outputs) of a last chunk run with autograd
         # The chunks in the order they run: their indices, then under FSDP the dummies (-1) that give every rank
         # the same number of chunks (`_fsdp_dummies`).
-        self.fsdp = _fsdp_sharded(model)
+        self.fsdp = fsdp2_sharded(model)
         self.order = np.flatnonzero(self.runs).tolist()
         if self.fsdp:
             self.order += [-1] * _fsdp_dummies(model, len(self.order), self.device, pairs is not None)
@@ -853,15 +853,6 @@ class ChunkContext:
         if store is None:
             store = self.step.rec[key] = values.new_zeros((total, *values.shape[1:]))
         store.index_copy_(0, slots, values.to(store.dtype))
-
-
-def _fsdp_sharded(model: torch.nn.Module) -> bool:
-    """Whether `model` (or a module of it) is sharded by FSDP2's `fully_shard` in a running process group."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return False
-    from torch.distributed.fsdp import FSDPModule
-
-    return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
 def _fsdp_dummies(model: torch.nn.Module, chunks: int, device: torch.device, pairs: bool) -> int:

@@ -49,6 +49,7 @@ __all__ = [
     "check_tree_model",
     "config_support_error",
     "coverage_markdown",
+    "fsdp2_sharded",
     "logit_scale",
     "peft_config_error",
     "rope_length_limit",
@@ -633,6 +634,15 @@ def check_tree_model(model: torch.nn.Module) -> None:
     error = tree_support_error(inner)
     if error is not None:
         raise NotImplementedError(error)
+
+
+def fsdp2_sharded(model: torch.nn.Module) -> bool:
+    """Whether `model` (or a module of it) is sharded by FSDP2's `fully_shard` in a running process group."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return False
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
 def _is_fsdp2_class(cls: type) -> bool:
