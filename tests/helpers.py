@@ -508,3 +508,27 @@ def exit_distributed_worker() -> None:
     """
     sys.stdout.flush(), sys.stderr.flush()
     os._exit(0)
+
+
+def accelerate_fsdp_on_cpu() -> None:
+    """Let accelerate run FSDP in this CPU (gloo) process, as it does on GPUs.
+
+    Accelerate turns an FSDP plugin into `DistributedType.FSDP` only on GPU-like devices; on CPU it stays
+    `MULTI_CPU` and wraps the model in DDP. After its state initialises with a plugin on CPU, this sets the type it
+    records (and the one `PartialState` shares) to FSDP, so `Accelerator.prepare` runs its own FSDP preparation
+    (FSDP2: `fully_shard` of each decoder layer, then the root) and transformers' trainer its FSDP paths. Call it
+    in the worker before any trainer is built.
+    """
+    from accelerate import state
+    from accelerate.utils import DistributedType
+
+    init = state.AcceleratorState.__init__
+
+    def fsdp_init(self, *args, fsdp_plugin=None, **kwargs):
+        init(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
+        if fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
+            self.distributed_type = DistributedType.FSDP
+            self.fsdp_plugin = fsdp_plugin
+            state.PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+
+    state.AcceleratorState.__init__ = fsdp_init

@@ -80,9 +80,15 @@ def _gradient_log():
             self.steps = []
 
         def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-            self.steps.append({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
+            self.steps.append({n: _full(p.grad) for n, p in model.named_parameters() if p.grad is not None})
 
     return GradientLog()
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """A detached copy of `tensor`, whole where FSDP2 shards it (a `DTensor`: gathered from every rank)."""
+    tensor = tensor.detach()
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor.clone()
 
 
 COMMON = dict(
@@ -113,9 +119,10 @@ def _train_sft(model_path: str, out_dir: Path, reuse: bool, per_device: int = SF
     return trainer, gradients.steps, spy.chunks
 
 
-def _train_grpo(model_path: str, out_dir: Path, reuse: bool):
+def _train_grpo(model_path: str, out_dir: Path, reuse: bool, **overrides):
     """`(trainer, gradients at each optimizer step, chunk counts of the policy forests scored in chunks)`: two
-    optimizer steps on one generation (num_iterations=2), with reference and old-policy log-probs."""
+    optimizer steps on one generation (num_iterations=2), with reference and old-policy log-probs; `overrides`
+    replace `COMMON`'s fields."""
     from datasets import Dataset
     from transformers import AutoTokenizer
 
@@ -124,8 +131,8 @@ def _train_grpo(model_path: str, out_dir: Path, reuse: bool):
 
     prompts = [(toy_task.SYSTEM_PROMPT * 2)[:n] + f" letter: {x}" for n, x in zip(GRPO_LENGTHS, "abcdabcd")]
     args = TreeGRPOConfig(
-        output_dir=str(out_dir), **COMMON, per_device_train_batch_size=8, num_generations=4, max_steps=2,
-        max_completion_length=6, temperature=0.7, shuffle_dataset=False, beta=0.04, num_iterations=2,
+        output_dir=str(out_dir), **(COMMON | overrides), per_device_train_batch_size=8, num_generations=4,
+        max_steps=2, max_completion_length=6, temperature=0.7, shuffle_dataset=False, beta=0.04, num_iterations=2,
         tree_balance=False, tree_prefix_reuse=reuse, max_tokens_per_mb=BUDGET if reuse else None,
     )  # fmt: skip
     gradients = _gradient_log()

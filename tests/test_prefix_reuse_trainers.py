@@ -350,14 +350,20 @@ def test_sft_refusal_goes_through_the_head_trainer(sft_tiny, tmp_path):
 
 
 SEVERAL = dict(num_processes=2, distributed_type=DistributedType.MULTI_CPU)
+FSDP2 = dict(SEVERAL, distributed_type=DistributedType.FSDP, is_fsdp_enabled=True, is_fsdp2=True)
 
 
 @pytest.mark.parametrize(
     "setting, match",
     [
-        (dict(is_deepspeed_enabled=True), r"FSDP / DeepSpeed"),
-        (dict(is_fsdp_enabled=True), r"FSDP / DeepSpeed"),
-        (dict(SEVERAL, is_fsdp_enabled=True), r"FSDP / DeepSpeed"),
+        (dict(is_deepspeed_enabled=True), r"DeepSpeed wraps the model.*FSDP2.*or DDP"),
+        (dict(SEVERAL, is_deepspeed_enabled=True), r"DeepSpeed wraps the model"),
+        (dict(is_fsdp_enabled=True), r"FSDP1 wraps the model.*fsdp_version: 2"),
+        (dict(SEVERAL, is_fsdp_enabled=True), r"FSDP1 wraps the model"),
+        (dict(FSDP2, fused_head=True), r"under FSDP2 the trainer's fused LM head"),
+        (dict(FSDP2, hybrid=True), r"under FSDP2 the model has state-carrying layers \(linear_attention\)"),
+        (dict(FSDP2, parallelism_config=object()), r"runs FSDP2 over accelerate's parallelism_config"),
+        (dict(FSDP2), None),  # tests/test_prefix_reuse_fsdp_trainers.py
         (dict(device="cuda"), r"CUDA.*HF_TREE_ATTN_PREFIX_REUSE_CUDA=None"),
         (dict(SEVERAL, distributed_type=DistributedType.XLA), r"2 processes as XLA.*MULTI_CPU / MULTI_GPU"),
         (dict(SEVERAL, parallelism_config=object()), r"2 processes with tensor, context or sharded"),
@@ -372,16 +378,18 @@ SEVERAL = dict(num_processes=2, distributed_type=DistributedType.MULTI_CPU)
     ],
 )
 def test_run_refusals(setting, match, monkeypatch):
-    """What the trainers ask `prefix_reuse_refusal` at init, for settings a CPU test cannot start: FSDP / DeepSpeed,
-    CUDA without a chosen path (with one: accepted), several processes other than plain DDP (DDP: accepted)."""
+    """What the trainers ask `prefix_reuse_refusal` at init, for settings a CPU test cannot start: DeepSpeed, FSDP1,
+    FSDP2 with the trainer's fused head or a hybrid (FSDP2 otherwise: accepted, its DDP checks not asked), CUDA
+    without a chosen path (with one: accepted), several processes other than plain DDP (DDP: accepted)."""
     monkeypatch.setattr(prefix_reuse, "CUDA_PATH", None)
-    model, _ = twin_models("qwen3")
+    model, _ = hybrid_twin_models("qwen3_5") if setting.get("hybrid") else twin_models("qwen3")
     accelerator = SimpleNamespace(
         num_processes=setting.get("num_processes", 1),
         distributed_type=setting.get("distributed_type", DistributedType.NO),
         parallelism_config=setting.get("parallelism_config"),
         ddp_handler=setting.get("ddp_handler"),
         device=torch.device(setting.get("device", "cpu")),
+        is_fsdp2=setting.get("is_fsdp2", False),
     )
     trainer = SimpleNamespace(
         args=SimpleNamespace(gradient_checkpointing=True, gradient_checkpointing_kwargs=None),
@@ -390,7 +398,7 @@ def test_run_refusals(setting, match, monkeypatch):
         is_deepspeed_enabled=setting.get("is_deepspeed_enabled", False),
         is_distributed_loading_by_transformers=setting.get("is_distributed_loading_by_transformers", False),
     )
-    reason = prefix_reuse_refusal(trainer, (model, None))
+    reason = prefix_reuse_refusal(trainer, (model, None), fused_head=setting.get("fused_head", False))
     assert reason is None if match is None else re.search(match, reason), reason
     if "device" in setting:
         monkeypatch.setattr(prefix_reuse, "CUDA_PATH", "flex")

@@ -38,7 +38,7 @@ from transformers import AutoConfig
 from .. import prefix_reuse
 from ..attention import ATTN_IMPLEMENTATION
 from ..reuse_planner import budget_error, plan_prefix_reuse
-from ..support import check_tree_model, config_support_error, tree_support_error, unwrap_model
+from ..support import check_tree_model, config_support_error, fsdp2_sharded, tree_support_error, unwrap_model
 from . import trl_compat
 from .compile_setting import apply_compile, decide_compile
 
@@ -143,9 +143,10 @@ class TreeOptions(CompileOptions):
             "prefix they need: every shared prefix is forwarded once, and a sequence longer than max_tokens_per_mb "
             "trains. Costs one recompute per chunk in the backward (as activation checkpointing does) and holds the "
             "keys / values of the prefixes later chunks read. Exact; on several processes under DDP the ranks' "
-            "gradients are averaged once per optimizer step (DDP's reducer kept out of the step). Refused at init for "
-            "state-carrying layers whose state it does not carry between chunks, an MoE load-balancing loss, FSDP / "
-            "DeepSpeed, several processes other than DDP and reentrant gradient checkpointing. Needs "
+            "gradients are averaged once per optimizer step (DDP's reducer kept out of the step); under FSDP2 every "
+            "rank runs as many chunks. Refused at init for state-carrying layers whose state it does not carry "
+            "between chunks, an MoE load-balancing loss, DeepSpeed, FSDP1, FSDP2 with the fused LM head (SFT, DPO) "
+            "or a hybrid, several processes other than DDP or FSDP2 and reentrant gradient checkpointing. Needs "
             "max_tokens_per_mb."
         },
     )
@@ -350,17 +351,21 @@ def check_prefix_reuse_fields(reuse, budget_gib, rows: str) -> None:
         )
 
 
-def prefix_reuse_refusal(trainer, models) -> str | None:
+def prefix_reuse_refusal(trainer, models, fused_head: bool = False) -> str | None:
     """Why `trainer` (on trees, `tree_prefix_reuse=True`) cannot score its forests with prefix reuse exactly, or
-    None. `models`: the loaded models its chunked forwards run (the policy first; None entries skipped).
+    None. `models`: the loaded models its chunked forwards run (the policy first; None entries skipped);
+    `fused_head`: the trainer scores with its own LM head (TRL's fused head: SFT, DPO), not the model's.
 
     Prefix reuse runs each chunk's backward from inside the loss's backward (`hf_tree_attn.prefix_reuse`): one
     `torch.autograd.backward` per chunk, each accumulating every parameter's gradient. What that cannot honour is
-    refused: FSDP / DeepSpeed, whose gradient hooks and parameter gathering expect one gradient per parameter per
-    backward and every rank to run the same forwards (ranks' forests cut into different numbers of chunks); several
-    processes other than plain DDP on CPU or CUDA (`MULTI_CPU` / `MULTI_GPU`; under DDP the trainers keep DDP's
-    reducer out of the step and average the gradients themselves, `prefix_reuse_gradient_sync`), and under DDP its
-    static graph and communication hooks, which that average would not reproduce; reentrant activation
+    refused: DeepSpeed and FSDP1, whose gradient hooks and parameter gathering expect one gradient per parameter per
+    backward and every rank to run the same forwards (ranks' forests cut into different numbers of chunks). FSDP2
+    reduces each backward's gradients itself, and the ranks run as many chunks (dummies on the ranks with fewer,
+    `hf_tree_attn.prefix_reuse`), as many forests, and the flat path or the tree together (`group_trainer`): accepted
+    for the trainers that score with the model's own LM head, on models without state-carrying layers. Several
+    processes other than that or plain DDP on CPU or CUDA (`MULTI_CPU` / `MULTI_GPU`; under DDP the trainers keep
+    DDP's reducer out of the step and average the gradients themselves, `prefix_reuse_gradient_sync`), and under DDP
+    its static graph and communication hooks, which that average would not reproduce; reentrant activation
     checkpointing keeps no graph for a chunk's backward; a model without exact chunks (`prefix_reuse_error`); the
     MoE load-balancing loss, whose router statistics the chunked forward does not return; CUDA until a path is
     chosen (`prefix_reuse.CUDA_PATH`).
@@ -369,12 +374,16 @@ def prefix_reuse_refusal(trainer, models) -> str | None:
     for loaded in models:
         if loaded is not None and (error := prefix_reuse.prefix_reuse_error(loaded)) is not None:
             return error
-    if trainer.is_fsdp_enabled or trainer.is_deepspeed_enabled:
+    if trainer.is_deepspeed_enabled:
         return (
-            "FSDP / DeepSpeed wrap the model: the trainers' prefix reuse is not verified under them (under FSDP2, "
-            "sequence_logprobs(..., prefix_reuse=True) itself is, on CPU; a trainer's FSDP run needs GPUs)."
+            "DeepSpeed wraps the model: its gradient buckets and parameter gathering expect one gradient per "
+            "parameter per backward, where prefix reuse runs one backward per chunk. Run it under FSDP2 "
+            "(fsdp_version: 2 in the accelerate config) or DDP."
         )
-    if trainer.accelerator.num_processes > 1 and (reason := _ddp_refusal(trainer)) is not None:
+    if trainer.is_fsdp_enabled and (reason := _fsdp_refusal(trainer, models, fused_head)) is not None:
+        return reason
+    several = trainer.accelerator.num_processes > 1
+    if several and not trainer.is_fsdp_enabled and (reason := _ddp_refusal(trainer)) is not None:
         return reason
     if args.gradient_checkpointing and (args.gradient_checkpointing_kwargs or {}).get("use_reentrant"):
         return (
@@ -393,6 +402,37 @@ def prefix_reuse_refusal(trainer, models) -> str | None:
             "it runs on CUDA, where prefix reuse is opt-in: its step is not yet measured on a GPU "
             f"(HF_TREE_ATTN_PREFIX_REUSE_CUDA={prefix_reuse.CUDA_PATH!r}). Set HF_TREE_ATTN_PREFIX_REUSE_CUDA=flex or "
             "=dense to run it."
+        )
+    return None
+
+
+def _fsdp_refusal(trainer, models, fused_head: bool) -> str | None:
+    """Why a run under accelerate's FSDP cannot run prefix reuse exactly, or None: FSDP1; FSDP2 over a device mesh of
+    accelerate's `parallelism_config`; the fused head's collectives (its own, outside the chunks' alignment) and
+    state-carrying layers (a dummy chunk would write the states later chunks read)."""
+    from ..recurrent import tree_layer_types
+
+    if not trainer.accelerator.is_fsdp2:
+        return (
+            "FSDP1 wraps the model (flat parameters whose gradient hooks expect one gradient per backward, where "
+            "prefix reuse runs one per chunk). Use FSDP2: fsdp_version: 2 in the accelerate config (or "
+            "fsdp_config={'fsdp_version': 2})."
+        )
+    if getattr(trainer.accelerator, "parallelism_config", None) is not None:
+        return (
+            "it runs FSDP2 over accelerate's parallelism_config (a device mesh for tensor, context or hybrid sharded "
+            "parallelism): prefix reuse is verified under FSDP2 sharding over all ranks only."
+        )
+    if fused_head:
+        return (
+            "under FSDP2 the trainer's fused LM head gathers the head's weights in collectives of its own, which the "
+            "ranks' chunks (as many on every rank, dummies on those with fewer) do not align."
+        )
+    layers = sorted({kind for m in models if m is not None for kind in tree_layer_types(unwrap_model(m))})
+    if layers:
+        return (
+            f"under FSDP2 the model has state-carrying layers ({', '.join(layers)}), and the dummy chunks that give "
+            "every rank as many chunks are not verified with the states chunks hand on."
         )
     return None
 
@@ -529,12 +569,15 @@ def prefix_reuse_rows(model, forest, max_tokens_per_mb: int, budget_gib: float |
     Without a budget: chunks of `max_tokens_per_mb` rows where the forest is larger. With `budget_gib`
     (`tree_prefix_reuse_budget_gib`): the largest chunks, a multiple of the block and at most `max_tokens_per_mb`
     rows, whose estimated peak fits (`hf_tree_attn.reuse_planner.plan_prefix_reuse`, the kept keys and values
-    priced in the weights' dtype: an upper bound under autocast); one chunk is one forward. Under grad the estimate
+    priced in the weights' dtype: an upper bound under autocast); one chunk is one forward. Under FSDP2 a forest
+    of one chunk runs chunked too: ranks agree on their chunk counts there, and one forward would not pair with
+    another rank's chunks. Under grad the estimate
     goes to `record(name, value)`: `tree_prefix_reuse_chunks`, `tree_prefix_reuse_kept_gib` (the kept keys and
     values) and `tree_prefix_reuse_peak_gib`.
     """
+    one_chunk_too = fsdp2_sharded(model)  # every rank runs the chunked call and its dummies (prefix_reuse)
     if budget_gib is None:
-        return max_tokens_per_mb if forest.seq_len > max_tokens_per_mb else None
+        return max_tokens_per_mb if forest.seq_len > max_tokens_per_mb or one_chunk_too else None
     plan = plan_prefix_reuse(
         model, forest, max_chunk_rows=max_tokens_per_mb, memory_budget_bytes=int(budget_gib * 2**30), block=BLOCK
     )
@@ -542,7 +585,7 @@ def prefix_reuse_rows(model, forest, max_tokens_per_mb: int, budget_gib: float |
         record("tree_prefix_reuse_chunks", float(plan.chunks.num_chunks))
         record("tree_prefix_reuse_kept_gib", plan.kept_kv / 2**30)
         record("tree_prefix_reuse_peak_gib", plan.total / 2**30)
-    return plan.chunk_rows if plan.chunks.num_chunks > 1 else None
+    return plan.chunk_rows if plan.chunks.num_chunks > 1 or one_chunk_too else None
 
 
 # ------------------------------------------------------------------ the decision
@@ -611,11 +654,11 @@ class TreeTrainerMixin:
         """The trainer's own settings for the card, after the options every tree trainer has."""
         return []
 
-    def _tree_check_prefix_reuse(self, models) -> None:
+    def _tree_check_prefix_reuse(self, models, fused_head: bool = False) -> None:
         """Refuse `tree_prefix_reuse=True` on trees where it cannot be exact (`prefix_reuse_refusal`)."""
         if not (self.tree_packing and self.args.tree_prefix_reuse):
             return
-        reason = prefix_reuse_refusal(self, models)
+        reason = prefix_reuse_refusal(self, models, fused_head)
         if reason is None and self.args.tree_prefix_reuse_budget_gib is not None:
             reason = next((e for m in models if m is not None and (e := budget_error(m)) is not None), None)
             if reason is not None:

@@ -36,7 +36,6 @@ import torch
 from accelerate.utils import gather_object
 
 from ..compile import eager_layers
-from ..logprobs import forest_logprobs
 from ..metrics import estimate_flops
 from ..support import rope_length_limit, rope_split_lengths, unwrap_model
 from ..targets import TargetPlan
@@ -162,6 +161,7 @@ class TreeGroupTrainerMixin(TreeTrainerMixin):
             and args.max_tokens_per_mb is not None
             and args.tree_recompute == "auto"
             and args.gradient_checkpointing
+            and self.is_deepspeed_enabled
             and self._lockstep()
         ):
             # A rank with fewer forests runs idle forwards with every layer checkpointed, beside ranks recomputing
@@ -546,16 +546,19 @@ class TreeGroupTrainerMixin(TreeTrainerMixin):
         return packed
 
     def _lockstep(self) -> bool:
-        """Whether every rank must run the same modules in the same order: DeepSpeed with several processes.
+        """Whether every rank must run the same modules in the same order: DeepSpeed, or FSDP with prefix reuse, on
+        several processes.
 
         ZeRO-3 gathers each module's parameters, and ZeRO-1/2 reduce gradients in buckets filled in the order they
         arrive, with collectives that pair up across ranks in call order. A rank on TRL's flat path (which reads the
         LM head inside the model's forward) beside a rank on trees (which runs the LM head module after it), or a
         rank recomputing a layer another keeps, pairs different collectives: ZeRO-3 hung on both (2 CPU processes).
         So under DeepSpeed the path of each chunk, and the layers a tree forward recomputes, are agreed on by all
-        ranks.
+        ranks. Under FSDP2 a forest scored with prefix reuse runs a forward and a backward per chunk, which one flat
+        forward on another rank does not pair with: the path is agreed on there too (prefix reuse plans no recompute).
         """
-        return self.is_deepspeed_enabled and self.accelerator.num_processes > 1
+        several = self.accelerator.num_processes > 1
+        return several and (self.is_deepspeed_enabled or (self.is_fsdp_enabled and self.args.tree_prefix_reuse))
 
     def _flat_on_any_rank(self, flat: bool) -> bool:
         """Whether some rank takes TRL's flat path for the current chunk (`flat`: whether this one does)."""
@@ -575,15 +578,22 @@ class TreeGroupTrainerMixin(TreeTrainerMixin):
         return int(counts.max()) - num_forwards
 
     def _idle_forwards(self, model, count: int) -> torch.Tensor:
-        """`count` forwards of a 2-token forest whose result enters the graph with weight 0 (a scalar 0)."""
+        """`count` forwards of a 2-token forest whose result enters the graph with weight 0 (a scalar 0). With prefix
+        reuse each is scored as the real forests are (`core.prefix_reuse_rows`: under FSDP2 chunked, with as many
+        chunks as the other ranks' forest in the same place)."""
         pad = trl_compat.tokenizer(self).pad_token_id or 0
         (forest,) = pack_forest([[pad, pad]])
         forest = forest.to(self.accelerator.device)
+        reuse_rows = None
+        if self._prefix_reuse_rows is not None:
+            reuse_rows = [prefix_reuse_rows(model, forest, self._prefix_reuse_rows, None, lambda k, v: None)]
         total = torch.zeros((), device=self.accelerator.device)
         for _ in range(count):
-            with self.accelerator.autocast():
-                table, _ = forest_logprobs(model, forest, temperature=self.temperature)
-            total = total + table.sum()
+            tables, _, _ = score_forests(
+                model, [forest], [None], temperature=self.temperature, autocast=self.accelerator.autocast,
+                prefix_reuse_rows=reuse_rows,
+            )  # fmt: skip
+            total = total + tables[0].sum()
         return 0.0 * total
 
     def _tree_logps(

@@ -72,7 +72,7 @@ class TreeHeadTrainerMixin(TreeTrainerMixin):
                 "forests, and every forward gathers the weights on all ranks together. Leave max_tokens_per_mb=None "
                 "(one forest per batch, as TRL runs one forward)."
             )
-        self._tree_check_prefix_reuse((self.model, getattr(self, "ref_model", None)))
+        self._tree_check_prefix_reuse((self.model, getattr(self, "ref_model", None)), fused_head=True)
         if self.tree_packing:
             self.tree_lm_head = TreeLMHead(
                 args.max_tokens_per_mb, args.tree_max_token_ratio, self._record_tree, args.tree_prefix_reuse,

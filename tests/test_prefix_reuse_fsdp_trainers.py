@@ -1,0 +1,209 @@
+"""`tree_prefix_reuse=True` in the trainers under FSDP2: 2 gloo processes (torchrun), fp32.
+
+Accelerate enables FSDP on GPUs only; `helpers.accelerate_fsdp_on_cpu` lets its state report FSDP on CPU, so the
+trainers run accelerate's own FSDP2 preparation (`fully_shard` of each decoder layer, then the root) and their FSDP
+paths as on GPUs. FSDP2 gathers parameters and reduce-scatters gradients in collectives every rank calls alike, so
+the ranks must run as many chunks (dummies on the ranks with fewer), as many forests (idle ones on the ranks with
+fewer) and the same path (tree or TRL's flat forward) for every micro-batch; a mismatch deadlocks, which the
+subprocess timeout turns into a failure.
+
+- `TreeGRPOTrainer` (data of `tests/test_prefix_reuse_ddp.py`): rank 0's forests cut into 3 chunks, rank 1's into 2
+  or fitting one (run as one chunk, padded with dummies): every step's gradients and the weights equal the same
+  FSDP2 run without prefix reuse (micro-batches each one forest, FSDP2's own reduction).
+- `TreeAsyncGRPOTrainer`: each step's rows one forest in chunks; losses, gradients and weights equal TRL's
+  `AsyncGRPOTrainer` under FSDP2.
+- The idle forest a rank with fewer forests runs (`_idle_forwards`) pairs with another rank's chunked forest and adds
+  nothing: the reduced gradient is half the other rank's alone.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from helpers import TOLERANCES
+
+REPO = Path(__file__).resolve().parent.parent
+FSDP2 = dict(fsdp="full_shard", fsdp_config={"fsdp_version": 2})
+
+
+def _idle_pairs_with_chunks(trainer) -> dict:
+    """Rank 0 scores an idle forest (`_idle_forwards`), rank 1 a forest of 3 chunks, both backward; the reduced
+    gradients, and rank 1's forest (to score it alone)."""
+    import torch.distributed as dist
+    from test_prefix_reuse_ddp import _full
+
+    from hf_tree_attn import pack_forest
+    from hf_tree_attn.trainer.forest_step import score_forests
+
+    model = trainer.model
+    sequence = [3 + i % 20 for i in range(2 * trainer._prefix_reuse_rows + 5)]  # 3 chunks of the budget
+    (forest,) = pack_forest([sequence, sequence[:-3] + [4, 5]])
+    model.zero_grad()
+    if dist.get_rank() == 0:
+        loss = trainer._idle_forwards(model, 1)
+    else:
+        rows = trainer._prefix_reuse_rows
+        tables, _, _ = score_forests(
+            model, [forest], [None], temperature=trainer.temperature, autocast=trainer.accelerator.autocast,
+            prefix_reuse_rows=[rows],
+        )  # fmt: skip
+        loss = (tables[0] * torch.linspace(-1.0, 1.0, tables[0].numel())).sum()
+    loss.backward()
+    return {
+        "grads": {n: _full(p.grad) for n, p in model.named_parameters() if p.grad is not None},
+        "weights": {n: _full(p) for n, p in model.named_parameters()},
+        "sequences": [sequence, sequence[:-3] + [4, 5]],
+        "temperature": trainer.temperature,
+    }
+
+
+def _run_rank(model_path: str, async_path: str, out_dir: str) -> None:
+    """The torchrun worker: the GRPO trainer with and without prefix reuse, the async trainers, the idle forest."""
+    sys.path.insert(0, str(REPO))
+    import torch.distributed as dist
+    from async_grpo_helpers import replayed_samples, train
+    from helpers import accelerate_fsdp_on_cpu, exit_distributed_worker
+    from test_prefix_reuse_ddp import _full, _Spy, _train_grpo
+
+    from hf_tree_attn.trainer import forest_step
+
+    # A collective one rank never joins fails after this long instead of hanging until the subprocess timeout.
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    accelerate_fsdp_on_cpu()
+    out, rank, trainers, report = Path(out_dir), int(os.environ["RANK"]), [], {}
+    # The third run lets trees cost at most 0.15 of TRL's padded rows: one of rank 1's micro-batches costs more, so
+    # it takes TRL's flat path there, and with it rank 0 (`_lockstep`).
+    for run, reuse, ratio in (("reuse", True, 1.0), ("plain", False, 1.0), ("fallback", True, 0.15)):
+        trainer, gradients, chunks = _train_grpo(
+            model_path, out / f"grpo_{run}", reuse, tree_max_token_ratio=ratio, **FSDP2
+        )
+        trainers.append(trainer)  # never freed: see exit_distributed_worker
+        report["grpo", run] = {
+            "world": trainer.accelerator.num_processes,
+            "sharded": type(trainer.model).__name__.startswith("FSDP"),
+            "gradients": gradients,
+            "weights": {n: _full(p) for n, p in trainer.model.named_parameters()},
+            "chunks": chunks,
+            "fallback": [e["tree_fallback"] for e in trainer.state.log_history if "tree_fallback" in e],
+        }
+    report["idle"] = _idle_pairs_with_chunks(trainers[0])
+
+    samples = replayed_samples(async_path)
+    for run, tree, reuse in (("trl", False, False), ("reuse", True, True)):
+        options = dict(tree_prefix_reuse=True, output_dir=str(out / "async_reuse")) if reuse else {}
+        with _Spy(forest_step, "chunked_forest_logprobs") as spy:
+            trainer, losses, gradients = train(
+                tree, async_path, samples, out, max_steps=2, token_budget=48, **options, **FSDP2
+            )
+        trainers.append(trainer)
+        report["async", run] = {
+            "sharded": type(trainer.model).__name__.startswith("FSDP"),
+            "losses": losses,
+            "grads": {n: _full(g) for n, g in gradients.steps[-1].items()},
+            "weights": {n: _full(p) for n, p in trainer.model.named_parameters()},
+            "chunks": spy.chunks,
+        }
+    torch.save(report, out / f"rank{rank}.pt")
+    exit_distributed_worker()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """`(GRPO model path, the two ranks' reports)` of one torchrun of `_run_rank`."""
+    from async_grpo_helpers import save_model
+    from helpers import tiny_config
+
+    from trainers import toy_task
+
+    out = tmp_path_factory.mktemp("prefix_reuse_fsdp")
+    tokenizer = toy_task.build_tokenizer()
+    model_path = out / "model"
+    toy_task.build_model(tokenizer, seed=0).save_pretrained(model_path)
+    tokenizer.save_pretrained(model_path)
+    async_path = save_model(tiny_config("qwen3"), out / "async_model")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_DISABLE_TELEMETRY="1", OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "tests")])
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__]
+    result = subprocess.run(
+        [*command, str(model_path), async_path, str(out)], cwd=REPO, env=env, capture_output=True, text=True,
+        timeout=900,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return model_path, [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+def test_grpo_equals_fsdp2_without_prefix_reuse(runs):
+    """Two steps on one generation, 2 micro-batches each: rank 0's policy forests in 3 chunks each, rank 1's in 2 or
+    1 (run chunked all the same, with dummies up to rank 0's count): the gradients of every step and the weights of
+    the FSDP2 run that forwards each micro-batch as one forest. So too where one rank's micro-batch takes TRL's flat
+    path: every rank takes it."""
+    from test_prefix_reuse_ddp import _assert_close
+
+    _, reports = runs
+    for rank, report in enumerate(reports):
+        plain = report["grpo", "plain"]
+        assert plain["world"] == 2 and plain["sharded"] and not plain["chunks"]
+        assert plain["fallback"] == [0.0, 0.0]
+        for run in ("reuse", "fallback"):
+            reuse = report["grpo", run]
+            assert reuse["world"] == 2 and reuse["sharded"]
+            assert len(reuse["gradients"]) == len(plain["gradients"]) == 2
+            for step, (got, want) in enumerate(zip(reuse["gradients"], plain["gradients"])):
+                assert any(g.abs().max() > 0 for g in want.values())
+                _assert_close(got, want, f"{run}, rank {rank}, step {step} gradients")
+            _assert_close(reuse["weights"], plain["weights"], f"{run}, rank {rank} weights")
+    reuse, fallback = ([report["grpo", run] for report in reports] for run in ("reuse", "fallback"))
+    assert reuse[0]["chunks"] == [3] * 4 and sorted(set(reuse[1]["chunks"])) == [1, 2]  # 1: chunked all the same
+    assert reuse[0]["fallback"] == reuse[1]["fallback"] == [0.0, 0.0]
+    # One micro-batch of each step flat on both ranks (its forward and the old policy's), the other chunked.
+    assert fallback[0]["fallback"] == fallback[1]["fallback"] == [0.5, 0.5]
+    assert len(fallback[0]["chunks"]) == len(fallback[1]["chunks"]) == 2
+
+
+def test_async_equals_trl_under_fsdp2(runs):
+    """Each rank's step forest in chunks of `token_budget` rows: TRL's losses per micro-batch, its last step's
+    gradients and its weights, on both ranks."""
+    from test_prefix_reuse_ddp import _assert_close
+
+    _, reports = runs
+    for report in reports:
+        trl, reuse = report["async", "trl"], report["async", "reuse"]
+        assert trl["sharded"] and reuse["sharded"]
+        assert not trl["chunks"] and len(reuse["chunks"]) == 2 and max(reuse["chunks"]) >= 2
+        assert len(reuse["losses"]) == len(trl["losses"]) == 4
+        np.testing.assert_allclose(reuse["losses"], trl["losses"], rtol=1e-5, atol=TOLERANCES["logps_atol"])
+        _assert_close(reuse["grads"], trl["grads"], "async gradients")
+        for name, want in trl["weights"].items():
+            torch.testing.assert_close(reuse["weights"][name], want, rtol=1e-5, atol=1e-6, msg=name)
+    assert reports[0]["async", "reuse"]["losses"] != reports[1]["async", "reuse"]["losses"]
+
+
+def test_idle_forest_pairs_with_chunks_and_adds_nothing(runs):
+    """Rank 0's idle forest (one chunk, dummies up to rank 1's three) against rank 1's forest: FSDP2's reduced
+    gradient is half that of rank 1's forest scored alone in one process (rank 0 contributes zero)."""
+    from test_prefix_reuse_ddp import _assert_close
+    from transformers import AutoModelForCausalLM
+
+    from hf_tree_attn import forest_logprobs, pack_forest
+
+    model_path, reports = runs
+    idle = reports[1]["idle"]
+    model = AutoModelForCausalLM.from_pretrained(model_path, attn_implementation="tree_flex", dtype=torch.float32)
+    model.load_state_dict(idle["weights"])
+    (forest,) = pack_forest(idle["sequences"])
+    table, _ = forest_logprobs(model.train(), forest, temperature=idle["temperature"])
+    (table * torch.linspace(-1.0, 1.0, table.numel())).sum().backward()
+    want = {n: p.grad / 2 for n, p in model.named_parameters() if p.grad is not None}
+    for report in reports:
+        _assert_close(report["idle"]["grads"], want, "idle forest against the chunked one")
+
+
+if __name__ == "__main__":
+    _run_rank(*sys.argv[1:4])
