@@ -98,14 +98,15 @@ COMMON = dict(
 )  # fmt: skip
 
 
-def _train_sft(model_path: str, out_dir: Path, reuse: bool, per_device: int = SFT_PER_RANK):
-    """`(trainer, gradients at each optimizer step, chunk counts of the forests scored in chunks)`."""
+def _train_sft(model_path: str, out_dir: Path, reuse: bool, per_device: int = SFT_PER_RANK, **overrides):
+    """`(trainer, gradients at each optimizer step, chunk counts of the forests scored in chunks)`; `overrides`
+    replace `COMMON`'s fields."""
     from transformers import AutoTokenizer
 
     from hf_tree_attn.trainer import TreeSFTConfig, TreeSFTTrainer, fused_head
 
     args = TreeSFTConfig(
-        output_dir=str(out_dir), **COMMON, per_device_train_batch_size=per_device, max_steps=SFT_STEPS,
+        output_dir=str(out_dir), **(COMMON | overrides), per_device_train_batch_size=per_device, max_steps=SFT_STEPS,
         train_sampling_strategy="sequential", max_length=None, tree_prefix_reuse=reuse,
         max_tokens_per_mb=BUDGET if reuse else None,
     )  # fmt: skip

@@ -360,10 +360,10 @@ FSDP2 = dict(SEVERAL, distributed_type=DistributedType.FSDP, is_fsdp_enabled=Tru
         (dict(SEVERAL, is_deepspeed_enabled=True), r"DeepSpeed wraps the model"),
         (dict(is_fsdp_enabled=True), r"FSDP1 wraps the model.*fsdp_version: 2"),
         (dict(SEVERAL, is_fsdp_enabled=True), r"FSDP1 wraps the model"),
-        (dict(FSDP2, fused_head=True), r"under FSDP2 the trainer's fused LM head"),
+        (dict(FSDP2, fused_head=True), r"under FSDP2 the fused LM head \(SFT, DPO\) runs the chunks from inside"),
         (dict(FSDP2, hybrid=True), r"under FSDP2 the model has state-carrying layers \(linear_attention\)"),
         (dict(FSDP2, parallelism_config=object()), r"runs FSDP2 over accelerate's parallelism_config"),
-        (dict(FSDP2), None),  # tests/test_prefix_reuse_fsdp_trainers.py
+        (dict(FSDP2), None),  # tests/test_fsdp_trainers.py
         (dict(device="cuda"), r"CUDA.*HF_TREE_ATTN_PREFIX_REUSE_CUDA=None"),
         (dict(SEVERAL, distributed_type=DistributedType.XLA), r"2 processes as XLA.*MULTI_CPU / MULTI_GPU"),
         (dict(SEVERAL, parallelism_config=object()), r"2 processes with tensor, context or sharded"),

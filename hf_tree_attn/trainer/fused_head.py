@@ -361,12 +361,15 @@ class TreeLMHead:
         text_config = model.config.get_text_config()
         router = bool(kwargs.get("output_router_logits", getattr(text_config, "output_router_logits", False)))
         decoder = _decoder(model)
-        weight, bias = _lm_head_params(model)
         outputs = tuple(settings["outputs"])
         embeddings = model.get_input_embeddings().weight.device  # the backbone's first device (device_map)
         pair_values, forests, router_logits = [], [], []
 
         def head(hidden, targets):
+            # Read after the backbone ran, as TRL's forward reads it: before, under accelerate's FSDP2 the weight is
+            # still the sharded DTensor, whose gathered copy gives each rank's shard that rank's own gradient,
+            # never averaged over the ranks (`tests/test_fsdp_trainers.py`).
+            weight, bias = _lm_head_params(model)
             hidden = hidden.to(weight.device)
             autocast = contextlib.nullcontext()
             if settings["cast_lm_head_to_fp32"]:
@@ -396,7 +399,7 @@ class TreeLMHead:
             if router:
                 router_logits.append(backbone.router_logits)
             pair_values.append(head(backbone.last_hidden_state[0, sources.to(forest.input_ids.device)], targets))
-        device = weight.device
+        device = model.get_output_embeddings().weight.device
         label_mask = labels[:, 1:].to(device) != -100
         rows, cols = plan.entry_row.to(device), plan.entry_col.to(device)
         fields = {}

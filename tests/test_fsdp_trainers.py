@@ -1,8 +1,14 @@
-"""`tree_prefix_reuse=True` in the trainers under FSDP2: 2 gloo processes (torchrun), fp32.
+"""The tree trainers under FSDP2, `tree_prefix_reuse=True` among them: 2 gloo processes (torchrun), fp32.
 
 Accelerate enables FSDP on GPUs only; `helpers.accelerate_fsdp_on_cpu` lets its state report FSDP on CPU, so the
 trainers run accelerate's own FSDP2 preparation (`fully_shard` of each decoder layer, then the root) and their FSDP
-paths as on GPUs. FSDP2 gathers parameters and reduce-scatters gradients in collectives every rank calls alike, so
+paths as on GPUs.
+
+- `TreeSFTTrainer` (TRL's fused head on trees) against TRL's `SFTTrainer`: every step's gradients, the LM head's
+  among them (read before the backbone ran, the head's weight was FSDP2's sharded DTensor, whose gathered copy gave
+  each rank's shard that rank's own gradient, never averaged over the ranks).
+
+FSDP2 gathers parameters and reduce-scatters gradients in collectives every rank calls alike, so
 the ranks must run as many chunks (dummies on the ranks with fewer), as many forests (idle ones on the ranks with
 fewer) and the same path (tree or TRL's flat forward) for every micro-batch; a mismatch deadlocks, which the
 subprocess timeout turns into a failure.
@@ -65,12 +71,13 @@ def _idle_pairs_with_chunks(trainer) -> dict:
 
 
 def _run_rank(model_path: str, async_path: str, out_dir: str) -> None:
-    """The torchrun worker: the GRPO trainer with and without prefix reuse, the async trainers, the idle forest."""
+    """The torchrun worker: the GRPO trainer with and without prefix reuse, the idle forest, the SFT trainers, the
+    async trainers."""
     sys.path.insert(0, str(REPO))
     import torch.distributed as dist
     from async_grpo_helpers import replayed_samples, train
     from helpers import accelerate_fsdp_on_cpu, exit_distributed_worker
-    from test_prefix_reuse_ddp import _full, _Spy, _train_grpo
+    from test_prefix_reuse_ddp import _full, _Spy, _train_grpo, _train_sft
 
     from hf_tree_attn.trainer import forest_step
 
@@ -94,6 +101,15 @@ def _run_rank(model_path: str, async_path: str, out_dir: str) -> None:
             "fallback": [e["tree_fallback"] for e in trainer.state.log_history if "tree_fallback" in e],
         }
     report["idle"] = _idle_pairs_with_chunks(trainers[0])
+    for run, packing in (("tree", True), ("trl", False)):
+        trainer, gradients, _ = _train_sft(model_path, out / f"sft_{run}", False, tree_packing=packing, **FSDP2)
+        trainers.append(trainer)
+        report["sft", run] = {
+            "sharded": type(trainer.model).__name__.startswith("FSDP"),
+            "gradients": gradients,
+            "weights": {n: _full(p) for n, p in trainer.model.named_parameters()},
+            "fallback": [e["tree_fallback"] for e in trainer.state.log_history if "tree_fallback" in e],
+        }
 
     samples = replayed_samples(async_path)
     for run, tree, reuse in (("trl", False, False), ("reuse", True, True)):
@@ -137,6 +153,22 @@ def runs(tmp_path_factory):
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return model_path, [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+def test_sft_equals_trl_under_fsdp2(runs):
+    """Three steps of 2 accumulated micro-batches on trees (no fallback): TRL's gradients at every step, the LM head's
+    included, and its weights."""
+    from test_prefix_reuse_ddp import SFT_STEPS, _assert_close
+
+    _, reports = runs
+    for rank, report in enumerate(reports):
+        tree, trl = report["sft", "tree"], report["sft", "trl"]
+        assert tree["sharded"] and trl["sharded"] and tree["fallback"] == [0.0] * SFT_STEPS
+        assert len(tree["gradients"]) == len(trl["gradients"]) == SFT_STEPS
+        for step, (got, want) in enumerate(zip(tree["gradients"], trl["gradients"])):
+            assert "lm_head.weight" in want
+            _assert_close(got, want, f"SFT, rank {rank}, step {step} gradients")
+        _assert_close(tree["weights"], trl["weights"], f"SFT, rank {rank} weights")
 
 
 def test_grpo_equals_fsdp2_without_prefix_reuse(runs):
