@@ -4,9 +4,10 @@ Accelerate enables FSDP on GPUs only; `helpers.accelerate_fsdp_on_cpu` lets its 
 trainers run accelerate's own FSDP2 preparation (`fully_shard` of each decoder layer, then the root) and their FSDP
 paths as on GPUs.
 
-- `TreeSFTTrainer` (TRL's fused head on trees) against TRL's `SFTTrainer`: every step's gradients, the LM head's
-  among them (read before the backbone ran, the head's weight was FSDP2's sharded DTensor, whose gathered copy gave
-  each rank's shard that rank's own gradient, never averaged over the ranks).
+- `TreeSFTTrainer` and `TreeDPOTrainer` (TRL's fused head on trees) against TRL's trainers: every step's gradients
+  (SFT) and the weights, the LM head's among them (read before the backbone ran, the head's weight was FSDP2's
+  sharded DTensor, whose gathered copy gave each rank's shard that rank's own gradient, never averaged over the
+  ranks); `TreeRewardTrainer` against TRL's `RewardTrainer`.
 
 FSDP2 gathers parameters and reduce-scatters gradients in collectives every rank calls alike, so
 the ranks must run as many chunks (dummies on the ranks with fewer), as many forests (idle ones on the ranks with
@@ -25,6 +26,7 @@ subprocess timeout turns into a failure.
 from __future__ import annotations
 
 import datetime
+import importlib
 import os
 import subprocess
 import sys
@@ -78,6 +80,7 @@ def _run_rank(model_path: str, async_path: str, out_dir: str) -> None:
     from async_grpo_helpers import replayed_samples, train
     from helpers import accelerate_fsdp_on_cpu, exit_distributed_worker
     from test_prefix_reuse_ddp import _full, _Spy, _train_grpo, _train_sft
+    from transformers import AutoTokenizer
 
     from hf_tree_attn.trainer import forest_step
 
@@ -111,6 +114,21 @@ def _run_rank(model_path: str, async_path: str, out_dir: str) -> None:
             "fallback": [e["tree_fallback"] for e in trainer.state.log_history if "tree_fallback" in e],
         }
 
+    for name, module in (("dpo", "test_tree_dpo"), ("reward", "test_tree_reward_trainer")):
+        test = importlib.import_module(module)
+        path = model_path if name == "dpo" else str(Path(model_path).parent / "reward_model")
+        for run, cls in (("tree", test.TreeDPOTrainer if name == "dpo" else test.TreeRewardTrainer),
+                         ("trl", test.DPOTrainer if name == "dpo" else test.RewardTrainer)):  # fmt: skip
+            trainer = test._trainer(cls, (path, AutoTokenizer.from_pretrained(path)), out / f"{name}_{run}", **FSDP2)
+            trainer.train()
+            trainers.append(trainer)
+            report[name, run] = {
+                "sharded": type(trainer.model).__name__.startswith("FSDP"),
+                "losses": [e["loss"] for e in trainer.state.log_history if "loss" in e],
+                "fallback": [e.get("tree_fallback") for e in trainer.state.log_history if "loss" in e],
+                "weights": {n: _full(p) for n, p in trainer.model.named_parameters()},
+            }
+
     samples = replayed_samples(async_path)
     for run, tree, reuse in (("trl", False, False), ("reuse", True, True)):
         options = dict(tree_prefix_reuse=True, output_dir=str(out / "async_reuse")) if reuse else {}
@@ -135,6 +153,7 @@ def runs(tmp_path_factory):
     """`(GRPO model path, the two ranks' reports)` of one torchrun of `_run_rank`."""
     from async_grpo_helpers import save_model
     from helpers import tiny_config
+    from transformers import AutoModelForSequenceClassification
 
     from trainers import toy_task
 
@@ -144,6 +163,10 @@ def runs(tmp_path_factory):
     toy_task.build_model(tokenizer, seed=0).save_pretrained(model_path)
     tokenizer.save_pretrained(model_path)
     async_path = save_model(tiny_config("qwen3"), out / "async_model")
+    torch.manual_seed(0)
+    reward = toy_task.model_config(tokenizer, num_labels=1, initializer_range=0.1)
+    AutoModelForSequenceClassification.from_config(reward).save_pretrained(out / "reward_model")
+    tokenizer.save_pretrained(out / "reward_model")
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_DISABLE_TELEMETRY="1", OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "tests")])
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__]
@@ -169,6 +192,21 @@ def test_sft_equals_trl_under_fsdp2(runs):
             assert "lm_head.weight" in want
             _assert_close(got, want, f"SFT, rank {rank}, step {step} gradients")
         _assert_close(tree["weights"], trl["weights"], f"SFT, rank {rank} weights")
+
+
+@pytest.mark.parametrize("trainer", ["dpo", "reward"])
+def test_dpo_and_reward_model_equal_trl_under_fsdp2(runs, trainer):
+    """`TreeDPOTrainer` (TRL's fused head on trees, policy and reference) and `TreeRewardTrainer`, 2 steps of 2
+    micro-batches on trees: TRL's losses and weights."""
+    from test_prefix_reuse_ddp import _assert_close
+
+    _, reports = runs
+    for rank, report in enumerate(reports):
+        tree, trl = report[trainer, "tree"], report[trainer, "trl"]
+        assert tree["sharded"] and trl["sharded"] and tree["fallback"] == [0.0, 0.0]
+        np.testing.assert_allclose(tree["losses"], trl["losses"], rtol=1e-5, atol=TOLERANCES["logps_atol"])
+        assert trl["losses"][0] != trl["losses"][1], "the model did not move"
+        _assert_close(tree["weights"], trl["weights"], f"{trainer}, rank {rank} weights")
 
 
 def test_grpo_equals_fsdp2_without_prefix_reuse(runs):
