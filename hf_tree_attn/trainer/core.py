@@ -425,9 +425,9 @@ def _fsdp_refusal(trainer, models, fused_head: bool) -> str | None:
         )
     if fused_head:
         return (
-            "under FSDP2 the fused LM head (SFT, DPO) runs the chunks from inside the model's own forward, each "
-            "chunk calling the sharded model again, and its collectives are not aligned across ranks (a trial with "
-            "them aligned gave wrong gradients on 2 CPU processes)."
+            "under FSDP2 the fused LM head (SFT, DPO) runs the chunks from inside the model's own forward, where "
+            "FSDP2 does not reduce the gradients the chunks' backwards leave (a trial on 2 CPU processes left the "
+            "decoder layers' gradients unreduced, different on each rank)."
         )
     layers = sorted({kind for m in models if m is not None for kind in tree_layer_types(unwrap_model(m))})
     if layers:
