@@ -16,7 +16,8 @@ subprocess timeout turns into a failure.
 
 - `TreeGRPOTrainer` (data of `tests/test_prefix_reuse_ddp.py`): rank 0's forests cut into 3 chunks, rank 1's into 2
   or fitting one (run as one chunk, padded with dummies): every step's gradients and the weights equal the same
-  FSDP2 run without prefix reuse (micro-batches each one forest, FSDP2's own reduction).
+  FSDP2 run without prefix reuse (micro-batches each one forest, FSDP2's own reduction), whose gradients equal
+  TRL's `GRPOTrainer`'s.
 - `TreeAsyncGRPOTrainer`: each step's rows one forest in chunks; losses, gradients and weights equal TRL's
   `AsyncGRPOTrainer` under FSDP2.
 - The idle forest a rank with fewer forests runs (`_idle_forwards`) pairs with another rank's chunked forest and adds
@@ -90,9 +91,10 @@ def _run_rank(model_path: str, async_path: str, out_dir: str) -> None:
     out, rank, trainers, report = Path(out_dir), int(os.environ["RANK"]), [], {}
     # The third run lets trees cost at most 0.15 of TRL's padded rows: one of rank 1's micro-batches costs more, so
     # it takes TRL's flat path there, and with it rank 0 (`_lockstep`).
-    for run, reuse, ratio in (("reuse", True, 1.0), ("plain", False, 1.0), ("fallback", True, 0.15)):
+    grpo_runs = (("reuse", True, 1.0, True), ("plain", False, 1.0, True), ("fallback", True, 0.15, True))
+    for run, reuse, ratio, packing in (*grpo_runs, ("trl", False, 1.0, False)):
         trainer, gradients, chunks = _train_grpo(
-            model_path, out / f"grpo_{run}", reuse, tree_max_token_ratio=ratio, **FSDP2
+            model_path, out / f"grpo_{run}", reuse, tree_max_token_ratio=ratio, tree_packing=packing, **FSDP2
         )
         trainers.append(trainer)  # never freed: see exit_distributed_worker
         report["grpo", run] = {
@@ -212,8 +214,8 @@ def test_dpo_and_reward_model_equal_trl_under_fsdp2(runs, trainer):
 def test_grpo_equals_fsdp2_without_prefix_reuse(runs):
     """Two steps on one generation, 2 micro-batches each: rank 0's policy forests in 3 chunks each, rank 1's in 2 or
     1 (run chunked all the same, with dummies up to rank 0's count): the gradients of every step and the weights of
-    the FSDP2 run that forwards each micro-batch as one forest. So too where one rank's micro-batch takes TRL's flat
-    path: every rank takes it."""
+    the FSDP2 run that forwards each micro-batch as one forest (whose gradients are TRL's). So too where one rank's
+    micro-batch takes TRL's flat path: every rank takes it."""
     from test_prefix_reuse_ddp import _assert_close
 
     _, reports = runs
@@ -221,6 +223,8 @@ def test_grpo_equals_fsdp2_without_prefix_reuse(runs):
         plain = report["grpo", "plain"]
         assert plain["world"] == 2 and plain["sharded"] and not plain["chunks"]
         assert plain["fallback"] == [0.0, 0.0]
+        for step, (got, want) in enumerate(zip(plain["gradients"], report["grpo", "trl"]["gradients"], strict=True)):
+            _assert_close(got, want, f"trees against TRL, rank {rank}, step {step} gradients")
         for run in ("reuse", "fallback"):
             reuse = report["grpo", run]
             assert reuse["world"] == 2 and reuse["sharded"]
