@@ -22,7 +22,9 @@ gradients for any loss of them, at the memory of one chunk's activations plus th
   trainers do (`trainer.core.prefix_reuse_gradient_sync`). FSDP2 (`fully_shard`) reduces each backward's gradients
   itself, but gathers parameters and reduces gradients in collectives every rank must call alike: ranks whose forests
   cut into fewer chunks run dummy chunks until every rank runs as many, and every chunk gathers the LM head and runs
-  a backward (`_fsdp_dummies`; not for hybrids or the caller's own head).
+  a backward (`_fsdp_dummies`; not for hybrids or the caller's own head). That holds for a call outside the model's
+  own forward: called from inside it (TRL's fused head) the chunks' gradients were left unreduced in a trial. The
+  trainers run every forest through here under FSDP2, one that fits one chunk too (`trainer.core.prefix_reuse_rows`).
 
 **State-carrying layers** (hybrids: gated and Kimi delta rule, Mamba-2, short convolutions;
 `hf_tree_attn.recurrent`) are handled the same way. A chunk is a forest of its own rows (`recurrent.ChunkRows`)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import datetime
 import importlib
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -116,6 +117,10 @@ def _run_rank(model_path: str, async_path: str, out_dir: str) -> None:
             "fallback": [e["tree_fallback"] for e in trainer.state.log_history if "tree_fallback" in e],
         }
 
+    try:  # refused at init, before the check that would ask for max_tokens_per_mb=None instead
+        _train_sft(model_path, out / "sft_reuse", True, **FSDP2)
+    except ValueError as error:
+        report["sft reuse refused"] = str(error)
     for name, module in (("dpo", "test_tree_dpo"), ("reward", "test_tree_reward_trainer")):
         test = importlib.import_module(module)
         path = model_path if name == "dpo" else str(Path(model_path).parent / "reward_model")
@@ -194,6 +199,13 @@ def test_sft_equals_trl_under_fsdp2(runs):
             assert "lm_head.weight" in want
             _assert_close(got, want, f"SFT, rank {rank}, step {step} gradients")
         _assert_close(tree["weights"], trl["weights"], f"SFT, rank {rank} weights")
+
+
+def test_sft_with_prefix_reuse_is_refused_under_fsdp2(runs):
+    """The fused head's chunks run inside the model's own forward, where FSDP2 leaves their gradients unreduced: the
+    trainer refuses, saying so."""
+    for report in runs[1]:
+        assert re.search(r"tree_prefix_reuse=True, but under FSDP2 the fused LM head", report["sft reuse refused"])
 
 
 @pytest.mark.parametrize("trainer", ["dpo", "reward"])

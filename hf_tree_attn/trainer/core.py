@@ -572,9 +572,8 @@ def prefix_reuse_rows(model, forest, max_tokens_per_mb: int, budget_gib: float |
     rows, whose estimated peak fits (`hf_tree_attn.reuse_planner.plan_prefix_reuse`, the kept keys and values
     priced in the weights' dtype: an upper bound under autocast); one chunk is one forward. Under FSDP2 a forest
     of one chunk runs chunked too: ranks agree on their chunk counts there, and one forward would not pair with
-    another rank's chunks. Under grad the estimate
-    goes to `record(name, value)`: `tree_prefix_reuse_chunks`, `tree_prefix_reuse_kept_gib` (the kept keys and
-    values) and `tree_prefix_reuse_peak_gib`.
+    another rank's chunks. Under grad the estimate goes to `record(name, value)`: `tree_prefix_reuse_chunks`,
+    `tree_prefix_reuse_kept_gib` (the kept keys and values) and `tree_prefix_reuse_peak_gib`.
     """
     one_chunk_too = fsdp2_sharded(model)  # every rank runs the chunked call and its dummies (prefix_reuse)
     if budget_gib is None:

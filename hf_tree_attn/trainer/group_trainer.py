@@ -161,7 +161,7 @@ class TreeGroupTrainerMixin(TreeTrainerMixin):
             and args.max_tokens_per_mb is not None
             and args.tree_recompute == "auto"
             and args.gradient_checkpointing
-            and self.is_deepspeed_enabled
+            and not args.tree_prefix_reuse  # prefix reuse plans no recompute
             and self._lockstep()
         ):
             # A rank with fewer forests runs idle forwards with every layer checkpointed, beside ranks recomputing

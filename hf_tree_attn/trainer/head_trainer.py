@@ -65,6 +65,7 @@ class TreeHeadTrainerMixin(TreeTrainerMixin):
         args = self.args
         sharded = self.is_fsdp_enabled or self.is_deepspeed_enabled
         self._tree_decide(stacklevel=4)
+        self._tree_check_prefix_reuse((self.model, getattr(self, "ref_model", None)), fused_head=True)
         if self.tree_packing and args.max_tokens_per_mb is not None and sharded and self.accelerator.num_processes > 1:
             raise ValueError(
                 f"max_tokens_per_mb={args.max_tokens_per_mb} with sharded weights (FSDP / DeepSpeed) on "
@@ -72,7 +73,6 @@ class TreeHeadTrainerMixin(TreeTrainerMixin):
                 "forests, and every forward gathers the weights on all ranks together. Leave max_tokens_per_mb=None "
                 "(one forest per batch, as TRL runs one forward)."
             )
-        self._tree_check_prefix_reuse((self.model, getattr(self, "ref_model", None)), fused_head=True)
         if self.tree_packing:
             self.tree_lm_head = TreeLMHead(
                 args.max_tokens_per_mb, args.tree_max_token_ratio, self._record_tree, args.tree_prefix_reuse,
