@@ -17,7 +17,7 @@ subprocess timeout turns into a failure.
 - `TreeGRPOTrainer` (data of `tests/test_prefix_reuse_ddp.py`): rank 0's forests cut into 3 chunks, rank 1's into 2
   or fitting one (run as one chunk, padded with dummies): every step's gradients and the weights equal the same
   FSDP2 run without prefix reuse (micro-batches each one forest, FSDP2's own reduction), whose gradients equal
-  TRL's `GRPOTrainer`'s.
+  TRL's `GRPOTrainer`'s; with LoRA adapters, prefix reuse gives TRL's adapter gradients and weights.
 - `TreeAsyncGRPOTrainer`: each step's rows one forest in chunks; losses, gradients and weights equal TRL's
   `AsyncGRPOTrainer` under FSDP2.
 - The idle forest a rank with fewer forests runs (`_idle_forwards`) pairs with another rank's chunked forest and adds
@@ -81,6 +81,7 @@ def _run_rank(model_path: str, async_path: str, out_dir: str) -> None:
     import torch.distributed as dist
     from async_grpo_helpers import replayed_samples, train
     from helpers import accelerate_fsdp_on_cpu, exit_distributed_worker
+    from peft import LoraConfig
     from test_prefix_reuse_ddp import _full, _Spy, _train_grpo, _train_sft
     from transformers import AutoTokenizer
 
@@ -90,13 +91,23 @@ def _run_rank(model_path: str, async_path: str, out_dir: str) -> None:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     accelerate_fsdp_on_cpu()
     out, rank, trainers, report = Path(out_dir), int(os.environ["RANK"]), [], {}
-    # The third run lets trees cost at most 0.15 of TRL's padded rows: one of rank 1's micro-batches costs more, so
-    # it takes TRL's flat path there, and with it rank 0 (`_lockstep`).
-    grpo_runs = (("reuse", True, 1.0, True), ("plain", False, 1.0, True), ("fallback", True, 0.15, True))
-    for run, reuse, ratio, packing in (*grpo_runs, ("trl", False, 1.0, False)):
+    # (name, prefix reuse, tree_max_token_ratio, tree_packing, peft_config). "fallback" lets trees cost at most
+    # 0.15 of TRL's padded rows: one of rank 1's micro-batches costs more, so it takes TRL's flat path there, and with
+    # it rank 0 (`_lockstep`).
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    grpo_runs = [
+        ("reuse", True, 1.0, True, None),
+        ("plain", False, 1.0, True, None),
+        ("fallback", True, 0.15, True, None),
+        ("trl", False, 1.0, False, None),
+        ("lora reuse", True, 1.0, True, lora),
+        ("lora trl", False, 1.0, False, lora),
+    ]
+    for run, reuse, ratio, packing, peft_config in grpo_runs:
         trainer, gradients, chunks = _train_grpo(
-            model_path, out / f"grpo_{run}", reuse, tree_max_token_ratio=ratio, tree_packing=packing, **FSDP2
-        )
+            model_path, out / f"grpo_{run}", reuse, peft_config, tree_max_token_ratio=ratio, tree_packing=packing,
+            **FSDP2,
+        )  # fmt: skip
         trainers.append(trainer)  # never freed: see exit_distributed_worker
         report["grpo", run] = {
             "world": trainer.accelerator.num_processes,
@@ -227,7 +238,7 @@ def test_grpo_equals_fsdp2_without_prefix_reuse(runs):
     """Two steps on one generation, 2 micro-batches each: rank 0's policy forests in 3 chunks each, rank 1's in 2 or
     1 (run chunked all the same, with dummies up to rank 0's count): the gradients of every step and the weights of
     the FSDP2 run that forwards each micro-batch as one forest (whose gradients are TRL's). So too where one rank's
-    micro-batch takes TRL's flat path: every rank takes it."""
+    micro-batch takes TRL's flat path: every rank takes it. And with LoRA adapters: TRL's gradients and weights."""
     from test_prefix_reuse_ddp import _assert_close
 
     _, reports = runs
@@ -245,6 +256,13 @@ def test_grpo_equals_fsdp2_without_prefix_reuse(runs):
                 assert any(g.abs().max() > 0 for g in want.values())
                 _assert_close(got, want, f"{run}, rank {rank}, step {step} gradients")
             _assert_close(reuse["weights"], plain["weights"], f"{run}, rank {rank} weights")
+    for rank, report in enumerate(reports):  # LoRA: the adapters' gradients and weights of TRL's run
+        reuse, trl = report["grpo", "lora reuse"], report["grpo", "lora trl"]
+        assert len(reuse["chunks"]) == 4 and reuse["fallback"] == [0.0, 0.0] and len(reuse["gradients"]) == 2
+        assert all(".lora_" in name for step in trl["gradients"] for name in step) and trl["gradients"][1]
+        for step, (got, want) in enumerate(zip(reuse["gradients"], trl["gradients"], strict=True)):
+            _assert_close(got, want, f"LoRA, rank {rank}, step {step} gradients")
+        _assert_close(reuse["weights"], trl["weights"], f"LoRA, rank {rank} weights")
     reuse, fallback = ([report["grpo", run] for report in reports] for run in ("reuse", "fallback"))
     assert reuse[0]["chunks"] == [3] * 4 and sorted(set(reuse[1]["chunks"])) == [1, 2]  # 1: chunked all the same
     assert reuse[0]["fallback"] == reuse[1]["fallback"] == [0.0, 0.0]

@@ -120,10 +120,10 @@ def _train_sft(model_path: str, out_dir: Path, reuse: bool, per_device: int = SF
     return trainer, gradients.steps, spy.chunks
 
 
-def _train_grpo(model_path: str, out_dir: Path, reuse: bool, **overrides):
+def _train_grpo(model_path: str, out_dir: Path, reuse: bool, peft_config=None, **overrides):
     """`(trainer, gradients at each optimizer step, chunk counts of the policy forests scored in chunks)`: two
-    optimizer steps on one generation (num_iterations=2), with reference and old-policy log-probs; `overrides`
-    replace `COMMON`'s fields."""
+    optimizer steps on one generation (num_iterations=2), with reference and old-policy log-probs (the adapters off
+    under `peft_config`); `overrides` replace `COMMON`'s fields."""
     from datasets import Dataset
     from transformers import AutoTokenizer
 
@@ -140,7 +140,7 @@ def _train_grpo(model_path: str, out_dir: Path, reuse: bool, **overrides):
     trainer = TreeGRPOTrainer(
         model_path, toy_task.copy_letter_reward, args, callbacks=[gradients],
         train_dataset=Dataset.from_dict({"prompt": prompts, "target": list("abcdabcd")}),
-        processing_class=AutoTokenizer.from_pretrained(model_path),
+        processing_class=AutoTokenizer.from_pretrained(model_path), peft_config=peft_config,
     )  # fmt: skip
     with _Spy(forest_step, "chunked_forest_logprobs") as spy:
         trainer.train()
