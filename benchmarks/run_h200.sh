@@ -502,6 +502,10 @@ for stage in "$@"; do
         trainers/grpo_tree.py --max_steps 60 --logging_steps 10 --output_dir /tmp/fsdp2_out 2>&1 \
         | tee "$OUT/fsdp2_2gpu_h200.log" | grep -vi warn | tail -25
       ls /tmp/fsdp2_out | tee -a "$OUT/fsdp2_2gpu_h200.log" ;;
+    fsdp2-prefix-reuse-tests)  # the main job under FSDP2 with prefix reuse, and the one without (multi_gpu tests)
+      timeout 560 python3 -m pytest -q -rf -m multi_gpu -p no:cacheprovider tests/test_main_job.py -k fsdp2 \
+        > "$OUT/h200x2_fsdp2_prefix_reuse_tests.log" 2>&1
+      summary "$OUT/h200x2_fsdp2_prefix_reuse_tests.log" ;;
     balance-fsdp2)  # tree vs flat, balanced vs not, Qwen3-1.7B shape under FSDP2; a tiny-shape check first
       timeout 120 python3 -m accelerate.commands.launch --config_file trainers/configs/fsdp2.yaml \
         benchmarks/bench_balance_fsdp.py --model tiny --length-scale 0.05 --steps 2 --accumulation 1 \
