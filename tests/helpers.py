@@ -5,6 +5,7 @@
 - `forest_case`: seeded random token sequences that exercise every packing edge case.
 - `DictTrie`: a per-token Python dict trie — the independent oracle for packing and masks.
 - `flat_logprobs`: per-sequence unpacked forwards — the oracle for tree log-probs.
+- `run_two_ranks` / `exit_distributed_worker` / `accelerate_fsdp_on_cpu`: tests on 2 gloo processes.
 """
 
 from __future__ import annotations
@@ -497,6 +498,23 @@ def flat_logprobs(model, seq, temperature: float = 1.0) -> tuple[torch.Tensor, t
     logps = logp.gather(-1, ids[0, 1:, None])[:, 0]
     entropy = -(logp.exp() * logp).sum(-1)
     return logps, entropy
+
+
+def run_two_ranks(script: str, *args, timeout: int = 600, **env: str) -> None:
+    """Run `script` (a test file whose `__main__` is the worker) under `torch.distributed.run` on 2 local processes,
+    from the repository root, offline, one thread each, the repository and `tests/` importable, `env` added; fail
+    with the tail of its output."""
+    import subprocess
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    environ = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_DISABLE_TELEMETRY="1", OMP_NUM_THREADS="1", **env)
+    environ["PYTHONPATH"] = os.pathsep.join([str(repo), str(repo / "tests")])
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", script]
+    result = subprocess.run(
+        [*command, *map(str, args)], cwd=repo, env=environ, capture_output=True, text=True, timeout=timeout
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
 
 def exit_distributed_worker() -> None:

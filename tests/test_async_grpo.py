@@ -21,7 +21,6 @@ import math
 import os
 import queue
 import random
-import subprocess
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -40,7 +39,7 @@ from async_grpo_helpers import (
     spy_on_forests,
     train,
 )
-from helpers import TOLERANCES
+from helpers import TOLERANCES, run_two_ranks
 from helpers import tiny_config as tiny_family_config
 from transformers import AutoModelForCausalLM
 
@@ -470,11 +469,7 @@ def test_two_ranks_same_as_trl(tmp_path):
     micro-batch, DDP's reducer kept out and the gradients averaged after it (`core.prefix_reuse_gradient_sync`; here
     both ranks cut their forests into as many chunks, `tests/test_prefix_reuse_ddp.py` into different numbers)."""
     save_model(tiny_family_config("qwen3"), tmp_path / "model")
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_DISABLE_TELEMETRY="1", OMP_NUM_THREADS="1",
-               ASYNC_TEST_OUT=str(tmp_path), PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests")]))  # fmt: skip
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__]
-    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    run_two_ranks(__file__, timeout=900, ASYNC_TEST_OUT=str(tmp_path))
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for report in reports:
         trl = report["trl"]

@@ -10,13 +10,13 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from helpers import run_two_ranks
 
 REPO = Path(__file__).resolve().parent.parent
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo")
@@ -293,12 +293,7 @@ def test_balanced_trainer_matches_unbalanced_for_every_loss_type(tmp_path):
     model_path = tmp_path / "model"
     toy_task.build_model(tokenizer, seed=0).save_pretrained(model_path)
     tokenizer.save_pretrained(model_path)
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_DISABLE_TELEMETRY="1", OMP_NUM_THREADS="1")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__]
-    result = subprocess.run(
-        [*command, str(model_path), str(tmp_path)], cwd=REPO, env=env, capture_output=True, text=True, timeout=900
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    run_two_ranks(__file__, model_path, tmp_path, timeout=900)
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for loss_type in LOSS_TYPES:
         plain, balanced = (reports[0][f"{loss_type}_{b}"] for b in (False, None))

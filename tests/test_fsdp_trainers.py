@@ -30,14 +30,13 @@ import datetime
 import importlib
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from helpers import TOLERANCES
+from helpers import TOLERANCES, run_two_ranks
 
 REPO = Path(__file__).resolve().parent.parent
 FSDP2 = dict(fsdp="full_shard", fsdp_config={"fsdp_version": 2})
@@ -185,14 +184,7 @@ def runs(tmp_path_factory):
     reward = toy_task.model_config(tokenizer, num_labels=1, initializer_range=0.1)
     AutoModelForSequenceClassification.from_config(reward).save_pretrained(out / "reward_model")
     tokenizer.save_pretrained(out / "reward_model")
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_DISABLE_TELEMETRY="1", OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "tests")])
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__]
-    result = subprocess.run(
-        [*command, str(model_path), async_path, str(out)], cwd=REPO, env=env, capture_output=True, text=True,
-        timeout=900,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    run_two_ranks(__file__, model_path, async_path, out, timeout=900)
     return model_path, [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 

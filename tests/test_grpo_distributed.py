@@ -6,10 +6,10 @@ this run hangs. Here rank 1 gets a larger budget than rank 0 to force the mismat
 """
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
+
+from helpers import run_two_ranks
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -48,15 +48,12 @@ def _run_rank() -> None:
 
 
 def test_unequal_forest_counts_across_ranks_do_not_hang(tmp_path):
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_DISABLE_TELEMETRY="1", OMP_NUM_THREADS="1")
     # 8-token completions: a chunk's trie (~315 shared prompt tokens + 16 completions) outgrows rank 0's 384-token
     # budget whatever is sampled, while rank 1's 2048 holds it whole.
     args = ["--max_steps", "3", "--max_tokens_per_mb", "384", "--beta", "0.04", "--num_iterations", "2"]
     args += ["--max_completion_length", "8"]
     args += ["--logging_steps", "1", "--disable_tqdm", "true", "--output_dir", str(tmp_path)]
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__, *args]
-    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    run_two_ranks(__file__, *args)
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert all(report["world"] == 2 for report in reports)
     assert max(reports[1]["missing"]) > 0  # rank 1 did run idle forwards to match rank 0

@@ -13,13 +13,12 @@ gradients come out wrong without an error and the GRPO run hangs.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import TOLERANCES
+from helpers import TOLERANCES, run_two_ranks
 
 REPO = Path(__file__).resolve().parent.parent
 BUDGET = 128
@@ -233,13 +232,7 @@ def runs(tmp_path_factory):
     model_path = out / "model"
     toy_task.build_model(tokenizer, seed=0).save_pretrained(model_path)
     tokenizer.save_pretrained(model_path)
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_DISABLE_TELEMETRY="1", OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "tests")])
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__]
-    result = subprocess.run(
-        [*command, str(model_path), str(out)], cwd=REPO, env=env, capture_output=True, text=True, timeout=600
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    run_two_ranks(__file__, model_path, out)
     return model_path, out, [torch.load(out / f"rank{r}.pt") for r in range(2)]
 
 
