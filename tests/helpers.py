@@ -500,6 +500,16 @@ def flat_logprobs(model, seq, temperature: float = 1.0) -> tuple[torch.Tensor, t
     return logps, entropy
 
 
+def save_toy_model(path):
+    """The toy task's model (seed 0) and tokenizer saved at `path`, where a trainer loads them from; returns `path`."""
+    from trainers import toy_task
+
+    tokenizer = toy_task.build_tokenizer()
+    toy_task.build_model(tokenizer, seed=0).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
 def run_two_ranks(script: str, *args, timeout: int = 600, **env: str) -> None:
     """Run `script` (a test file whose `__main__` is the worker) under `torch.distributed.run` on 2 local processes,
     from the repository root, offline, one thread each, the repository and `tests/` importable, `env` added; fail

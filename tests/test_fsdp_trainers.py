@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import TOLERANCES, run_two_ranks
+from helpers import TOLERANCES, run_two_ranks, save_toy_model
 
 REPO = Path(__file__).resolve().parent.parent
 FSDP2 = dict(fsdp="full_shard", fsdp_config={"fsdp_version": 2})
@@ -174,11 +174,9 @@ def runs(tmp_path_factory):
 
     from trainers import toy_task
 
-    out = tmp_path_factory.mktemp("prefix_reuse_fsdp")
+    out = tmp_path_factory.mktemp("fsdp_trainers")
+    model_path = save_toy_model(out / "model")
     tokenizer = toy_task.build_tokenizer()
-    model_path = out / "model"
-    toy_task.build_model(tokenizer, seed=0).save_pretrained(model_path)
-    tokenizer.save_pretrained(model_path)
     async_path = save_model(tiny_config("qwen3"), out / "async_model")
     torch.manual_seed(0)
     reward = toy_task.model_config(tokenizer, num_labels=1, initializer_range=0.1)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TOLERANCES, run_two_ranks
+from helpers import TOLERANCES, run_two_ranks, save_toy_model
 
 REPO = Path(__file__).resolve().parent.parent
 BUDGET = 128
@@ -225,13 +225,8 @@ def _run_rank(model_path: str, out_dir: str) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """`(model path, work directory, the two ranks' reports)` of one torchrun of `_run_rank`."""
-    from trainers import toy_task
-
     out = tmp_path_factory.mktemp("prefix_reuse_ddp")
-    tokenizer = toy_task.build_tokenizer()
-    model_path = out / "model"
-    toy_task.build_model(tokenizer, seed=0).save_pretrained(model_path)
-    tokenizer.save_pretrained(model_path)
+    model_path = save_toy_model(out / "model")
     run_two_ranks(__file__, model_path, out)
     return model_path, out, [torch.load(out / f"rank{r}.pt") for r in range(2)]
 
