@@ -22,7 +22,7 @@ gradients for any loss of them, at the memory of one chunk's activations plus th
   trainers do (`trainer.core.prefix_reuse_gradient_sync`). FSDP2 (`fully_shard`) reduces each backward's gradients
   itself, but gathers parameters and reduces gradients in collectives every rank must call alike: ranks whose forests
   cut into fewer chunks run dummy chunks until every rank runs as many, and every chunk gathers the LM head and runs
-  a backward (`_fsdp_dummies`; not for hybrids or the caller's own head). That holds for a call outside the model's
+  a backward (`_fsdp_dummies`; not for the caller's own head). That holds for a call outside the model's
   own forward: called from inside it (TRL's fused head) the chunks' gradients were left unreduced in a trial. The
   trainers run every forest through here under FSDP2, one that fits one chunk too (`trainer.core.prefix_reuse_rows`).
 
@@ -558,6 +558,7 @@ class _Step:
             own_slots=self.slot[a:b][kept],
             backward=backward,
             rows=(a, b, size),
+            dummy=dummy,
         )
         inputs = {
             "input_ids": ids[None],
@@ -627,9 +628,10 @@ class ChunkContext:
         own_slots: `(K_c,)` long — their store slots.
     """
 
-    def __init__(self, step, mask_source, context_slots, context_fill, own_local, own_slots, backward, rows):
+    def __init__(self, step, mask_source, context_slots, context_fill, own_local, own_slots, backward, rows, dummy):
         # Weakly, as `_GatherKept` does: the layers' checkpoints keep this context (their arguments) in the graph
         self._step = weakref.ref(step)
+        self.dummy = dummy  # an FSDP dummy chunk (`_fsdp_dummies`): it keeps no state or input for later chunks
         self.probe: torch.Tensor | None = None  # under FSDP: a zero-weighted output every chunk's backward starts from
         self.rows = rows  # (first row, end row, padded size)
         self.rec_leaves: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # key -> (context states, slots)
@@ -748,6 +750,8 @@ class ChunkContext:
         # Segments whose final state a later chunk starts from, by level, in each level's (DFS) order.
         last = starts[1:] - 1
         kept_slot = np.where(last < n, state_slot[a + np.minimum(last, n - 1)], -1)
+        if self.dummy:  # it reruns rows chunk 0 keeps: their states (and gradients) are chunk 0's alone
+            kept_slot[:] = -1
         order = np.argsort(level, kind="stable")
         counts = np.bincount(level)
         rank = np.empty_like(order)
@@ -808,7 +812,7 @@ class ChunkContext:
             parent = np.full(p + size, -1, dtype=np.int64)
             parent[:p] = local(global_parent[context])
             parent[p : p + n] = local(global_parent[a:b])
-            own = np.flatnonzero(conv_slot[a:b] >= 0)
+            own = np.flatnonzero(conv_slot[a:b] >= 0)[: 0 if self.dummy else None]  # dummies keep nothing
 
             @dataclasses.dataclass
             class Rows:
@@ -863,18 +867,12 @@ def _fsdp_dummies(model: torch.nn.Module, chunks: int, device: torch.device, pai
     FSDP2 gathers each sharded module's parameters in its forward (and its backward) and reduce-scatters their
     gradients in the backward: collectives every rank must call alike. Ranks cut their forests into different
     numbers of chunks, so the ones with fewer run dummy chunks (one row, keeping and scoring nothing, its gradient
-    zero) until they match. Refuses what that does not cover: the caller's own head (its collectives are its own)
-    and state-carrying layers (a dummy would write states later chunks read)."""
-    from .recurrent import TREE_LAYERS, _class_path
-
+    zero) until they match; a dummy keeps no key, value, state or convolution input, so no gradient meant for the
+    chunk that keeps its row's reaches it. Refuses the caller's own head (its collectives are its own)."""
     if pairs:
         raise NotImplementedError(
             "Prefix reuse with the caller's head (chunked_forest_scores) under FSDP: the head's collectives are not "
             "aligned across ranks. " + _FIX
-        )
-    if any(_class_path(type(m)) in TREE_LAYERS for m in model.modules()):
-        raise NotImplementedError(
-            "Prefix reuse of a model with state-carrying layers (a hybrid) under FSDP is not verified. " + _FIX
         )
     count = torch.tensor([chunks], device=device if device.type == "cuda" else "cpu")
     torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX)
