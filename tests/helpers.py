@@ -500,12 +500,13 @@ def flat_logprobs(model, seq, temperature: float = 1.0) -> tuple[torch.Tensor, t
     return logps, entropy
 
 
-def save_toy_model(path):
-    """The toy task's model (seed 0) and tokenizer saved at `path`, where a trainer loads them from; returns `path`."""
+def save_toy_model(path, model_type: str = "qwen3"):
+    """The toy task's `model_type` model (seed 0) and tokenizer saved at `path`, where a trainer loads them from;
+    returns `path`."""
     from trainers import toy_task
 
     tokenizer = toy_task.build_tokenizer()
-    toy_task.build_model(tokenizer, seed=0).save_pretrained(path)
+    toy_task.build_model(tokenizer, seed=0, model_type=model_type).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
 

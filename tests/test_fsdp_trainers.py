@@ -17,7 +17,8 @@ subprocess timeout turns into a failure.
 - `TreeGRPOTrainer` (data of `tests/test_prefix_reuse_ddp.py`): rank 0's forests cut into 3 chunks, rank 1's into 2
   or fitting one (run as one chunk, padded with dummies): every step's gradients and the weights equal the same
   FSDP2 run without prefix reuse (micro-batches each one forest, FSDP2's own reduction), whose gradients equal
-  TRL's `GRPOTrainer`'s; with LoRA adapters, prefix reuse gives TRL's adapter gradients and weights.
+  TRL's `GRPOTrainer`'s; with LoRA adapters, prefix reuse gives TRL's adapter gradients and weights; on a Qwen3.5
+  hybrid, the gradients and weights of the run without it.
 - `TreeAsyncGRPOTrainer`: each step's rows one forest in chunks; losses, gradients and weights equal TRL's
   `AsyncGRPOTrainer` under FSDP2.
 - The idle forest a rank with fewer forests runs (`_idle_forwards`) pairs with another rank's chunked forest and adds
@@ -101,12 +102,14 @@ def _run_rank(model_path: str, async_path: str, out_dir: str) -> None:
         ("trl", False, 1.0, False, None),
         ("lora reuse", True, 1.0, True, lora),
         ("lora trl", False, 1.0, False, lora),
+        ("hybrid reuse", True, 1.0, True, None),  # a Qwen3.5 (Gated DeltaNet and attention)
+        ("hybrid plain", False, 1.0, True, None),
     ]
     for run, reuse, ratio, packing, peft_config in grpo_runs:
+        path = str(Path(model_path).parent / "hybrid_model") if run.startswith("hybrid") else model_path
         trainer, gradients, chunks = _train_grpo(
-            model_path, out / f"grpo_{run}", reuse, peft_config, tree_max_token_ratio=ratio, tree_packing=packing,
-            **FSDP2,
-        )  # fmt: skip
+            path, out / f"grpo_{run}", reuse, peft_config, tree_max_token_ratio=ratio, tree_packing=packing, **FSDP2
+        )
         trainers.append(trainer)  # never freed: see exit_distributed_worker
         report["grpo", run] = {
             "world": trainer.accelerator.num_processes,
@@ -176,6 +179,7 @@ def runs(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("fsdp_trainers")
     model_path = save_toy_model(out / "model")
+    save_toy_model(out / "hybrid_model", "qwen3_5")
     tokenizer = toy_task.build_tokenizer()
     async_path = save_model(tiny_config("qwen3"), out / "async_model")
     torch.manual_seed(0)
@@ -253,6 +257,12 @@ def test_grpo_equals_fsdp2_without_prefix_reuse(runs):
         for step, (got, want) in enumerate(zip(reuse["gradients"], trl["gradients"], strict=True)):
             _assert_close(got, want, f"LoRA, rank {rank}, step {step} gradients")
         _assert_close(reuse["weights"], trl["weights"], f"LoRA, rank {rank} weights")
+    for rank, report in enumerate(reports):  # the hybrid: chunks hand on Gated DeltaNet states and conv inputs
+        reuse, plain = report["grpo", "hybrid reuse"], report["grpo", "hybrid plain"]
+        assert len(reuse["chunks"]) == 4 and reuse["fallback"] == [0.0, 0.0] and len(reuse["gradients"]) == 2
+        for step, (got, want) in enumerate(zip(reuse["gradients"], plain["gradients"], strict=True)):
+            _assert_close(got, want, f"hybrid, rank {rank}, step {step} gradients")
+        _assert_close(reuse["weights"], plain["weights"], f"hybrid, rank {rank} weights")
     reuse, fallback = ([report["grpo", run] for report in reports] for run in ("reuse", "fallback"))
     assert reuse[0]["chunks"] == [3] * 4 and sorted(set(reuse[1]["chunks"])) == [1, 2]  # 1: chunked all the same
     assert reuse[0]["fallback"] == reuse[1]["fallback"] == [0.0, 0.0]

@@ -36,8 +36,7 @@ class TreeAsyncGRPOConfig(PolicyForwardOptions, CompileOptions, AsyncGRPOConfig)
             "conversation's history) is forwarded once per step instead of once per row. Same loss, normalised per "
             "row as TRL does, and same gradients. Costs one recompute per chunk in the backward and holds the keys / "
             "values of the prefixes later chunks read until the step's last micro-batch. Refused at init for "
-            "an MoE load-balancing loss, several processes other than DDP or FSDP2, DeepSpeed, FSDP1, hybrids "
-            "under FSDP2, "
+            "an MoE load-balancing loss, several processes other than DDP or FSDP2, DeepSpeed, FSDP1, "
             "reentrant gradient checkpointing, tree_activation_budget_gib and token_budget=0 (no token budget to "
             "size the chunks)."
         },

@@ -145,8 +145,8 @@ class TreeOptions(CompileOptions):
             "keys / values of the prefixes later chunks read. Exact; on several processes under DDP the ranks' "
             "gradients are averaged once per optimizer step (DDP's reducer kept out of the step); under FSDP2 every "
             "rank runs as many chunks. Refused at init for state-carrying layers whose state it does not carry "
-            "between chunks, an MoE load-balancing loss, DeepSpeed, FSDP1, FSDP2 with the fused LM head (SFT, DPO) "
-            "or a hybrid, several processes other than DDP or FSDP2 and reentrant gradient checkpointing. Needs "
+            "between chunks, an MoE load-balancing loss, DeepSpeed, FSDP1, FSDP2 with the fused LM head (SFT, DPO), "
+            "several processes other than DDP or FSDP2 and reentrant gradient checkpointing. Needs "
             "max_tokens_per_mb."
         },
     )
@@ -362,7 +362,7 @@ def prefix_reuse_refusal(trainer, models, fused_head: bool = False) -> str | Non
     backward and every rank to run the same forwards (ranks' forests cut into different numbers of chunks). FSDP2
     reduces each backward's gradients itself, and the ranks run as many chunks (dummies on the ranks with fewer,
     `hf_tree_attn.prefix_reuse`), as many forests, and the flat path or the tree together (`group_trainer`): accepted
-    for the trainers that score with the model's own LM head, on models without state-carrying layers. Several
+    for the trainers that score with the model's own LM head. Several
     processes other than that or plain DDP on CPU or CUDA (`MULTI_CPU` / `MULTI_GPU`; under DDP the trainers keep
     DDP's reducer out of the step and average the gradients themselves, `prefix_reuse_gradient_sync`), and under DDP
     its static graph and communication hooks, which that average would not reproduce; reentrant activation
@@ -408,10 +408,7 @@ def prefix_reuse_refusal(trainer, models, fused_head: bool = False) -> str | Non
 
 def _fsdp_refusal(trainer, models, fused_head: bool) -> str | None:
     """Why a run under accelerate's FSDP cannot run prefix reuse exactly, or None: FSDP1; FSDP2 over a device mesh of
-    accelerate's `parallelism_config`; the fused head's collectives (its own, outside the chunks' alignment) and
-    state-carrying layers (a dummy chunk would write the states later chunks read)."""
-    from ..recurrent import tree_layer_types
-
+    accelerate's `parallelism_config`; the fused head (its chunks run inside the model's own forward)."""
     if not trainer.accelerator.is_fsdp2:
         return (
             "FSDP1 wraps the model (flat parameters whose gradient hooks expect one gradient per backward, where "
@@ -428,12 +425,6 @@ def _fsdp_refusal(trainer, models, fused_head: bool) -> str | None:
             "under FSDP2 the fused LM head (SFT, DPO) runs the chunks from inside the model's own forward, where "
             "FSDP2 does not reduce the gradients the chunks' backwards leave (a trial on 2 CPU processes left the "
             "decoder layers' gradients unreduced, different on each rank)."
-        )
-    layers = sorted({kind for m in models if m is not None for kind in tree_layer_types(unwrap_model(m))})
-    if layers:
-        return (
-            f"under FSDP2 the model has state-carrying layers ({', '.join(layers)}), and the dummy chunks that give "
-            "every rank as many chunks are not verified with the states chunks hand on."
         )
     return None
 
