@@ -7,18 +7,18 @@ paths as on GPUs.
 - `TreeSFTTrainer` and `TreeDPOTrainer` (TRL's fused head on trees) against TRL's trainers: every step's gradients
   (SFT) and the weights, the LM head's among them (read before the backbone ran, the head's weight was FSDP2's
   sharded DTensor, whose gathered copy gave each rank's shard that rank's own gradient, never averaged over the
-  ranks); `TreeRewardTrainer` against TRL's `RewardTrainer`.
+  ranks); `TreeRewardTrainer` against TRL's `RewardTrainer`. SFT with prefix reuse is refused.
 
-FSDP2 gathers parameters and reduce-scatters gradients in collectives every rank calls alike, so
-the ranks must run as many chunks (dummies on the ranks with fewer), as many forests (idle ones on the ranks with
-fewer) and the same path (tree or TRL's flat forward) for every micro-batch; a mismatch deadlocks, which the
-subprocess timeout turns into a failure.
+With prefix reuse the ranks must run as many chunks (dummies on the ranks with fewer), as many forests (idle ones on
+the ranks with fewer) and the same path (tree or TRL's flat forward) for every micro-batch, since FSDP2 gathers
+parameters and reduce-scatters gradients in collectives every rank calls alike; a mismatch deadlocks, which the
+process group's timeout turns into a failure.
 
 - `TreeGRPOTrainer` (data of `tests/test_prefix_reuse_ddp.py`): rank 0's forests cut into 3 chunks, rank 1's into 2
   or fitting one (run as one chunk, padded with dummies): every step's gradients and the weights equal the same
   FSDP2 run without prefix reuse (micro-batches each one forest, FSDP2's own reduction), whose gradients equal
-  TRL's `GRPOTrainer`'s; with LoRA adapters, prefix reuse gives TRL's adapter gradients and weights; on a Qwen3.5
-  hybrid, the gradients and weights of the run without it.
+  TRL's `GRPOTrainer`'s; so too with a micro-batch on TRL's flat path, and on a Qwen3.5 hybrid; with LoRA adapters,
+  prefix reuse gives TRL's adapter gradients and weights.
 - `TreeAsyncGRPOTrainer`: each step's rows one forest in chunks; losses, gradients and weights equal TRL's
   `AsyncGRPOTrainer` under FSDP2.
 - The idle forest a rank with fewer forests runs (`_idle_forwards`) pairs with another rank's chunked forest and adds
