@@ -750,7 +750,7 @@ class ChunkContext:
         # Segments whose final state a later chunk starts from, by level, in each level's (DFS) order.
         last = starts[1:] - 1
         kept_slot = np.where(last < n, state_slot[a + np.minimum(last, n - 1)], -1)
-        if self.dummy:  # it reruns rows chunk 0 keeps: their states (and gradients) are chunk 0's alone
+        if self.dummy:  # it reruns rows chunk 0 keeps, after every chunk: the store keeps chunk 0's states
             kept_slot[:] = -1
         order = np.argsort(level, kind="stable")
         counts = np.bincount(level)
@@ -867,8 +867,9 @@ def _fsdp_dummies(model: torch.nn.Module, chunks: int, device: torch.device, pai
     FSDP2 gathers each sharded module's parameters in its forward (and its backward) and reduce-scatters their
     gradients in the backward: collectives every rank must call alike. Ranks cut their forests into different
     numbers of chunks, so the ones with fewer run dummy chunks (one row, keeping and scoring nothing, its gradient
-    zero) until they match; a dummy keeps no key, value, state or convolution input, so no gradient meant for the
-    chunk that keeps its row's reaches it. Refuses the caller's own head (its collectives are its own)."""
+    zero) until they match. A dummy keeps no key, value, state or convolution input: it reruns the forest's first row
+    after every real chunk, and what it kept would replace what chunk 0 kept, which the backward's recomputes read.
+    Refuses the caller's own head (its collectives are its own)."""
     if pairs:
         raise NotImplementedError(
             "Prefix reuse with the caller's head (chunked_forest_scores) under FSDP: the head's collectives are not "
