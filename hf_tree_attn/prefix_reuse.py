@@ -21,9 +21,10 @@ gradients for any loss of them, at the memory of one chunk's activations plus th
   under DDP run the step under its `no_sync()` and average the `.grad`s over the ranks once per optimizer step, as the
   trainers do (`trainer.core.prefix_reuse_gradient_sync`). FSDP2 (`fully_shard`) reduces each backward's gradients
   itself, but gathers parameters and reduces gradients in collectives every rank must call alike: ranks whose forests
-  cut into fewer chunks run dummy chunks until every rank runs as many, and every chunk gathers the LM head and runs
-  a backward (`_fsdp_dummies`; not for the caller's own head). That holds for a call outside the model's
-  own forward: called from inside it (TRL's fused head) the chunks' gradients were left unreduced in a trial. The
+  cut into fewer chunks run dummy chunks until every rank runs as many, and every chunk gathers the LM head (or runs
+  the caller's head) and runs a backward (`_fsdp_dummies`). Called from inside the model's own forward (TRL's fused
+  head), FSDP2's backward of that forward is under way when the chunks' backwards run: each chunk's is made an FSDP2
+  pass of its own (`hf_tree_attn.fsdp2_compat.separate_backward`), or FSDP2 would leave its gradients unreduced. The
   trainers run every forest through here under FSDP2, one that fits one chunk too (`trainer.core.prefix_reuse_rows`).
 
 **State-carrying layers** (hybrids: gated and Kimi delta rule, Mamba-2, short convolutions;
@@ -70,6 +71,7 @@ import torch
 
 from .chunked import ChunkPlan, plan_chunks
 from .compile import eager_layers
+from .fsdp2_compat import separate_backward
 from .logprobs import _final_hidden_states, lm_head_logprobs
 from .masks import ContextMaskSource
 from .model_inputs import check_forest_inputs
@@ -381,7 +383,7 @@ class _Step:
         self.fsdp = fsdp2_sharded(model)
         self.order = np.flatnonzero(self.runs).tolist()
         if self.fsdp:
-            self.order += [-1] * _fsdp_dummies(model, len(self.order), self.device, pairs is not None)
+            self.order += [-1] * _fsdp_dummies(model, len(self.order), self.device)
 
     def forward(self, keep_last: bool = False) -> tuple[torch.Tensor, ...]:
         """The chunks in order, without autograd; with `keep_last` (a backward follows) the last chunk with autograd,
@@ -432,6 +434,8 @@ class _Step:
                         stack.enter_context(autocast)
                 stack.enter_context(eager_layers(self.model))
                 stack.enter_context(self._layer_hooks())
+                if self.fsdp:  # each chunk's backward an FSDP2 pass of its own, inside the model's forward too
+                    stack.enter_context(separate_backward(self.model))
                 stack.enter_context(torch.enable_grad())
                 if kept:
                     (_, context, items, values), self.last = self.last, None
@@ -569,25 +573,25 @@ class _Step:
         }
         hidden, _ = _final_hidden_states(self.model, inputs)
         items = self.items[0][:0] if dummy else self.items[c]
+        if len(items) == 0 and not self.fsdp:
+            return context, items, None
+        if self.pairs is None:
+            sources, targets = self.parent[items] - a, self.ids[items]
+        else:
+            sources, targets = self.pairs[0][items] - a, self.pairs[1][items]
         if self.fsdp:
             # The LM head gathers its shards (a collective) once in every chunk, scoring or not, with one extra row
             # (the chunk's first, its gradient zero) that the backward always starts from: every rank then runs the
             # same collectives, chunk for chunk.
-            sources = torch.cat([self.parent[items] - a, items.new_zeros(1)])
-            outputs = lm_head_logprobs(
-                self.model, hidden[0], sources, self.ids[torch.cat([items, items.new_zeros(1)])], **self.head
-            )
+            sources, targets = torch.cat([sources, sources.new_zeros(1)]), torch.cat([targets, self.ids[:1]])
+        if self.pairs is None:
+            outputs = tuple(lm_head_logprobs(self.model, hidden[0], sources, targets, **self.head))
+        else:
+            outputs = tuple(self.pairs[2](hidden[0, sources], targets))
+        if self.fsdp:
             context.probe = outputs[0][-1:]
             outputs = tuple(o if o is None else o[:-1] for o in outputs)
-            return context, items, (outputs if len(items) else None)
-        if len(items) == 0:
-            return context, items, None
-        if self.pairs is None:
-            outputs = lm_head_logprobs(self.model, hidden[0], self.parent[items] - a, self.ids[items], **self.head)
-        else:
-            sources, targets, head = self.pairs
-            outputs = head(hidden[0, sources[items] - a], targets[items])
-        return context, items, tuple(outputs)
+        return context, items, (outputs if len(items) else None)
 
 
 class _GatherKept(torch.autograd.Function):
@@ -861,20 +865,14 @@ class ChunkContext:
         store.index_copy_(0, slots, values.to(store.dtype))
 
 
-def _fsdp_dummies(model: torch.nn.Module, chunks: int, device: torch.device, pairs: bool) -> int:
+def _fsdp_dummies(model: torch.nn.Module, chunks: int, device: torch.device) -> int:
     """How many dummy chunks this rank runs so that every rank runs as many chunks as the rank with the most.
 
     FSDP2 gathers each sharded module's parameters in its forward (and its backward) and reduce-scatters their
     gradients in the backward: collectives every rank must call alike. Ranks cut their forests into different
     numbers of chunks, so the ones with fewer run dummy chunks (one row, keeping and scoring nothing, its gradient
     zero) until they match. A dummy keeps no key, value, state or convolution input: it reruns the forest's first row
-    after every real chunk, and what it kept would replace what chunk 0 kept, which the backward's recomputes read.
-    Refuses the caller's own head (its collectives are its own)."""
-    if pairs:
-        raise NotImplementedError(
-            "Prefix reuse with the caller's head (chunked_forest_scores) under FSDP: the head's collectives are not "
-            "aligned across ranks. " + _FIX
-        )
+    after every real chunk, and what it kept would replace what chunk 0 kept, which the backward's recomputes read."""
     count = torch.tensor([chunks], device=device if device.type == "cuda" else "cpu")
     torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX)
     return int(count.item()) - chunks

@@ -7,7 +7,11 @@ paths as on GPUs.
 - `TreeSFTTrainer` and `TreeDPOTrainer` (TRL's fused head on trees) against TRL's trainers: every step's gradients
   (SFT) and the weights, the LM head's among them (read before the backbone ran, the head's weight was FSDP2's
   sharded DTensor, whose gathered copy gave each rank's shard that rank's own gradient, never averaged over the
-  ranks); `TreeRewardTrainer` against TRL's `RewardTrainer`. SFT with prefix reuse is refused.
+  ranks); `TreeRewardTrainer` against TRL's `RewardTrainer`.
+- The same with prefix reuse, whose chunks the fused head runs inside the model's own forward (FSDP2's backward of
+  that forward is under way when the chunks' backwards run; each is made a pass of its own,
+  `hf_tree_attn.fsdp2_compat`): SFT with rank 0's forests in 3 chunks and rank 1's in 2, with LoRA, and with one
+  rank's micro-batch on TRL's forward (the other rank's follows); DPO, its policy and reference forests in chunks.
 
 With prefix reuse the ranks must run as many chunks (dummies on the ranks with fewer), as many forests (idle ones on
 the ranks with fewer) and the same path (tree or TRL's flat forward) for every micro-batch, since FSDP2 gathers
@@ -30,7 +34,6 @@ from __future__ import annotations
 import datetime
 import importlib
 import os
-import re
 import sys
 from pathlib import Path
 
@@ -85,7 +88,7 @@ def _run_rank(model_path: str, async_path: str, out_dir: str) -> None:
     from test_prefix_reuse_ddp import _full, _Spy, _train_grpo, _train_sft
     from transformers import AutoTokenizer
 
-    from hf_tree_attn.trainer import forest_step
+    from hf_tree_attn.trainer import forest_step, fused_head
 
     # A collective one rank never joins fails after this long instead of hanging until the subprocess timeout.
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
@@ -120,33 +123,51 @@ def _run_rank(model_path: str, async_path: str, out_dir: str) -> None:
             "fallback": [e["tree_fallback"] for e in trainer.state.log_history if "tree_fallback" in e],
         }
     report["idle"] = _idle_pairs_with_chunks(trainers[0])
-    for run, packing in (("tree", True), ("trl", False)):
-        trainer, gradients, _ = _train_sft(model_path, out / f"sft_{run}", False, tree_packing=packing, **FSDP2)
+    # (name, prefix reuse, tree_packing, tree_max_token_ratio, peft_config). At ratio 0.56 rank 1's first
+    # micro-batch of each step (0.57 of TRL's padded rows) takes TRL's forward, and with it rank 0's (0.52).
+    sft_runs = [
+        ("tree", False, True, 1.0, None),
+        ("trl", False, False, 1.0, None),
+        ("reuse", True, True, 1.0, None),
+        ("reuse fallback", True, True, 0.56, None),
+        ("lora reuse", True, True, 1.0, lora),
+        ("lora trl", False, False, 1.0, lora),
+    ]
+    for run, reuse, packing, ratio, peft_config in sft_runs:
+        trainer, gradients, chunks = _train_sft(
+            model_path, out / f"sft_{run}", reuse, peft_config=peft_config, tree_packing=packing,
+            tree_max_token_ratio=ratio, **FSDP2,
+        )  # fmt: skip
         trainers.append(trainer)
         report["sft", run] = {
             "sharded": type(trainer.model).__name__.startswith("FSDP"),
             "gradients": gradients,
             "weights": {n: _full(p) for n, p in trainer.model.named_parameters()},
             "fallback": [e["tree_fallback"] for e in trainer.state.log_history if "tree_fallback" in e],
+            "chunks": chunks,
         }
 
-    try:  # refused at init, before the check that would ask for max_tokens_per_mb=None instead
-        _train_sft(model_path, out / "sft_reuse", True, **FSDP2)
-    except ValueError as error:
-        report["sft reuse refused"] = str(error)
     for name, module in (("dpo", "test_tree_dpo"), ("reward", "test_tree_reward_trainer")):
         test = importlib.import_module(module)
         path = model_path if name == "dpo" else str(Path(model_path).parent / "reward_model")
-        for run, cls in (("tree", test.TreeDPOTrainer if name == "dpo" else test.TreeRewardTrainer),
-                         ("trl", test.DPOTrainer if name == "dpo" else test.RewardTrainer)):  # fmt: skip
-            trainer = test._trainer(cls, (path, AutoTokenizer.from_pretrained(path)), out / f"{name}_{run}", **FSDP2)
-            trainer.train()
+        tree_cls, trl_cls = (
+            (test.TreeDPOTrainer, test.DPOTrainer) if name == "dpo" else (test.TreeRewardTrainer, test.RewardTrainer)
+        )
+        runs = [("tree", tree_cls, {}), ("trl", trl_cls, {})]
+        if name == "dpo":  # every batch one forest, in chunks of 128 rows
+            runs.append(("reuse", tree_cls, dict(tree_prefix_reuse=True, max_tokens_per_mb=128)))
+        for run, cls, options in runs:
+            tiny = (path, AutoTokenizer.from_pretrained(path))
+            trainer = test._trainer(cls, tiny, out / f"{name}_{run}", **options, **FSDP2)
+            with _Spy(fused_head, "chunked_forest_scores") as spy:
+                trainer.train()
             trainers.append(trainer)
             report[name, run] = {
                 "sharded": type(trainer.model).__name__.startswith("FSDP"),
                 "losses": [e["loss"] for e in trainer.state.log_history if "loss" in e],
                 "fallback": [e.get("tree_fallback") for e in trainer.state.log_history if "loss" in e],
                 "weights": {n: _full(p) for n, p in trainer.model.named_parameters()},
+                "chunks": spy.chunks,
             }
 
     samples = replayed_samples(async_path)
@@ -206,22 +227,37 @@ def test_sft_equals_trl_under_fsdp2(runs):
         _assert_close(tree["weights"], trl["weights"], f"SFT, rank {rank} weights")
 
 
-def test_sft_with_prefix_reuse_is_refused_under_fsdp2(runs):
-    """The fused head's chunks run inside the model's own forward, where FSDP2 leaves their gradients unreduced: the
-    trainer refuses, saying so."""
-    for report in runs[1]:
-        assert re.search(r"tree_prefix_reuse=True, but under FSDP2 the fused LM head", report["sft reuse refused"])
+@pytest.mark.parametrize("run, want", [("reuse", "trl"), ("reuse fallback", "trl"), ("lora reuse", "lora trl")])
+def test_sft_with_prefix_reuse_equals_trl_under_fsdp2(runs, run, want):
+    """Prefix reuse in TRL's fused head, whose chunks run inside the model's own forward (each chunk's backward an
+    FSDP2 pass of its own): every batch one forest, rank 0's in 3 chunks, rank 1's in 2 and a dummy; TRL's gradients
+    at every step and its weights. Where rank 1's micro-batch takes TRL's forward, rank 0's takes it too (no
+    deadlock, both log the same fallbacks). With LoRA, TRL's adapter gradients and weights."""
+    from test_prefix_reuse_ddp import SFT_STEPS, _assert_close
+
+    fallback = [0.5] * SFT_STEPS if run == "reuse fallback" else [0.0] * SFT_STEPS
+    for rank, report in enumerate(runs[1]):
+        tree, trl = report["sft", run], report["sft", want]
+        assert tree["sharded"] and trl["sharded"] and tree["fallback"] == fallback
+        chunks = {0: 3, 1: 2}[rank]
+        assert tree["chunks"] == [chunks] * SFT_STEPS * (1 if run == "reuse fallback" else 2)
+        assert len(tree["gradients"]) == len(trl["gradients"]) == SFT_STEPS
+        for step, (got, want_step) in enumerate(zip(tree["gradients"], trl["gradients"])):
+            _assert_close(got, want_step, f"SFT {run}, rank {rank}, step {step} gradients")
+        _assert_close(tree["weights"], trl["weights"], f"SFT {run}, rank {rank} weights")
 
 
-@pytest.mark.parametrize("trainer", ["dpo", "reward"])
-def test_dpo_and_reward_model_equal_trl_under_fsdp2(runs, trainer):
-    """`TreeDPOTrainer` (TRL's fused head on trees, policy and reference) and `TreeRewardTrainer`, 2 steps of 2
-    micro-batches on trees: TRL's losses and weights."""
+@pytest.mark.parametrize("trainer, run", [("dpo", "tree"), ("dpo", "reuse"), ("reward", "tree")])
+def test_dpo_and_reward_model_equal_trl_under_fsdp2(runs, trainer, run):
+    """`TreeDPOTrainer` (TRL's fused head on trees, policy and reference; with prefix reuse every batch one forest
+    in chunks) and `TreeRewardTrainer`, 2 steps of 2 micro-batches on trees: TRL's losses and weights."""
     from test_prefix_reuse_ddp import _assert_close
 
     _, reports = runs
+    if run == "reuse":
+        assert min(c for report in reports for c in report[trainer, run]["chunks"]) > 1
     for rank, report in enumerate(reports):
-        tree, trl = report[trainer, "tree"], report[trainer, "trl"]
+        tree, trl = report[trainer, run], report[trainer, "trl"]
         assert tree["sharded"] and trl["sharded"] and tree["fallback"] == [0.0, 0.0]
         np.testing.assert_allclose(tree["losses"], trl["losses"], rtol=1e-5, atol=TOLERANCES["logps_atol"])
         assert trl["losses"][0] != trl["losses"][1], "the model did not move"

@@ -97,7 +97,9 @@ COMMON = dict(
 )  # fmt: skip
 
 
-def _train_sft(model_path: str, out_dir: Path, reuse: bool, per_device: int = SFT_PER_RANK, **overrides):
+def _train_sft(
+    model_path: str, out_dir: Path, reuse: bool, per_device: int = SFT_PER_RANK, peft_config=None, **overrides
+):
     """`(trainer, gradients at each optimizer step, chunk counts of the forests scored in chunks)`; `overrides`
     replace `COMMON`'s fields."""
     from transformers import AutoTokenizer
@@ -112,8 +114,9 @@ def _train_sft(model_path: str, out_dir: Path, reuse: bool, per_device: int = SF
     gradients = _gradient_log()
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     trainer = TreeSFTTrainer(
-        model_path, args=args, train_dataset=_sft_dataset(), processing_class=tokenizer, callbacks=[gradients]
-    )
+        model_path, args=args, train_dataset=_sft_dataset(), processing_class=tokenizer, callbacks=[gradients],
+        peft_config=peft_config,
+    )  # fmt: skip
     with _Spy(fused_head, "chunked_forest_scores") as spy:
         trainer.train()
     return trainer, gradients.steps, spy.chunks

@@ -11,11 +11,13 @@ import re
 from types import SimpleNamespace
 
 import pytest
+import test_tree_dpo
 import test_tree_sft
 import torch
 from accelerate.utils import DDPCommunicationHookType, DistributedDataParallelKwargs, DistributedType
 from datasets import Dataset
 from helpers import TOLERANCES, hybrid_twin_models, twin_models
+from peft import LoraConfig
 from test_coverage import tiny_config as coverage_config
 from test_grpo_trainer import (
     _assert_same,
@@ -26,11 +28,12 @@ from test_grpo_trainer import (
     tiny,  # noqa: F401  (the fixture)
 )
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
-from trl import GRPOConfig, GRPOTrainer, SFTTrainer
+from trl import DPOTrainer, GRPOConfig, GRPOTrainer, SFTTrainer
 
 from hf_tree_attn import pack_forest, prefix_reuse
 from hf_tree_attn.chunked import plan_chunks
 from hf_tree_attn.trainer import (
+    TreeDPOTrainer,
     TreeGRPOConfig,
     TreeGRPOTrainer,
     TreeRewardConfig,
@@ -256,6 +259,22 @@ def test_sft_with_a_memory_budget_equals_trl(sft_tiny, tmp_path, scored_chunks):
     )
 
 
+@pytest.mark.parametrize("lora", [False, True], ids=["reference model", "lora"])
+def test_dpo_chunked_equals_trl(sft_tiny, tmp_path, scored_chunks, lora):
+    """`TreeDPOTrainer` with prefix reuse: each batch's pairs one forest in chunks, scored by the policy and the
+    reference (a separate model; under LoRA the policy with its adapters off, the chunks run through the `PeftModel`
+    TRL calls): TRL's losses, rewards and weights over two steps."""
+    peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    peft_config = peft_config if lora else None
+    tree = test_tree_dpo._trainer(
+        TreeDPOTrainer, sft_tiny, tmp_path, peft_config, tree_prefix_reuse=True, max_tokens_per_mb=BUDGET
+    )
+    flat = test_tree_dpo._trainer(DPOTrainer, sft_tiny, tmp_path, peft_config)
+    assert (tree.ref_model is None) == lora
+    test_tree_dpo._assert_same_run(tree, flat)
+    assert scored_chunks and min(scored_chunks) >= 2
+
+
 def test_sft_sequence_longer_than_the_budget(sft_tiny, tmp_path, scored_chunks):
     """A dataset whose samples are longer than max_tokens_per_mb: refused at config time without prefix reuse (through
     max_length), and without max_length a batch would fall back to TRL's forward; with prefix reuse it trains on trees
@@ -360,7 +379,6 @@ FSDP2 = dict(SEVERAL, distributed_type=DistributedType.FSDP, is_fsdp_enabled=Tru
         (dict(SEVERAL, is_deepspeed_enabled=True), r"DeepSpeed wraps the model"),
         (dict(is_fsdp_enabled=True), r"FSDP1 wraps the model.*fsdp_version: 2"),
         (dict(SEVERAL, is_fsdp_enabled=True), r"FSDP1 wraps the model"),
-        (dict(FSDP2, fused_head=True), r"under FSDP2 the fused LM head \(SFT, DPO\) runs the chunks from inside"),
         (dict(FSDP2, hybrid=True), None),  # tests/test_prefix_reuse_fsdp_cpu.py, tests/test_fsdp_trainers.py
         (dict(FSDP2, parallelism_config=object()), r"runs FSDP2 over accelerate's parallelism_config"),
         (dict(FSDP2), None),  # tests/test_fsdp_trainers.py
@@ -379,7 +397,7 @@ FSDP2 = dict(SEVERAL, distributed_type=DistributedType.FSDP, is_fsdp_enabled=Tru
 )
 def test_run_refusals(setting, match, monkeypatch):
     """What the trainers ask `prefix_reuse_refusal` at init, for settings a CPU test cannot start: DeepSpeed, FSDP1,
-    FSDP2 with the trainer's fused head (FSDP2 otherwise, hybrids too: accepted, its DDP checks not asked), CUDA
+    FSDP2 over a `parallelism_config` (FSDP2 otherwise, hybrids too: accepted, its DDP checks not asked), CUDA
     without a chosen path (with one: accepted), several processes other than plain DDP (DDP: accepted)."""
     monkeypatch.setattr(prefix_reuse, "CUDA_PATH", None)
     model, _ = hybrid_twin_models("qwen3_5") if setting.get("hybrid") else twin_models("qwen3")
@@ -398,7 +416,7 @@ def test_run_refusals(setting, match, monkeypatch):
         is_deepspeed_enabled=setting.get("is_deepspeed_enabled", False),
         is_distributed_loading_by_transformers=setting.get("is_distributed_loading_by_transformers", False),
     )
-    reason = prefix_reuse_refusal(trainer, (model, None), fused_head=setting.get("fused_head", False))
+    reason = prefix_reuse_refusal(trainer, (model, None))
     assert reason is None if match is None else re.search(match, reason), reason
     if "device" in setting:
         monkeypatch.setattr(prefix_reuse, "CUDA_PATH", "flex")

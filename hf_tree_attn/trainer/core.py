@@ -145,9 +145,9 @@ class TreeOptions(CompileOptions):
             "keys / values of the prefixes later chunks read. Exact; on several processes under DDP the ranks' "
             "gradients are averaged once per optimizer step (DDP's reducer kept out of the step); under FSDP2 every "
             "rank runs as many chunks. Refused at init for state-carrying layers whose state it does not carry "
-            "between chunks, an MoE load-balancing loss, DeepSpeed, FSDP1, FSDP2 with the fused LM head (SFT, DPO), "
-            "several processes other than DDP or FSDP2 and reentrant gradient checkpointing. Needs "
-            "max_tokens_per_mb."
+            "between chunks, an MoE load-balancing loss, DeepSpeed, FSDP1, FSDP2 over accelerate's "
+            "parallelism_config, several processes other than DDP or FSDP2 and reentrant gradient checkpointing. "
+            "Needs max_tokens_per_mb."
         },
     )
     tree_prefix_reuse_budget_gib: float | None = field(
@@ -351,19 +351,19 @@ def check_prefix_reuse_fields(reuse, budget_gib, rows: str) -> None:
         )
 
 
-def prefix_reuse_refusal(trainer, models, fused_head: bool = False) -> str | None:
+def prefix_reuse_refusal(trainer, models) -> str | None:
     """Why `trainer` (on trees, `tree_prefix_reuse=True`) cannot score its forests with prefix reuse exactly, or
-    None. `models`: the loaded models its chunked forwards run (the policy first; None entries skipped);
-    `fused_head`: the trainer scores with its own LM head (TRL's fused head: SFT, DPO), not the model's.
+    None. `models`: the loaded models its chunked forwards run (the policy first; None entries skipped).
 
     Prefix reuse runs each chunk's backward from inside the loss's backward (`hf_tree_attn.prefix_reuse`): one
     `torch.autograd.backward` per chunk, each accumulating every parameter's gradient. What that cannot honour is
     refused: DeepSpeed and FSDP1, whose gradient hooks and parameter gathering expect one gradient per parameter per
     backward and every rank to run the same forwards (ranks' forests cut into different numbers of chunks). FSDP2
     reduces each backward's gradients itself, and the ranks run as many chunks (dummies on the ranks with fewer,
-    `hf_tree_attn.prefix_reuse`), as many forests, and the flat path or the tree together (`group_trainer`): accepted
-    for the trainers that score with the model's own LM head. Several
-    processes other than that or plain DDP on CPU or CUDA (`MULTI_CPU` / `MULTI_GPU`; under DDP the trainers keep
+    `hf_tree_attn.prefix_reuse`), as many forests, and the flat path or the tree together (`group_trainer`, the
+    fused head's `_every_rank_plans`): accepted, for TRL's fused head too, whose chunks run inside the model's own
+    forward, each chunk's backward an FSDP2 pass of its own (`hf_tree_attn.fsdp2_compat`). Several processes other
+    than that or plain DDP on CPU or CUDA (`MULTI_CPU` / `MULTI_GPU`; under DDP the trainers keep
     DDP's reducer out of the step and average the gradients themselves, `prefix_reuse_gradient_sync`), and under DDP
     its static graph and communication hooks, which that average would not reproduce; reentrant activation
     checkpointing keeps no graph for a chunk's backward; a model without exact chunks (`prefix_reuse_error`); the
@@ -380,7 +380,7 @@ def prefix_reuse_refusal(trainer, models, fused_head: bool = False) -> str | Non
             "parameter per backward, where prefix reuse runs one backward per chunk. Run it under FSDP2 "
             "(fsdp_version: 2 in the accelerate config) or DDP."
         )
-    if trainer.is_fsdp_enabled and (reason := _fsdp_refusal(trainer, models, fused_head)) is not None:
+    if trainer.is_fsdp_enabled and (reason := _fsdp_refusal(trainer)) is not None:
         return reason
     several = trainer.accelerator.num_processes > 1
     if several and not trainer.is_fsdp_enabled and (reason := _ddp_refusal(trainer)) is not None:
@@ -406,9 +406,9 @@ def prefix_reuse_refusal(trainer, models, fused_head: bool = False) -> str | Non
     return None
 
 
-def _fsdp_refusal(trainer, models, fused_head: bool) -> str | None:
+def _fsdp_refusal(trainer) -> str | None:
     """Why a run under accelerate's FSDP cannot run prefix reuse exactly, or None: FSDP1; FSDP2 over a device mesh of
-    accelerate's `parallelism_config`; the fused head (its chunks run inside the model's own forward)."""
+    accelerate's `parallelism_config`."""
     if not trainer.accelerator.is_fsdp2:
         return (
             "FSDP1 wraps the model (flat parameters whose gradient hooks expect one gradient per backward, where "
@@ -419,12 +419,6 @@ def _fsdp_refusal(trainer, models, fused_head: bool) -> str | None:
         return (
             "it runs FSDP2 over accelerate's parallelism_config (a device mesh for tensor, context or hybrid sharded "
             "parallelism): prefix reuse is verified under FSDP2 sharding over all ranks only."
-        )
-    if fused_head:
-        return (
-            "under FSDP2 the fused LM head (SFT, DPO) runs the chunks from inside the model's own forward, where "
-            "FSDP2 does not reduce the gradients the chunks' backwards leave (a trial on 2 CPU processes left the "
-            "decoder layers' gradients unreduced, different on each rank)."
         )
     return None
 
@@ -645,11 +639,11 @@ class TreeTrainerMixin:
         """The trainer's own settings for the card, after the options every tree trainer has."""
         return []
 
-    def _tree_check_prefix_reuse(self, models, fused_head: bool = False) -> None:
+    def _tree_check_prefix_reuse(self, models) -> None:
         """Refuse `tree_prefix_reuse=True` on trees where it cannot be exact (`prefix_reuse_refusal`)."""
         if not (self.tree_packing and self.args.tree_prefix_reuse):
             return
-        reason = prefix_reuse_refusal(self, models, fused_head)
+        reason = prefix_reuse_refusal(self, models)
         if reason is None and self.args.tree_prefix_reuse_budget_gib is not None:
             reason = next((e for m in models if m is not None and (e := budget_error(m)) is not None), None)
             if reason is not None:

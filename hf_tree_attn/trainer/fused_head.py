@@ -42,7 +42,7 @@ import torch
 from ..compile import call_compiled
 from ..logprobs import _decoder, _lm_head_params, forest_forward_kwargs, tree_router_aux_loss
 from ..prefix_reuse import chunked_forest_scores
-from ..support import rope_length_limit, rope_split_lengths, unwrap_model
+from ..support import fsdp2_sharded, rope_length_limit, rope_split_lengths, unwrap_model
 from ..targets import TargetPlan, expanded_index
 from ..tree import PackedForest, pack_forest
 from .core import prefix_reuse_rows
@@ -69,6 +69,19 @@ _LAYOUT_KEYS = frozenset(
      "seq_idx", "use_cache", "return_dict"}
 )  # fmt: skip
 _PLAN_CACHE = 8  # DPO scores one batch with the policy and the reference: plan once, use twice
+
+
+def _every_rank_plans(model: torch.nn.Module, planned: bool) -> bool:
+    """Whether every process runs its call on trees, where `model` is sharded by FSDP2 (else `planned`).
+
+    With prefix reuse under FSDP2 the tree runs its chunks (and dummies up to the other processes' count) with
+    collectives TRL's one forward does not call: a process whose batch runs TRL's forward takes every process there."""
+    if not fsdp2_sharded(model):
+        return planned
+    device = next(model.parameters()).device
+    flag = torch.tensor([int(planned)], device=device if device.type == "cuda" else "cpu")
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+    return bool(flag.item())
 
 
 def fused_head_settings(forward) -> dict:
@@ -269,13 +282,16 @@ class TreeLMHead:
         self._plans: OrderedDict[str, FusedPlan | str] = OrderedDict()
         self._warned: set[str] = set()
 
-    def install(self, model: torch.nn.Module) -> None:
+    def install(self, model: torch.nn.Module, caller: torch.nn.Module | None = None) -> None:
         """Wrap the fused forward TRL installed on `model` (the causal LM itself, under PEFT its base model).
 
+        `caller`: the module TRL calls (under PEFT the `PeftModel`; default `model`), through which prefix reuse
+        runs its chunks: under FSDP2 it is the root whose forward gathers the parameters the chunks read.
         Where accelerate already wrapped that forward for mixed precision (TRL's DPO prepares a separate reference
         model in its `__init__`), the tree head goes inside accelerate's layers: it runs under the same autocast,
         and its outputs are cast to float32, as TRL's forward there."""
         target = unwrap_model(model)
+        caller = target if caller is None else caller
         trl_func, layers, installed = _trl_fused_forward(target.forward)
         if installed is self:
             return
@@ -288,6 +304,9 @@ class TreeLMHead:
             plan = None
             if fused_lm_head and not args and shift_labels is None and labels is not None:
                 plan = head._plan(self, labels, kw)
+            planned = isinstance(plan, FusedPlan)
+            if fused_lm_head and head.prefix_reuse and not _every_rank_plans(self, planned) and planned:
+                plan = "another process runs TRL's forward on its batch (under FSDP2 every process takes one path)"
             if not isinstance(plan, FusedPlan):
                 if fused_lm_head:
                     head.record("tree_fallback", 1.0)
@@ -300,7 +319,7 @@ class TreeLMHead:
             head.record("tree_fallback", 0.0)
             head.record("tree_token_ratio", plan.tree_tokens / plan.original_tokens)
             head.record("tree_compute_ratio", plan.tree_tokens / plan.flat_tokens)
-            return head._forward(self, plan, settings, labels, num_items_in_batch, kw)
+            return head._forward(self, plan, settings, labels, num_items_in_batch, kw, caller)
 
         functools.update_wrapper(forward, trl_func)  # the model's signature, which `generate` checks
         forward._tree_lm_head, forward._trl_forward = self, trl_func
@@ -356,8 +375,9 @@ class TreeLMHead:
                 self._plans.popitem(last=False)
         return self._plans[key]
 
-    def _forward(self, model, plan: FusedPlan, settings: dict, labels, num_items_in_batch, kwargs: dict):
-        """Backbone once per forest, TRL's kernel once per distinct pair; TRL's output layout."""
+    def _forward(self, model, plan: FusedPlan, settings: dict, labels, num_items_in_batch, kwargs: dict, caller):
+        """Backbone once per forest, TRL's kernel once per distinct pair; TRL's output layout. With prefix reuse the
+        chunks run through `caller` (see `install`)."""
         text_config = model.config.get_text_config()
         router = bool(kwargs.get("output_router_logits", getattr(text_config, "output_router_logits", False)))
         decoder = _decoder(model)
@@ -388,10 +408,10 @@ class TreeLMHead:
             rows = None
             if self.prefix_reuse:
                 rows = prefix_reuse_rows(
-                    model, forest, self.max_tokens_per_mb, self.prefix_reuse_budget_gib, self.record
+                    caller, forest, self.max_tokens_per_mb, self.prefix_reuse_budget_gib, self.record
                 )
             if rows is not None:
-                pair_values.append(chunked_forest_scores(model, forest, rows, sources, targets, head))
+                pair_values.append(chunked_forest_scores(caller, forest, rows, sources, targets, head))
                 continue
             inputs = forest_forward_kwargs(forest, embeddings)
             router_kwargs = {"output_router_logits": True} if router else {}

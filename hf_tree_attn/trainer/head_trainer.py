@@ -41,20 +41,21 @@ class TreeHeadTrainerMixin(TreeTrainerMixin):
                 "and with sharded weights on several processes every rank must run the same number of forwards."
             )
         try:
-            for target in self._fused_head_models():
+            for _, target in self._fused_head_models():
                 fused_head_settings(target)
         except ValueError as error:
             return str(error)
         return None
 
-    def _fused_head_models(self) -> list:
-        """The modules TRL installed its fused LM head on: the policy (under PEFT its base model), the reference."""
+    def _fused_head_models(self) -> list[tuple]:
+        """`(the model TRL calls, the module TRL installed its fused LM head on)` for the policy (under PEFT the
+        `PeftModel` and its base model) and the reference."""
         models = []
         for model in (self.model, getattr(self, "ref_model", None)):
             if model is None:
                 continue
             inner = unwrap_model(model)
-            models.append(inner.get_base_model() if hasattr(inner, "get_base_model") else inner)
+            models.append((inner, inner.get_base_model() if hasattr(inner, "get_base_model") else inner))
         return models
 
     def _tree_setup(self) -> None:
@@ -65,21 +66,24 @@ class TreeHeadTrainerMixin(TreeTrainerMixin):
         args = self.args
         sharded = self.is_fsdp_enabled or self.is_deepspeed_enabled
         self._tree_decide(stacklevel=4)
-        self._tree_check_prefix_reuse((self.model, getattr(self, "ref_model", None)), fused_head=True)
-        if self.tree_packing and args.max_tokens_per_mb is not None and sharded and self.accelerator.num_processes > 1:
+        self._tree_check_prefix_reuse((self.model, getattr(self, "ref_model", None)))
+        several = sharded and self.accelerator.num_processes > 1
+        # With prefix reuse a batch is one forest (in chunks, as many on every rank: `hf_tree_attn.prefix_reuse`).
+        if self.tree_packing and args.max_tokens_per_mb is not None and several and not args.tree_prefix_reuse:
             raise ValueError(
                 f"max_tokens_per_mb={args.max_tokens_per_mb} with sharded weights (FSDP / DeepSpeed) on "
                 f"{self.accelerator.num_processes} processes: ranks could pack a batch into different numbers of "
                 "forests, and every forward gathers the weights on all ranks together. Leave max_tokens_per_mb=None "
-                "(one forest per batch, as TRL runs one forward)."
+                "(one forest per batch, as TRL runs one forward), or set tree_prefix_reuse=True (one forest per batch "
+                "in chunks of max_tokens_per_mb rows, as many on every rank)."
             )
         if self.tree_packing:
             self.tree_lm_head = TreeLMHead(
                 args.max_tokens_per_mb, args.tree_max_token_ratio, self._record_tree, args.tree_prefix_reuse,
                 args.tree_prefix_reuse_budget_gib,
             )  # fmt: skip
-            for target in self._fused_head_models():
-                self.tree_lm_head.install(target)
+            for caller, target in self._fused_head_models():
+                self.tree_lm_head.install(target, caller)
             self._tree_compile_layers()
 
     def _record_tree(self, name: str, value: float) -> None:
