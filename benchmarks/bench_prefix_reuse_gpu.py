@@ -11,6 +11,9 @@ or with `--optimizer` an AdamW step at learning rate 0, which holds and updates 
 - `reuse`: `sequence_logprobs(..., prefix_reuse=True)` and one backward: the step as one forest in chunks of `budget`
   rows, every row forwarded once (`hf_tree_attn.prefix_reuse`; on CUDA its FlexAttention path,
   `HF_TREE_ATTN_PREFIX_REUSE_CUDA=flex` unless set otherwise).
+- `reuse_kept` (only where asked for): the same with every chunk's forward graph kept for the backward
+  (`keep_graphs`), no chunk recomputed there; paired with `split` (`paired_kept`, `agreement_kept`) and with
+  `reuse` (`paired_reuse_vs_kept`: reuse's seconds over reuse_kept's per step).
 
 The loss is the same for both: a fixed random weight per scored token times its log-probability, summed, over the
 step's scored tokens. Random-weight bf16 models of the named shapes (no download), every decoder layer checkpointed
@@ -86,8 +89,9 @@ def step(model, sequences, budget: int, method: str, weights: list[torch.Tensor]
     """One step's forward and backward by `method`; the per-sequence log-probabilities (detached)."""
     device = next(model.parameters()).device
     model.zero_grad(set_to_none=True)
-    if method == "reuse":
-        logps = sequence_logprobs(model, sequences, budget, prefix_reuse=True)
+    if method.startswith("reuse"):  # reuse_kept: every chunk's forward graph kept for the backward
+        keep = len(sequences) * 10**6 if method == "reuse_kept" else 1
+        logps = sequence_logprobs(model, sequences, budget, prefix_reuse=True, keep_graphs=keep)
         (sum((w * lp).sum() for w, lp in zip(weights, logps)) / scored).backward()
         return [lp.detach() for lp in logps]
     out: list[torch.Tensor | None] = [None] * len(sequences)
@@ -206,27 +210,37 @@ def measure(model_name: str, workload: str, args, save, earlier: dict) -> dict:
         print(f"  {method}: {result['median_step_s']:.3f} s (first {result['first_step_s']:.1f} s)  "
               f"mfu {100 * result['mfu']:.1f}%  peak {result['peak_gib'] or 0:.1f} GiB", flush=True)  # fmt: skip
     measured = {m for m, r in row["methods"].items() if "refused" not in r}
-    if {"split", "reuse"} <= measured:
-        split, reuse = row["methods"]["split"], row["methods"]["reuse"]
-        for method in sorted({"split", "reuse"} - firsts.keys()):
+    for reuse_method, suffix in (("reuse", ""), ("reuse_kept", "_kept")):
+        if not {"split", reuse_method} <= measured:
+            continue
+        split, reuse = row["methods"]["split"], row["methods"][reuse_method]
+        for method in sorted({"split", reuse_method} - firsts.keys()):
             # an earlier run's first step not in --first-dir (e.g. written on a machine since given back): one
             # unmeasured step of that method here, on the same data
             firsts[method] = first_step(model, step(model, sequences, budget, method, weights, scored))
             row.setdefault("agreement_steps_rerun", []).append(method)
-        check = agreement(firsts["reuse"]["logps"], firsts["split"]["logps"], bound=LOGPROB_BOUND[args.dtype])
-        check["gradient_cosine"] = gradient_cosine(firsts["reuse"]["grads"], firsts["split"]["grads"])
+        check = agreement(firsts[reuse_method]["logps"], firsts["split"]["logps"], bound=LOGPROB_BOUND[args.dtype])
+        check["gradient_cosine"] = gradient_cosine(firsts[reuse_method]["grads"], firsts["split"]["grads"])
         check["passed"] = check["passed"] and check["gradient_cosine"] >= GRAD_COSINE
-        row["agreement"] = check
+        row["agreement" + suffix] = check
         try:
-            row["paired"] = paired(split["measured_step_s"], reuse["measured_step_s"])
+            pair = paired(split["measured_step_s"], reuse["measured_step_s"])
         except ValueError as error:
-            row["paired"] = {"error": str(error)}
-        row["paired"]["failed"] = not check["passed"]
-        pair = row["paired"]
+            pair = {"error": str(error)}
+        pair["failed"] = not check["passed"]
+        row["paired" + suffix] = pair
         if "median" in pair:
-            print(f"  split vs reuse: {pair['median']:.2f}x [{pair['min']:.2f}, {pair['max']:.2f}] "
+            print(f"  split vs {reuse_method}: {pair['median']:.2f}x [{pair['min']:.2f}, {pair['max']:.2f}] "
                   f"{'FAILED agreement' if pair['failed'] else 'agrees'} (max |dlogp| {check['max_abs']:.3g}, "
                   f"gradient cosine {check['gradient_cosine']:.5f})", flush=True)  # fmt: skip
+    if {"reuse", "reuse_kept"} <= measured:  # the recomputes the kept graphs save, per step
+        try:
+            pair = paired(row["methods"]["reuse"]["measured_step_s"], row["methods"]["reuse_kept"]["measured_step_s"])
+        except ValueError as error:
+            pair = {"error": str(error)}
+        row["paired_reuse_vs_kept"] = pair
+        if "median" in pair:
+            print(f"  reuse vs reuse_kept: {pair['median']:.2f}x [{pair['min']:.2f}, {pair['max']:.2f}]", flush=True)
     del model, firsts
     if args.device == "cuda":
         torch.cuda.empty_cache()
@@ -242,7 +256,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["qwen3-1.7b"], choices=list(MODELS))
     parser.add_argument("--workloads", nargs="+", default=["agent_2x20x4"], choices=list(WORKLOADS))
-    parser.add_argument("--methods", nargs="+", default=["split", "reuse"], choices=["split", "reuse"])
+    parser.add_argument("--methods", nargs="+", default=["split", "reuse"], choices=["split", "reuse", "reuse_kept"])
     parser.add_argument("--budget", type=int, help="token budget (default: the workload's)")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--steps", type=int, default=8, help="measured steps (at least 8 for a ratio)")

@@ -459,6 +459,7 @@ def sequence_logprobs(
     temperature: float = 1.0,
     return_entropy: bool = False,
     prefix_reuse: bool = False,
+    keep_graphs: int = 1,
 ) -> list[torch.Tensor] | tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Log p(tok_t | tok_<t) for t = 1..L-1 of every sequence, computing each shared prefix once.
 
@@ -473,7 +474,9 @@ def sequence_logprobs(
             that many rows (`hf_tree_attn.prefix_reuse`) instead of micro-batches that each repeat the prefix they
             need: every shared prefix computed once, and a sequence longer than the budget scored in chunks. Costs
             a recompute (as activation checkpointing does) and the kept keys / values of the prefixes chunks share;
-            refuses state-carrying (hybrid) and chunked-attention models. Off by default.
+            refuses what `prefix_reuse_error` names (chunked attention, states it does not carry). Off by default.
+        keep_graphs: with `prefix_reuse`, the last chunks whose forward graphs are kept for the backward instead of
+            recomputed there (`chunked_forest_logprobs`); 1 by default.
 
     Returns:
         `logps` — `logps[i]` is `(len(sequences[i]) - 1,)` float32, differentiable; with `return_entropy`,
@@ -503,8 +506,9 @@ def sequence_logprobs(
         forest = forest.to(device)
         if chunked and (forest.seq_len > max_tokens_per_mb or sharded):
             table, entropy_table = chunked_forest_logprobs(
-                model, forest, max_tokens_per_mb, temperature=temperature, return_entropy=return_entropy
-            )
+                model, forest, max_tokens_per_mb, temperature=temperature, return_entropy=return_entropy,
+                keep_graphs=keep_graphs,
+            )  # fmt: skip
         else:
             table, entropy_table = forest_logprobs(
                 model, forest, temperature=temperature, return_entropy=return_entropy

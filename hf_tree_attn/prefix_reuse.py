@@ -4,12 +4,12 @@
 its first row, computed by earlier chunks). This module runs such a plan with exact log-probs, entropies and
 gradients for any loss of them, at the memory of one chunk's activations plus the kept keys and values:
 
-- **forward** (no autograd; the last chunk, which keeps nothing, with autograd where a backward follows, its graph kept
-  for the backward to start from): the chunks in order. In every attention layer a chunk stores the post-RoPE keys and
+- **forward** (no autograd; where a backward follows, the last `keep_graphs` chunks, 1 by default, with autograd, their
+  graphs kept for the backward): the chunks in order. In every attention layer a chunk stores the post-RoPE keys and
   values of its rows that later chunks read (a per-layer store indexed by `ChunkPlan.slot`), and attends over `[its
   context rows' keys and values, gathered from the store; its own]` with the chunk's mask `(1, 1, S, P + S)`
   (`hf_tree_attn.masks.ContextMaskSource`). Each token is scored by the chunk holding its parent row.
-- **backward**: the chunks in reverse, each recomputed with autograd on (the last from its kept graph); one
+- **backward**: the chunks in reverse, each recomputed with autograd on (those with a kept graph from it); one
   `torch.autograd.backward` per chunk from its log-probs / entropies (the incoming gradients) and its own kept keys and
   values (the gradients later chunks sent them). Each layer's context keys and values are gathered from the store by an
   autograd node (`_GatherKept`) that adds the gradient it receives into a float32 gradient store at the context rows,
@@ -25,7 +25,7 @@ gradients for any loss of them, at the memory of one chunk's activations plus th
   the caller's head) and runs a backward (`_fsdp_dummies`). Called from inside the model's own forward (TRL's fused
   head), FSDP2's backward of that forward is under way when the chunks' backwards run: each chunk's is made an FSDP2
   pass of its own (`hf_tree_attn.fsdp2_compat.separate_backward`), or FSDP2 would leave its gradients unreduced. The
-  trainers run every forest through here under FSDP2, one that fits one chunk too (`trainer.core.prefix_reuse_rows`).
+  trainers run every forest through here under FSDP2, one that fits one chunk too (`trainer.core.prefix_reuse_chunks`).
 
 **State-carrying layers** (hybrids: gated and Kimi delta rule, Mamba-2, short convolutions;
 `hf_tree_attn.recurrent`) are handled the same way. A chunk is a forest of its own rows (`recurrent.ChunkRows`)
@@ -38,9 +38,12 @@ stores keyed by the layer (a forward pre-hook names the one running), written in
 context states / inputs are leaves whose gradients go into a float32 store for the earlier chunk, and the chunk's
 own kept states / inputs receive the gradients later chunks sent them, as the keys and values do.
 
-Cost: one forward, one recompute (none for the last chunk) and one backward per chunk, what full activation
-checkpointing costs, with every row forwarded once; where the model checkpoints its own layers too, their recompute
-in the backward comes on top. Memory beyond one chunk: `kept_kv_bytes` in the forward (the kept keys and
+Cost: one forward, one recompute (none for a chunk whose graph is kept) and one backward per chunk, what full
+activation checkpointing costs, with every row forwarded once; where the model checkpoints its own layers too, their
+recompute in the backward comes on top, and a kept graph saves the chunk's own: with every graph kept the step costs
+what one checkpointed forward and backward of the forest would, at the memory of every kept graph (with the model's
+checkpointing, its layers' inputs) from the forward to the backward (`reuse_planner` keeps as many as a budget
+holds). Memory beyond one chunk: `kept_kv_bytes` in the forward (the kept keys and
 values of every attention layer, held until the backward), and as much again in float32 for their gradients during
 the backward; on hybrids also the kept recurrent states (one per state-carrying layer and kept row, float32 for the
 torch delta rule) and convolution inputs (`kept_state_bytes`), and their float32 gradients. RNG and autocast
@@ -219,6 +222,7 @@ def chunked_forest_logprobs(
     chunk_rows: int | None = None,
     fp32_head: bool = False,
     pad_multiple: int | None = None,
+    keep_graphs: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`forest_logprobs` of a forest larger than one forward: its DFS row in chunks of `max_tokens_per_mb` rows,
     each row forwarded once (see the module docstring).
@@ -231,6 +235,10 @@ def chunked_forest_logprobs(
         temperature, return_entropy, chunk_rows, fp32_head: as in `forest_logprobs`.
         pad_multiple: each chunk's rows and context rows are padded to a multiple of it; default 128 on CUDA
             (FlexAttention's block), 1 elsewhere.
+        keep_graphs: under grad, the last chunks whose forward runs with autograd, the graph kept for the backward
+            instead of recomputed there: each saves one forward of its rows and holds what its forward keeps for
+            the backward (with the model's own checkpointing, its layers' inputs) until its backward runs
+            (`reuse_planner.plan_prefix_reuse` picks how many fit a budget). At least 1; under FSDP2 1.
 
     Returns:
         `(logps, entropy)`, each `(S,)` float32 indexed by the forest's rows (0 at unscored rows); `entropy` is None
@@ -238,7 +246,10 @@ def chunked_forest_logprobs(
     """
     dense, pad_multiple = _checked(model, forest, temperature, pad_multiple)
     plan = plan_chunks(forest, max_tokens_per_mb)
-    step = _Step(model, forest, plan, temperature, return_entropy, chunk_rows, fp32_head, dense, pad_multiple)
+    step = _Step(
+        model, forest, plan, temperature, return_entropy, chunk_rows, fp32_head, dense, pad_multiple,
+        keep_graphs=_positive(keep_graphs),
+    )  # fmt: skip
     tables = _run(model, step)
     return tables[0], (tables[1] if return_entropy else None)
 
@@ -251,13 +262,14 @@ def chunked_forest_scores(
     targets: torch.Tensor,
     head,
     pad_multiple: int | None = None,
+    keep_graphs: int = 1,
 ) -> tuple[torch.Tensor | None, ...]:
     """`chunked_forest_logprobs` with the caller's LM head on the caller's (row, target) pairs: each pair is scored
     by `head` in the chunk holding its row, and the chunks that score nothing still run where later chunks read
     their rows (a prompt no pair is scored in).
 
     Args:
-        model, forest, max_tokens_per_mb, pad_multiple: as in `chunked_forest_logprobs`.
+        model, forest, max_tokens_per_mb, pad_multiple, keep_graphs: as in `chunked_forest_logprobs`.
         sources: `(U,)` long — the forest row whose final hidden state scores each pair.
         targets: `(U,)` long — the token each pair scores.
         head: `head(hidden (E, hidden), targets (E,))` -> a tuple of `(E,)` tensors or None, the same length and
@@ -271,9 +283,18 @@ def chunked_forest_scores(
     dense, pad_multiple = _checked(model, forest, 1.0, pad_multiple)
     plan = plan_chunks(forest, max_tokens_per_mb)
     pairs = (sources.to(forest.input_ids.device), targets.to(forest.input_ids.device), head)
-    step = _Step(model, forest, plan, 1.0, False, None, False, dense, pad_multiple, pairs=pairs)
+    step = _Step(
+        model, forest, plan, 1.0, False, None, False, dense, pad_multiple, pairs=pairs,
+        keep_graphs=_positive(keep_graphs),
+    )  # fmt: skip
     tables = iter(_run(model, step))
     return tuple(next(tables) if present else None for present in step.present)
+
+
+def _positive(keep_graphs: int) -> int:
+    if isinstance(keep_graphs, bool) or not isinstance(keep_graphs, int | np.integer) or keep_graphs < 1:
+        raise ValueError(f"keep_graphs={keep_graphs!r} must be a positive int (1: the last chunk's graph).")
+    return int(keep_graphs)
 
 
 def _checked(model, forest: PackedForest, temperature: float, pad_multiple: int | None) -> tuple[bool, int]:
@@ -313,7 +334,7 @@ class _PrefixReuse(torch.autograd.Function):
     def forward(ctx, step: _Step, *params: torch.Tensor):
         ctx.step = step
         ctx.num_params = len(params)
-        return step.forward(keep_last=True)
+        return step.forward(keep=True)
 
     @staticmethod
     def backward(ctx, *grads):
@@ -330,7 +351,18 @@ class _Step:
     """One forest run as a `ChunkPlan`: its key/value store, the chunks' forwards and their backward."""
 
     def __init__(
-        self, model, forest, plan, temperature, return_entropy, chunk_rows, fp32_head, dense, pad_multiple, pairs=None
+        self,
+        model,
+        forest,
+        plan,
+        temperature,
+        return_entropy,
+        chunk_rows,
+        fp32_head,
+        dense,
+        pad_multiple,
+        pairs=None,
+        keep_graphs: int = 1,
     ):
         self.model = model
         self.forest = forest
@@ -377,7 +409,10 @@ class _Step:
             self.size = len(sources)
         self.present: list[bool] | None = None  # which of the head's outputs are tensors (known after a chunk)
         self.released = False  # the stores freed by the backward
-        self.last: tuple | None = None  # (position, context, items, outputs) of a last chunk run with autograd
+        # The last chunks run with autograd in the forward, their graphs kept for the backward (under FSDP the last
+        # alone: every chunk's forward and backward one FSDP2 pass): position -> (context, items, outputs).
+        self.keep_graphs = 1 if fsdp2_sharded(model) else keep_graphs
+        self.kept: dict[int, tuple] = {}
         # The chunks in the order they run: their indices, then under FSDP the dummies (-1) that give every rank
         # the same number of chunks (`_fsdp_dummies`).
         self.fsdp = fsdp2_sharded(model)
@@ -385,18 +420,20 @@ class _Step:
         if self.fsdp:
             self.order += [-1] * _fsdp_dummies(model, len(self.order), self.device)
 
-    def forward(self, keep_last: bool = False) -> tuple[torch.Tensor, ...]:
-        """The chunks in order, without autograd; with `keep_last` (a backward follows) the last chunk with autograd,
-        its graph kept for the backward to start from (it keeps no row for a later chunk, and the backward would
-        recompute it first: one forward of its rows saved, at the memory the backward's first chunk takes anyway)."""
+    def forward(self, keep: bool = False) -> tuple[torch.Tensor, ...]:
+        """The chunks in order, without autograd; with `keep` (a backward follows) the last `keep_graphs` chunks with
+        autograd, their graphs kept for the backward, which would recompute them first (one forward of their rows
+        saved each; the last at the memory the backward's first chunk takes anyway, the others at what their graphs
+        hold until their backward: `reuse_planner` prices it). A kept chunk also stores the rows later chunks read."""
         tables: list[torch.Tensor | None] | None = None
+        first_kept = len(self.order) - (min(self.keep_graphs, len(self.order)) if keep else 0)
         with torch.no_grad(), eager_layers(self.model), self._layer_hooks():
             for k, c in enumerate(self.order):
                 self.states[k] = _rng_state(self.device)
-                if keep_last and k == len(self.order) - 1:
+                if k >= first_kept:
                     with torch.enable_grad():
-                        self.last = (k, *self._run(c, backward=True))
-                    _, items, outputs = self.last[1:]
+                        self.kept[k] = self._run(c, backward=True, store=True)
+                    _, items, outputs = self.kept[k]
                     outputs = None if outputs is None else tuple(o if o is None else o.detach() for o in outputs)
                 else:
                     _, items, outputs = self._run(c, backward=False)
@@ -425,7 +462,7 @@ class _Step:
         self.kv_grad, self.rec_grad = {}, {}
         for k in reversed(range(len(self.order))):
             c = self.order[k]
-            kept = self.last is not None and self.last[0] == k
+            kept = k in self.kept
             with contextlib.ExitStack() as stack:
                 # the forward's RNG and autocast for the recompute (a kept graph's checkpoints hold theirs)
                 if not kept:
@@ -438,7 +475,7 @@ class _Step:
                     stack.enter_context(separate_backward(self.model))
                 stack.enter_context(torch.enable_grad())
                 if kept:
-                    (_, context, items, values), self.last = self.last, None
+                    context, items, values = self.kept.pop(k)
                 else:
                     context, items, values = self._run(c, backward=True)
                 # The outputs the loss reads: a zero gradient (an output only metrics read) adds nothing.
@@ -471,7 +508,7 @@ class _Step:
             # step's stores alive. Cut it.
             context.release()
         # The stores are the step's largest tensors: free them now, not when the outputs' graph goes.
-        self.kv, self.kv_grad, self.rec, self.rec_grad, self.states, self.last = {}, {}, {}, {}, {}, None
+        self.kv, self.kv_grad, self.rec, self.rec_grad, self.states, self.kept = {}, {}, {}, {}, {}, {}
         self.released = True
 
     @contextlib.contextmanager
@@ -517,9 +554,11 @@ class _Step:
             self._conv_plans[kernel_size] = (slot, len(conv_rows))
         return self._conv_plans[kernel_size]
 
-    def _run(self, c: int, backward: bool):
+    def _run(self, c: int, backward: bool, store: bool = False):
         """Chunk `c` through the model and the LM head: `(context, scored items (E,), the head's outputs (E,) each)`,
-        the outputs None where the chunk scores nothing."""
+        the outputs None where the chunk scores nothing. `backward`: with autograd (context rows as leaves whose
+        gradients go back to the chunks that computed them); `store`: with it, also store the rows later chunks read
+        (a chunk whose graph the forward keeps)."""
         plan, device, pad = self.plan, self.device, self.pad_multiple
         dummy = c < 0  # under FSDP: the forest's first row alone, keeping and scoring nothing (`_fsdp_dummies`)
         a, b = (0, 1) if dummy else (int(plan.bounds[c]), int(plan.bounds[c + 1]))
@@ -563,6 +602,7 @@ class _Step:
             backward=backward,
             rows=(a, b, size),
             dummy=dummy,
+            store=store or not backward,
         )
         inputs = {
             "input_ids": ids[None],
@@ -632,7 +672,9 @@ class ChunkContext:
         own_slots: `(K_c,)` long — their store slots.
     """
 
-    def __init__(self, step, mask_source, context_slots, context_fill, own_local, own_slots, backward, rows, dummy):
+    def __init__(
+        self, step, mask_source, context_slots, context_fill, own_local, own_slots, backward, rows, dummy, store
+    ):
         # Weakly, as `_GatherKept` does: the layers' checkpoints keep this context (their arguments) in the graph
         self._step = weakref.ref(step)
         self.dummy = dummy  # an FSDP dummy chunk (`_fsdp_dummies`): it keeps no state or input for later chunks
@@ -640,6 +682,7 @@ class ChunkContext:
         self.rows = rows  # (first row, end row, padded size)
         self.rec_leaves: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # key -> (context states, slots)
         self.rec_own: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # key -> (own kept states, slots)
+        self.stored: set[tuple] = set()  # keys whose states / conv inputs this chunk stored
         self._recurrent_rows = None
         self._convs: dict[int, object] = {}
         self.mask_source = mask_source
@@ -648,6 +691,7 @@ class ChunkContext:
         self.own_local = own_local
         self.own_slots = own_slots
         self.backward = backward
+        self.store = store  # write the rows later chunks read into the step's stores (a forward, or a kept graph)
         self.attended: set[torch.nn.Module] = set()
         self.own: dict[torch.nn.Module, tuple[torch.Tensor, torch.Tensor]] = {}
         # What the context keys and values hang from in the backward (`_GatherKept`): it needs an input that
@@ -690,12 +734,11 @@ class ChunkContext:
                 store = self.step.kv[module] = tuple(
                     t.new_zeros(t.shape[0], t.shape[1], slots, t.shape[3]) for t in (key, value)
                 )
-            if self.backward:
-                if len(self.own_local):  # none: no later chunk sends gradients (and no cycle through the graph)
-                    self.own[module] = own
-            else:
+            if self.backward and len(self.own_local):  # none: no later chunk sends gradients (nor a graph cycle)
+                self.own[module] = own
+            if self.store:
                 for kept, rows in zip(store, own):
-                    kept.index_copy_(2, self.own_slots, rows.to(kept.dtype))
+                    kept.index_copy_(2, self.own_slots, rows.detach().to(kept.dtype))
         if self.backward:
             context_key, context_value = (
                 _GatherKept.apply(self.anchor, self.step, module, i, self.context_slots) for i in range(2)
@@ -855,14 +898,15 @@ class ChunkContext:
     def write(self, key: tuple, values: torch.Tensor, slots: torch.Tensor, total: int) -> None:
         """Keep this chunk's `values` (`(len(slots), ...)`) at `slots` for later chunks (forward); in the backward,
         record them as outputs the gradients later chunks sent them flow back from."""
-        if self.backward:
-            if len(slots):
-                self.rec_own.setdefault(key, (values, slots))  # a recompute's second call keeps the first's
+        if self.backward and len(slots):
+            self.rec_own.setdefault(key, (values, slots))  # a recompute's second call keeps the first's
+        if not self.store or key in self.stored:
             return
+        self.stored.add(key)
         store = self.step.rec.get(key)
         if store is None:
             store = self.step.rec[key] = values.new_zeros((total, *values.shape[1:]))
-        store.index_copy_(0, slots, values.to(store.dtype))
+        store.index_copy_(0, slots, values.detach().to(store.dtype))
 
 
 def _fsdp_dummies(model: torch.nn.Module, chunks: int, device: torch.device) -> int:

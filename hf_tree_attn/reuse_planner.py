@@ -23,6 +23,14 @@ monotonic in the chunk size, and `plan_prefix_reuse` tries every size (multiples
 taking the first that fits: the fewest chunks, the least recompute overhead. A size is priced in `O(rows)` without
 planning it: row `r` is kept iff the first boundary after it, `(r // s + 1) * s`, lies inside its subtree.
 
+What the budget leaves beside that peak buys back recomputes: the last chunk's forward graph is kept for the backward
+(the backward's first chunk, priced above), and as many chunks before it as fit keep theirs too (`ReusePlan.
+keep_graphs`), each holding what its layers keep for the backward (`hf_tree_attn.recompute`'s price per row: with the
+model's own checkpointing, the layers' inputs) from its forward until its backward. Each kept graph saves one forward
+of its rows: with every layer checkpointed a recomputed chunk runs four forwards' worth (the forward, the chunk's
+recompute, the layers' recompute, the backward's two), a kept one three, what the split into micro-batches costs per
+forwarded row.
+
 The tiny example of `hf_tree_attn.tree` (`[[5, 6, 7, 8], [5, 6, 9]]`)::
 
     row          0  1  2  3  4        s = 2: boundaries 2, 4        s = 3: boundary 3
@@ -72,6 +80,9 @@ class ReusePlan:
         context: that chunk's context and own kept rows' keys and values during its backward.
         kept_kv: every kept row's keys and values (`kept_kv_bytes` of `chunks`).
         kv_grad: their float32 gradients.
+        keep_graphs: the last chunks whose forward graphs the budget also holds (`chunked_forest_logprobs(...,
+            keep_graphs=)`: each saves its recompute in the backward); 1 without a budget.
+        graphs: the bytes the graphs of those before the last hold, on top of `total`.
     """
 
     chunks: ChunkPlan
@@ -80,6 +91,8 @@ class ReusePlan:
     context: int
     kept_kv: int
     kv_grad: int
+    keep_graphs: int = 1
+    graphs: int = 0
 
     @property
     def total(self) -> int:
@@ -149,8 +162,12 @@ def plan_prefix_reuse(
     least = None
     for chunk_rows in range(top * block, 0, -block):
         estimate = (chunk_rows, *_estimate(arrays, chunk_rows, block, prices))
-        if memory_budget_bytes is None or sum(estimate[1:]) <= memory_budget_bytes:
+        if memory_budget_bytes is None:
             return ReusePlan(plan_chunks(forest, chunk_rows), *estimate)
+        if sum(estimate[1:]) <= memory_budget_bytes:
+            headroom = memory_budget_bytes - sum(estimate[1:])
+            keep, graphs = _kept_graphs(arrays, chunk_rows, block, prices, headroom)
+            return ReusePlan(plan_chunks(forest, chunk_rows), *estimate, keep_graphs=keep, graphs=graphs)
         if least is None or sum(estimate[1:]) < sum(least[1:]):
             least = estimate
     chunk_rows, activations, context, kept_kv, kv_grad = least
@@ -175,9 +192,27 @@ def _arrays(forest: PackedForest) -> tuple[np.ndarray, np.ndarray]:
     return end, depth
 
 
+def _kept_graphs(arrays, chunk_rows: int, block: int, prices: tuple, headroom: int) -> tuple[int, int]:
+    """`(keep_graphs, their bytes beyond the last chunk's)`: the last chunks whose forward graphs fit `headroom`
+    beside the peak the estimate priced, which holds one chunk's (the backward's first is the last chunk's kept
+    graph). A chunk's graph holds what its layers keep for the backward (the activations' price per padded row), what
+    it keeps outside them (per row: the final norm's float32 input, the LM head's input hidden state and the RoPE
+    cosine and sine in the weights' dtype, and a few scalars) and, in the layers not checkpointed, its context's keys
+    and values concatenated with its own. All kept graphs are alive when the backward starts, each freed by its
+    chunk's backward."""
+    end, depth = arrays
+    per_token, row, _, uncheckpointed, num_layers, outside = prices
+    starts = np.arange(0, len(end), chunk_rows, dtype=np.int64)
+    padded = -(-(np.minimum(starts + chunk_rows, len(end)) - starts) // block) * block
+    graph = padded * (per_token + outside) + depth[starts] * row * uncheckpointed // num_layers
+    held = np.cumsum(graph[:-1][::-1])  # the second-to-last chunk's graph, then the one before, ...
+    extra = int(np.searchsorted(held, headroom, side="right"))
+    return 1 + extra, int(held[extra - 1]) if extra else 0
+
+
 def _estimate(arrays, chunk_rows: int, block: int, prices: tuple) -> tuple[int, int, int, int]:
     end, depth = arrays
-    per_token, row, row_fp32, uncheckpointed, num_layers = prices
+    per_token, row, row_fp32, uncheckpointed, num_layers, _ = prices
     num_rows = len(end)
     rows = np.arange(num_rows, dtype=np.int64)
     kept = (rows // chunk_rows + 1) * chunk_rows < end  # the first boundary after the row is inside its subtree
@@ -192,9 +227,9 @@ def _estimate(arrays, chunk_rows: int, block: int, prices: tuple) -> tuple[int, 
     return int(layers[peak]), int(held[peak]), count * row, count * row_fp32
 
 
-def _prices(model: torch.nn.Module, dtype: torch.dtype | None) -> tuple[int, int, int, int, int]:
+def _prices(model: torch.nn.Module, dtype: torch.dtype | None) -> tuple[int, int, int, int, int, int]:
     """`(bytes per chunk row of layer activations, kept bytes per row in dtype, and at float32 width, the layers
-    not checkpointed, all layers)`."""
+    not checkpointed, all layers, bytes per chunk row a kept graph holds outside the layers)`."""
     error = budget_error(model)
     if error is not None:
         raise NotImplementedError(error[0].upper() + error[1:])
@@ -204,8 +239,13 @@ def _prices(model: torch.nn.Module, dtype: torch.dtype | None) -> tuple[int, int
     # The residual stream and the checkpoints' inputs keep the weights' dtype; autocast lowers only the matmuls'
     # outputs (fp32 weights under bf16 autocast: 4 bytes, an upper bound for the bf16 parts).
     weights = next((p for p in model.parameters() if p.is_floating_point()), None)
-    whole, checkpointed = activation_bytes(config, dtype_bytes=weights.element_size() if weights is not None else 4)
+    width = weights.element_size() if weights is not None else 4
+    whole, checkpointed = activation_bytes(config, dtype_bytes=width)
     count = sum(layer.gradient_checkpointing and layer.training for layer in layers)
     per_token = _kept_bytes(config.num_hidden_layers, count, whole, checkpointed, 0)
     num_layers = config.num_hidden_layers
-    return per_token, kv_row_bytes(model, dtype), kv_row_bytes(model, torch.float32), num_layers - count, num_layers
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    # the final norm's float32 input, the head's input, RoPE's cos / sin, the log-prob scalars
+    outside = config.hidden_size * 4 + (config.hidden_size + 2 * head_dim) * width + 32
+    rows = kv_row_bytes(model, dtype), kv_row_bytes(model, torch.float32)
+    return per_token, *rows, num_layers - count, num_layers, outside

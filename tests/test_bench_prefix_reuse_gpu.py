@@ -28,6 +28,19 @@ def test_split_and_reuse_agree_and_reuse_forwards_each_row_once():
     assert split["forwards"] > 1 and row["paired"]["steps"] == 8 and not row["paired"]["failed"]
 
 
+def test_reuse_with_every_graph_kept_agrees_and_is_paired_with_both():
+    """`reuse_kept` (every chunk's forward graph kept): the split's log-probabilities and gradients, and a paired
+    ratio against the split and against `reuse` (the recomputes it saves), each of the 8 measured steps."""
+    row = bench.measure(
+        "tiny", "smoke", argparse.Namespace(**{**ARGS, "methods": ["split", "reuse", "reuse_kept"]}),
+        save=lambda row: None, earlier={},
+    )  # fmt: skip
+    assert row["agreement_kept"]["passed"] and row["agreement_kept"]["max_abs"] < 1e-5, row["agreement_kept"]
+    assert row["methods"]["reuse_kept"]["forwarded"] == row["unique"]
+    assert row["paired_kept"]["steps"] == row["paired_reuse_vs_kept"]["steps"] == 8
+    assert not row["paired_kept"]["failed"] and row["paired_reuse_vs_kept"]["median"] > 0
+
+
 def test_a_reuse_step_that_is_off_fails_the_row(monkeypatch):
     step = bench.step
 

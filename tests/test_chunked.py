@@ -268,6 +268,64 @@ def test_train_mode_with_non_reentrant_checkpointing_matches_flat():
     _check_against_flat(tree, ref, _trie(3, seed=30))
 
 
+def _check_kept_graphs(tree, ref, sequences, keep_graphs: int) -> None:
+    """`chunked_forest_logprobs(..., keep_graphs=keep_graphs)` against flat forwards (`_check_against_flat`'s
+    loss), and the decoder's forwards: one per chunk, and a recompute for each chunk whose graph was not kept."""
+    (forest,) = pack_forest(sequences, two_level=False)
+    chunks = plan_chunks(forest, BUDGET).num_chunks
+    calls = []
+    hook = tree.model.register_forward_hook(lambda module, args, output: calls.append(1))
+    try:
+        table, entropy_table = chunked_forest_logprobs(
+            tree, forest, BUDGET, return_entropy=True, keep_graphs=keep_graphs
+        )
+        weights = _weights(sequences, seed=0)
+        logps, entropies = gather_sequences(forest, table), gather_sequences(forest, entropy_table)
+        _loss(logps, entropies, weights).backward()
+    finally:
+        hook.remove()
+    assert len(calls) == chunks + chunks - min(keep_graphs, chunks)
+    flat = [flat_logprobs(ref, s) for s in sequences]
+    _loss([f[0] for f in flat], [f[1] for f in flat], weights).backward()
+    for i, (want_logps, want_entropy) in enumerate(flat):
+        torch.testing.assert_close(logps[i], want_logps, atol=ATOL, rtol=0, msg=lambda m, i=i: f"sequence {i}: {m}")
+        torch.testing.assert_close(entropies[i], want_entropy, atol=ATOL, rtol=0)
+    _assert_grads_close(_param_grads(tree), _param_grads(ref))
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["whole layers", "checkpointed layers"])
+@pytest.mark.parametrize("keep_graphs", [2, 8])
+def test_kept_graphs_match_flat(keep_graphs, checkpointing):
+    """The last `keep_graphs` of 8 chunks run with autograd in the forward and keep their graphs for the backward
+    (8: every chunk, none recomputed), storing the keys and values later chunks read as they run: the flat
+    forwards' log-probs, entropies and gradients, with whole layers and with transformers' non-reentrant
+    checkpointing (whose recompute then runs inside a graph built in the forward)."""
+    tree, ref = twin_models("qwen3")
+    if checkpointing:
+        tree.train()
+        _enable_checkpointing(tree, use_reentrant=False)
+    sequences = _trie(8, seed=8)
+    assert _num_chunks(sequences) == 8
+    _check_kept_graphs(tree, ref, sequences, keep_graphs)
+
+
+@pytest.mark.parametrize("model_type", ["gpt_oss", "gemma3n_text"])
+def test_kept_graphs_of_other_layer_kinds_match_flat(model_type):
+    """Every chunk's graph kept, on sinks, windows and MoE (GPT-OSS) and layers reading earlier layers' keys and
+    values (Gemma 3n)."""
+    tree, ref = _coverage_twins(model_type)
+    sequences = _trie(3, seed=20, max_len=200)
+    _check_kept_graphs(tree, ref, sequences, keep_graphs=3)
+
+
+@pytest.mark.parametrize("keep_graphs", [0, -1, 1.5, True])
+def test_keep_graphs_must_be_a_positive_int(keep_graphs):
+    tree, _ = twin_models("qwen3")
+    (forest,) = pack_forest(_trie(2, seed=1), two_level=False)
+    with pytest.raises(ValueError, match=rf"keep_graphs={keep_graphs!r} must be a positive int"):
+        chunked_forest_logprobs(tree, forest, BUDGET, keep_graphs=keep_graphs)
+
+
 def test_checkpointed_chunk_holds_one_layers_context_at_a_time(monkeypatch):
     """With every layer checkpointed, a chunk's backward gathers each layer's context keys and values when it needs
     them and lets them go with the layer: when one is gathered, no other layer's is alive (held until the chunk's
@@ -318,14 +376,16 @@ def test_a_step_frees_its_stores_with_its_backward():
                 sum(lp.sum() for lp in logps).backward()
             del logps
             gc.collect()
-        # with grad but no backward (the last chunk's graph is kept for one): dropping the outputs frees it all
-        logps = sequence_logprobs(tree, sequences, BUDGET, prefix_reuse=True)
-        assert steps[-1]().last is not None
-        del logps
-        gc.collect()
+        # with grad but no backward (the last chunk's graph kept for one, or every chunk's): dropping the outputs
+        # frees it all
+        for keep_graphs in (1, 3):
+            logps = sequence_logprobs(tree, sequences, BUDGET, prefix_reuse=True, keep_graphs=keep_graphs)
+            assert len(steps[-1]().kept) == keep_graphs
+            del logps
+            gc.collect()
     finally:
         prefix_reuse_module._Step.__init__ = init
-    assert len(steps) == 3 and all(step() is None for step in steps), "a step outlived its outputs"
+    assert len(steps) == 4 and all(step() is None for step in steps), "a step outlived its outputs"
 
 
 def test_recompute_repeats_the_forward_under_dropout_and_autocast():

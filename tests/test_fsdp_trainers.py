@@ -53,6 +53,7 @@ def _idle_pairs_with_chunks(trainer) -> dict:
     from test_prefix_reuse_ddp import _full
 
     from hf_tree_attn import pack_forest
+    from hf_tree_attn.trainer.core import ReuseChunks
     from hf_tree_attn.trainer.forest_step import score_forests
 
     model = trainer.model
@@ -65,7 +66,7 @@ def _idle_pairs_with_chunks(trainer) -> dict:
         rows = trainer._prefix_reuse_rows
         tables, _, _ = score_forests(
             model, [forest], [None], temperature=trainer.temperature, autocast=trainer.accelerator.autocast,
-            prefix_reuse_rows=[rows],
+            prefix_reuse_chunks=[ReuseChunks(rows)],
         )  # fmt: skip
         loss = (tables[0] * torch.linspace(-1.0, 1.0, tables[0].numel())).sum()
     loss.backward()

@@ -122,7 +122,23 @@ def test_chunks_match_flat_and_the_whole_forest(reference, split):
         assert plan_chunks(forest, chunk_rows).num_chunks == int(split)
 
     logps, entropy = reference.run(chunk_rows)
-    got = _grads(reference.tree)
+    _assert_matches(reference, logps, entropy, _grads(reference.tree))
+
+
+@pytest.mark.parametrize("keep_graphs", [4, 8])
+def test_kept_graphs_match_flat_and_the_whole_forest(reference, keep_graphs):
+    """The forest in 8 chunks, the last 4 (or all 8) run with autograd in the forward and their graphs kept for the
+    backward, storing the states and convolution inputs later chunks read as they run: as exact as recomputing."""
+    chunk_rows = -(-reference.forest.num_tree_tokens // 8)
+    assert plan_chunks(reference.forest, chunk_rows).num_chunks == 8
+    logps, entropy = reference.run(chunk_rows, keep_graphs=keep_graphs)
+    _assert_matches(reference, logps, entropy, _grads(reference.tree))
+
+
+def _assert_matches(reference, logps, entropy, got) -> None:
+    """Log-probs and entropies equal the unchunked forest's and the flat forwards', every parameter gradient the
+    float64 flat gradient (within the fp32 bound plus the fp32 flat forward's own error) and the unchunked forest's."""
+    forest = reference.forest
     torch.testing.assert_close(logps, reference.table[0], atol=ATOL, rtol=0)
     torch.testing.assert_close(entropy, reference.table[1], atol=ATOL, rtol=0)
     for i, (want_logps, want_entropy) in enumerate(reference.flat):

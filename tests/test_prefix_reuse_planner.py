@@ -106,11 +106,14 @@ def test_estimate_equals_the_plans_hand_count(case, block, kv_dtype, checkpointi
         assert any(reuse_estimate(model, forest, s, block=block)[2] > 0 for s in sizes), "nothing kept: vacuous"
 
 
+@pytest.mark.parametrize("keep", [1, 3], ids=["last graph kept", "every graph kept"])
 @pytest.mark.parametrize("kv_heads", [4, KV_HEADS], ids=["mha", "gqa"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_estimate_bounds_what_the_run_stores(dtype, kv_heads, monkeypatch):
+def test_estimate_bounds_what_the_run_stores(dtype, kv_heads, keep, monkeypatch):
     """A chunked forward and backward stores exactly the estimated kept keys / values and their gradients, and each
-    chunk's recompute saves for autograd at most the estimated activations and context, and more than half of them:
+    chunk's recompute saves for autograd at most the estimated activations and context, and more than half of them;
+    with every chunk's graph kept, the graphs alive when the backward starts hold at most the planner's price for
+    them and more than half of it:
     parameters aside, and (as `tests/test_recompute.py` measures) the dense `(S, P + S)` mask SDPA copies per layer on
     the CPU and, with grouped heads, the key / value heads CPU's SDPA repeats (the GPU path reads one BlockMask and
     the grouped keys as they are)."""
@@ -121,7 +124,7 @@ def test_estimate_bounds_what_the_run_stores(dtype, kv_heads, monkeypatch):
     grad_store, saved = [], []
     run = prefix_reuse_module._Step._run
 
-    def measured(step, c, backward):
+    def measured(step, c, backward, store=False):
         rows = int(plan.chunks.bounds[c + 1] - plan.chunks.bounds[c])
         keys = rows + len(plan.chunks.context[c])
         storages = {}
@@ -135,20 +138,27 @@ def test_estimate_bounds_what_the_run_stores(dtype, kv_heads, monkeypatch):
             return tensor
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            out = run(step, c, backward)
+            out = run(step, c, backward, store)
         if backward:
             grad_store.append(sum(t.numel() * t.element_size() for kv in step.kv_grad.values() for t in kv))
             saved.append(sum(storages.values()))
         return out
 
     monkeypatch.setattr(prefix_reuse_module._Step, "_run", measured)
-    step = prefix_reuse_module._Step(model, forest, plan.chunks, 1.0, False, None, False, True, 1)
+    step = prefix_reuse_module._Step(model, forest, plan.chunks, 1.0, False, None, False, True, 1, keep_graphs=keep)
     tables = prefix_reuse_module._PrefixReuse.apply(step, *model.parameters())
     stored = sum(t.numel() * t.element_size() for kv in step.kv.values() for t in kv)
     assert stored == plan.kept_kv
+    kept = saved[:-1]  # the graphs of the chunks before the last, all alive when the backward starts
+    assert len(saved) == keep
     tables[0].sum().backward()
-    assert max(grad_store) == plan.kv_grad  # the last chunk to run backward holds every gradient sent
     assert plan.activations // 2 < max(saved) <= plan.activations + plan.context, (saved, plan)
+    if keep == 1:  # recorded as the backward recomputes a chunk (kept graphs run no recompute)
+        assert max(grad_store) == plan.kv_grad  # the last chunk to run backward holds every gradient sent
+    else:
+        priced = plan_prefix_reuse(model, forest, max_chunk_rows=128, memory_budget_bytes=10**12)
+        assert priced.keep_graphs == 3 and priced.chunk_rows == 128
+        assert priced.graphs // 2 < sum(kept) <= priced.graphs, (kept, priced.graphs)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -201,6 +211,39 @@ def test_no_budget_takes_the_largest_chunk():
     )
     whole = plan_prefix_reuse(model, forest, max_chunk_rows=10_000, block=128)
     assert whole.chunk_rows == 512 and whole.chunks.num_chunks == 1 and whole.kept_kv == 0
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["whole", "checkpointed"])
+def test_kept_graphs_fill_the_rest_of_the_budget(checkpointing):
+    """Beside the chosen chunks' peak, the budget keeps the forward graphs of as many of the last chunks as fit, each
+    priced as what its layers keep for the backward (the oracle's per-row activations, by hand), the last chunk's
+    counted in the peak already; without a budget only the last chunk's."""
+    model, forest = _model(checkpointing=checkpointing), _forest(FORESTS["trie"])
+    base = plan_prefix_reuse(model, forest, max_chunk_rows=128)
+    assert base.chunks.num_chunks == 4 and (base.keep_graphs, base.graphs) == (1, 0)
+    bounds = base.chunks.bounds
+    # Graphs of the chunks before the last, from the second-to-last back: rows x per-row activations, and where the
+    # layers are not checkpointed their context's keys and values (rows x layers x 2 x kv_heads x head_dim x bytes).
+    context = [
+        0 if checkpointing else len(base.chunks.context[c]) * LAYERS * 2 * KV_HEADS * HEAD_DIM * 4 for c in (2, 1, 0)
+    ]
+    outside = 64 * 4 + (64 + 2 * HEAD_DIM) * 4 + 32  # the final norm's and the head's inputs, RoPE, scalars
+    rows = [bounds[c + 1] - bounds[c] for c in (2, 1, 0)]
+    graphs = [r * (base.activations // 128 + outside) + k for r, k in zip(rows, context)]
+    assert base.activations % 128 == 0 and bounds[-1] - bounds[-2] <= 128
+    total = base.total
+    for budget, keep in [
+        (total, 1),
+        (total + graphs[0] - 1, 1),
+        (total + graphs[0], 2),
+        (total + graphs[0] + graphs[1], 3),
+        (total + sum(graphs), 4),
+        (10 * (total + sum(graphs)), 4),
+    ]:
+        plan = plan_prefix_reuse(model, forest, max_chunk_rows=128, memory_budget_bytes=budget)
+        assert plan.chunk_rows == 128 and plan.total == total
+        assert plan.keep_graphs == keep and plan.graphs == sum(graphs[: keep - 1]), budget
+        assert plan.total + plan.graphs <= budget
 
 
 def test_budget_too_small_names_the_numbers_and_the_ways_out():
@@ -267,4 +310,23 @@ def test_grpo_budget_chunks_equal_one_forest(tiny, tmp_path, chunked_calls):  # 
     )
     assert plan.chunk_rows == 128
     assert logged["tree_prefix_reuse_kept_gib"] == [plan.kept_kv / 2**30] and plan.kept_kv > 0
-    assert logged["tree_prefix_reuse_peak_gib"] == [plan.total / 2**30] and plan.total <= budget_gib * 2**30
+    assert logged["tree_prefix_reuse_kept_graphs"] == [float(plan.keep_graphs)]
+    peak = plan.total + plan.graphs
+    assert logged["tree_prefix_reuse_peak_gib"] == [peak / 2**30] and peak <= budget_gib * 2**30
+
+
+def test_grpo_budget_keeping_every_graph_equals_one_forest(tiny, tmp_path, chunked_calls):  # noqa: F811
+    """Chunks of 128 rows and a budget that holds every chunk's forward graph: no chunk recomputed in the backward,
+    and the loss and every gradient still the one-forest trainer's."""
+    reuse = _grpo(tiny, tmp_path, tree_prefix_reuse=True, max_tokens_per_mb=128, tree_prefix_reuse_budget_gib=1.0)
+    inputs, sequences = _group_inputs(reuse, tiny[1], _prompts(SYSTEM * 3))
+    forwards = []
+    hook = reuse.model.model.register_forward_hook(lambda module, args, output: forwards.append(1))
+    try:
+        got = _loss_and_grads(reuse, inputs)
+    finally:
+        hook.remove()
+    chunks = plan_chunks(_forest(sequences), 128).num_chunks
+    assert chunked_calls == [chunks] and chunks >= 3 and len(forwards) == chunks  # none recomputed
+    assert reuse._metrics["train"]["tree_prefix_reuse_kept_graphs"] == [float(chunks)]
+    _assert_same(got, _loss_and_grads(_grpo(tiny, tmp_path / "whole"), inputs), dict(atol=1e-5, rtol=1e-5))

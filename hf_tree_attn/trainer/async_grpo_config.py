@@ -46,8 +46,10 @@ class TreeAsyncGRPOConfig(PolicyForwardOptions, CompileOptions, AsyncGRPOConfig)
         metadata={
             "help": "With tree_prefix_reuse=True: GiB per device the step's chunked forest's estimated peak may take "
             "(hf_tree_attn.reuse_planner); each step then runs in the largest chunks of at most token_budget rows (a "
-            "multiple of 128) that fit. Logged as tree_prefix_reuse_chunks, tree_prefix_reuse_kept_gib and "
-            "tree_prefix_reuse_peak_gib. None (default) = chunks of token_budget rows, not priced."
+            "multiple of 128) that fit, and keeps the forward graphs of as many of the last chunks as the rest holds "
+            "(each saving its recompute). Logged as tree_prefix_reuse_chunks, tree_prefix_reuse_kept_graphs, "
+            "tree_prefix_reuse_kept_gib and tree_prefix_reuse_peak_gib. None (default) = chunks of token_budget "
+            "rows, not priced, the last chunk's graph kept."
         },
     )
 

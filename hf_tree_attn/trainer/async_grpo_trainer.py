@@ -16,7 +16,7 @@ weight-transfer protocols, weight sync, the token-budget planner, the loss, metr
 
 With `tree_prefix_reuse=True` the rows of one optimizer step (its `gradient_accumulation_steps` micro-batches, as
 transformers' loop fetches them together, `get_batch_samples`) are one forest (`rollout_forest.step_forest`), scored
-by `forest_step.score_forests` in chunks of at most `token_budget` rows (`core.prefix_reuse_rows`) at the step's
+by `forest_step.score_forests` in chunks of at most `token_budget` rows (`core.prefix_reuse_chunks`) at the step's
 first micro-batch: a prefix the planner split across rows is forwarded once per step. Each micro-batch still runs
 TRL's loss on its own terms (so its normalisation by the row's trained tokens and by the accumulation steps is
 TRL's) and TRL's backward; those backwards stop at the step's log-probability table (`_ReuseStep`), and the last
@@ -49,7 +49,7 @@ from ..tree import PackedForest
 from . import trl_compat
 from .async_grpo_config import TreeAsyncGRPOConfig
 from .compile_setting import apply_compile, decide_compile
-from .core import prefix_reuse_gradient_sync, prefix_reuse_refusal, prefix_reuse_rows, tree_args
+from .core import prefix_reuse_chunks, prefix_reuse_gradient_sync, prefix_reuse_refusal, tree_args
 from .forest_step import recompute_plan, score_forests
 from .rollout_forest import StepForest, TreeDataCollatorForRollout, rank_forest, step_forest
 
@@ -224,14 +224,14 @@ class _ReuseStep:
         return self.taken == len(self.batches)
 
     def plan(self, trainer: TreeAsyncGRPOTrainer, model: torch.nn.Module) -> None:
-        """The chunk rows of the step's forest (`core.prefix_reuse_rows`: `token_budget`, or what
+        """The chunks of the step's forest (`core.prefix_reuse_chunks`: `token_budget` rows, or what
         `tree_prefix_reuse_budget_gib` allows; its estimate logged) and the rows its forward runs."""
         forest, args = self.step.forest, trainer.args
         logged = trl_compat.metrics(trainer)["train"]
-        self.chunk_rows = prefix_reuse_rows(
+        self.chunks = prefix_reuse_chunks(
             model, forest, args.token_budget, args.tree_prefix_reuse_budget_gib, lambda k, v: logged[k].append(v)
         )
-        chunks = plan_chunks(forest, self.chunk_rows) if self.chunk_rows is not None else None
+        chunks = plan_chunks(forest, self.chunks.rows) if self.chunks is not None else None
         self.forwarded = chunks.forwarded_rows if chunks is not None else forest.num_tree_tokens
 
     def forward_counts(self, k: int, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -251,7 +251,7 @@ class _ReuseStep:
         forest = self.step.forest.to(trainer.accelerator.device)
         (table,), (entropy,), _ = score_forests(
             model, [forest], [None], temperature=trainer.temperature, autocast=trainer.accelerator.autocast,
-            compute_entropy=True, prefix_reuse_rows=[self.chunk_rows],
+            compute_entropy=True, prefix_reuse_chunks=[self.chunks],
         )  # fmt: skip
         self.table, self.entropy = table, entropy.detach()
         self.leaf = table.detach().requires_grad_()

@@ -6,7 +6,7 @@ trainer decides the same way whether it may run them, and this module is that de
 - the options every tree config adds (`CompileOptions`, `TreeOptions`: `tree_packing`, `max_tokens_per_mb`,
   `tree_prefix_reuse`, `tree_max_token_ratio`, `tree_compile`), each normalised and checked with an error naming the
   value and the fix; what prefix reuse refuses of a run (`prefix_reuse_refusal`), the rows of its chunks
-  (`prefix_reuse_rows`, sized by `tree_prefix_reuse_budget_gib` where set) and, under DDP, its gradients averaged
+  (`prefix_reuse_chunks`, sized by `tree_prefix_reuse_budget_gib` where set) and, under DDP, its gradients averaged
   over the ranks once per optimizer step instead of by DDP's reducer (`prefix_reuse_gradient_sync`);
 - the model's attention: a model path is loaded on `tree_flex` (through `model_init_kwargs`), a model given on
   `sdpa` / `eager` is switched to it (`select_tree_attention`), and a model that falls back to TRL's path goes back
@@ -29,6 +29,7 @@ import logging
 import os
 import warnings
 from dataclasses import dataclass, field, fields
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -51,7 +52,8 @@ __all__ = [
     "check_prefix_reuse_fields",
     "prefix_reuse_gradient_sync",
     "prefix_reuse_refusal",
-    "prefix_reuse_rows",
+    "ReuseChunks",
+    "prefix_reuse_chunks",
     "restore_stock_attention",
     "select_tree_attention",
     "stock_attention",
@@ -157,8 +159,10 @@ class TreeOptions(CompileOptions):
             "chunk's layer activations, priced as tree_recompute prices them, plus the kept keys / values and their "
             "float32 gradients; hf_tree_attn.reuse_planner). Each forest then runs in the largest chunks of at most "
             "max_tokens_per_mb rows (a multiple of 128) that fit, possibly smaller ones; an error names the numbers "
-            "where none fits. Logged as tree_prefix_reuse_chunks, tree_prefix_reuse_kept_gib and "
-            "tree_prefix_reuse_peak_gib. None (default) = chunks of max_tokens_per_mb rows, not priced."
+            "where none fits. What the budget leaves beside that keeps the forward graphs of as many of the last "
+            "chunks as fit, each saving its recompute in the backward. Logged as tree_prefix_reuse_chunks, "
+            "tree_prefix_reuse_kept_graphs, tree_prefix_reuse_kept_gib and tree_prefix_reuse_peak_gib. None "
+            "(default) = chunks of max_tokens_per_mb rows, not priced, the last chunk's graph kept."
         },
     )
     tree_max_token_ratio: float = field(
@@ -549,28 +553,41 @@ def _broadcast_buffers(ddp: torch.nn.parallel.DistributedDataParallel) -> None:
         dist.broadcast(buffer, src=source, group=ddp.process_group)
 
 
-def prefix_reuse_rows(model, forest, max_tokens_per_mb: int, budget_gib: float | None, record) -> int | None:
-    """The rows of the chunks `forest` runs in with prefix reuse, or None for one forward of the whole forest.
+class ReuseChunks(NamedTuple):
+    """How a forest runs with prefix reuse: chunks of `rows` rows, the last `keep_graphs` of them with their forward
+    graphs kept for the backward (`hf_tree_attn.prefix_reuse.chunked_forest_logprobs`)."""
 
-    Without a budget: chunks of `max_tokens_per_mb` rows where the forest is larger. With `budget_gib`
-    (`tree_prefix_reuse_budget_gib`): the largest chunks, a multiple of the block and at most `max_tokens_per_mb`
-    rows, whose estimated peak fits (`hf_tree_attn.reuse_planner.plan_prefix_reuse`, the kept keys and values
-    priced in the weights' dtype: an upper bound under autocast); one chunk is one forward. Under FSDP2 a forest
-    of one chunk runs chunked too: ranks agree on their chunk counts there, and one forward would not pair with
-    another rank's chunks. Under grad the estimate goes to `record(name, value)`: `tree_prefix_reuse_chunks`,
-    `tree_prefix_reuse_kept_gib` (the kept keys and values) and `tree_prefix_reuse_peak_gib`.
+    rows: int
+    keep_graphs: int = 1
+
+
+def prefix_reuse_chunks(model, forest, max_tokens_per_mb: int, budget_gib: float | None, record) -> ReuseChunks | None:
+    """The chunks `forest` runs in with prefix reuse, or None for one forward of the whole forest.
+
+    Without a budget: chunks of `max_tokens_per_mb` rows where the forest is larger, the last one's graph kept. With
+    `budget_gib` (`tree_prefix_reuse_budget_gib`): the largest chunks, a multiple of the block and at most
+    `max_tokens_per_mb` rows, whose estimated peak fits (`hf_tree_attn.reuse_planner.plan_prefix_reuse`, the kept
+    keys and values priced in the weights' dtype: an upper bound under autocast), and as many of the last chunks'
+    graphs kept as the rest of the budget holds (each saves its recompute); one chunk is one forward. Under FSDP2 a
+    forest of one chunk runs chunked too: ranks agree on their chunk counts there, and one forward would not pair
+    with another rank's chunks. Under grad the estimate goes to `record(name, value)`: `tree_prefix_reuse_chunks`,
+    `tree_prefix_reuse_kept_graphs`, `tree_prefix_reuse_kept_gib` (the kept keys and values) and
+    `tree_prefix_reuse_peak_gib` (with the kept graphs).
     """
     one_chunk_too = fsdp2_sharded(model)  # every rank runs the chunked call and its dummies (prefix_reuse)
     if budget_gib is None:
-        return max_tokens_per_mb if forest.seq_len > max_tokens_per_mb or one_chunk_too else None
+        chunked = forest.seq_len > max_tokens_per_mb or one_chunk_too
+        return ReuseChunks(max_tokens_per_mb) if chunked else None
     plan = plan_prefix_reuse(
         model, forest, max_chunk_rows=max_tokens_per_mb, memory_budget_bytes=int(budget_gib * 2**30), block=BLOCK
     )
     if torch.is_grad_enabled():
         record("tree_prefix_reuse_chunks", float(plan.chunks.num_chunks))
+        record("tree_prefix_reuse_kept_graphs", float(min(plan.keep_graphs, plan.chunks.num_chunks)))
         record("tree_prefix_reuse_kept_gib", plan.kept_kv / 2**30)
-        record("tree_prefix_reuse_peak_gib", plan.total / 2**30)
-    return plan.chunk_rows if plan.chunks.num_chunks > 1 or one_chunk_too else None
+        record("tree_prefix_reuse_peak_gib", (plan.total + plan.graphs) / 2**30)
+    chunked = plan.chunks.num_chunks > 1 or one_chunk_too
+    return ReuseChunks(plan.chunk_rows, plan.keep_graphs) if chunked else None
 
 
 # ------------------------------------------------------------------ the decision

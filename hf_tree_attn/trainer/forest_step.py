@@ -30,6 +30,7 @@ from ..recompute import (
 )
 from ..tree import PackedForest
 from . import trl_compat
+from .core import ReuseChunks
 
 __all__ = ["PolicyForwardOptions", "plan_recompute", "recompute_plan", "score_forests", "unpriced_layers"]
 
@@ -190,9 +191,9 @@ def score_forests(
     compute_aux_loss: bool = False,
     recompute: tuple[int | None, bool] = (None, False),
     fp32_head: bool = False,
-    prefix_reuse_rows: Sequence[int | None] | None = None,
+    prefix_reuse_chunks: Sequence[ReuseChunks | None] | None = None,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor | None], torch.Tensor | None]:
-    """One forward per forest (or, with `prefix_reuse_rows`, chunks of it): `(tables, entropy_tables, aux_loss)`.
+    """One forward per forest (or, with `prefix_reuse_chunks`, chunks of it): `(tables, entropy_tables, aux_loss)`.
 
     Args:
         model: the (wrapped) tree_flex policy; its root module is called.
@@ -206,9 +207,9 @@ def score_forests(
             weighted by the sequences that contain it (`tree_router_aux_loss`), as a flat forward counts it.
         recompute: `(count, keep_attention)` from `recompute_plan`.
         fp32_head: the LM head in float32, autocast off (TRL's `cast_lm_head_to_fp32`).
-        prefix_reuse_rows: for each forest, the rows of the chunks it runs in, each shared prefix forwarded once
+        prefix_reuse_chunks: for each forest, the chunks it runs in, each shared prefix forwarded once
             (`hf_tree_attn.prefix_reuse.chunked_forest_logprobs`; every row with a parent is scored, `rows` aside),
-            or None for one forward (`core.prefix_reuse_rows` decides). No MoE aux loss with chunks.
+            or None for one forward (`core.prefix_reuse_chunks` decides). No MoE aux loss with chunks.
 
     Returns:
         `tables[i]` `(S_i,)` float32 log-probs indexed by row of `forests[i]` (0 at unscored rows), differentiable;
@@ -216,18 +217,18 @@ def score_forests(
     """
     tables, entropy_tables, router_logits = [], [], []
     count, keep_attention = recompute
-    chunk_rows = list(prefix_reuse_rows) if prefix_reuse_rows is not None else [None] * len(forests)
-    if compute_aux_loss and any(r is not None for r in chunk_rows):
+    chunks = list(prefix_reuse_chunks) if prefix_reuse_chunks is not None else [None] * len(forests)
+    if compute_aux_loss and any(c is not None for c in chunks):
         raise NotImplementedError(
-            "Prefix reuse returns no router logits, so no MoE load-balancing loss: use prefix_reuse_rows=None."
+            "Prefix reuse returns no router logits, so no MoE load-balancing loss: use prefix_reuse_chunks=None."
         )
     with recompute_only(model, count, keep_attention=keep_attention):
-        for forest, scored, reuse_rows in zip(forests, rows, chunk_rows, strict=True):
-            if reuse_rows is not None:
+        for forest, scored, reuse in zip(forests, rows, chunks, strict=True):
+            if reuse is not None:
                 with autocast():
                     table, entropy_table = chunked_forest_logprobs(
-                        model, forest, reuse_rows, temperature=temperature, return_entropy=compute_entropy,
-                        fp32_head=fp32_head,
+                        model, forest, reuse.rows, temperature=temperature, return_entropy=compute_entropy,
+                        fp32_head=fp32_head, keep_graphs=reuse.keep_graphs,
                     )  # fmt: skip
                 tables.append(table)
                 entropy_tables.append(entropy_table)

@@ -45,7 +45,7 @@ from ..prefix_reuse import chunked_forest_scores
 from ..support import fsdp2_sharded, rope_length_limit, rope_split_lengths, unwrap_model
 from ..targets import TargetPlan, expanded_index
 from ..tree import PackedForest, pack_forest
-from .core import prefix_reuse_rows
+from .core import prefix_reuse_chunks
 from .mixed_precision_forward import MixedPrecisionLayer, peel, wrap
 from .trl_compat import (
     CHUNKED_LOGPROB_OUTPUTS,
@@ -263,7 +263,8 @@ class TreeLMHead:
             (forest rows / real tokens) and `tree_compute_ratio` (forest rows / tokens TRL's forward computes).
         prefix_reuse: one forest per call, run in chunks of `max_tokens_per_mb` rows (see the module docstring).
         prefix_reuse_budget_gib: with `prefix_reuse`, the chunks are the largest whose estimated peak fits this
-            many GiB (`core.prefix_reuse_rows`, which also records the estimate); None = `max_tokens_per_mb` rows.
+            many GiB (`core.prefix_reuse_chunks`, which also records the estimate, and keeps as many of the last
+            chunks' graphs as the rest of it holds); None = `max_tokens_per_mb` rows.
     """
 
     def __init__(
@@ -405,13 +406,17 @@ class TreeLMHead:
             sources, targets, _ = scored.pairs
             forest = forest.to(embeddings)
             forests.append(forest)
-            rows = None
+            reuse = None
             if self.prefix_reuse:
-                rows = prefix_reuse_rows(
+                reuse = prefix_reuse_chunks(
                     caller, forest, self.max_tokens_per_mb, self.prefix_reuse_budget_gib, self.record
                 )
-            if rows is not None:
-                pair_values.append(chunked_forest_scores(caller, forest, rows, sources, targets, head))
+            if reuse is not None:
+                pair_values.append(
+                    chunked_forest_scores(
+                        caller, forest, reuse.rows, sources, targets, head, keep_graphs=reuse.keep_graphs
+                    )
+                )
                 continue
             inputs = forest_forward_kwargs(forest, embeddings)
             router_kwargs = {"output_router_logits": True} if router else {}

@@ -56,7 +56,7 @@ from .balance import (
     split_micro_batches,
     step_imbalance,
 )
-from .core import TreeOptions, TreeTrainerMixin, block_budget, prefix_reuse_rows, stock_attention, tree_args
+from .core import TreeOptions, TreeTrainerMixin, block_budget, prefix_reuse_chunks, stock_attention, tree_args
 from .forest_step import PolicyForwardOptions, _log_once, recompute_plan, score_forests
 from .reward import tree_reward_models
 from .trl_compat import (
@@ -579,19 +579,19 @@ class TreeGroupTrainerMixin(TreeTrainerMixin):
 
     def _idle_forwards(self, model, count: int) -> torch.Tensor:
         """`count` forwards of a 2-token forest whose result enters the graph with weight 0 (a scalar 0). With prefix
-        reuse each is scored as the real forests are (`core.prefix_reuse_rows`: under FSDP2 chunked, with as many
+        reuse each is scored as the real forests are (`core.prefix_reuse_chunks`: under FSDP2 chunked, with as many
         chunks as the other ranks' forest in the same place)."""
         pad = trl_compat.tokenizer(self).pad_token_id or 0
         (forest,) = pack_forest([[pad, pad]])
         forest = forest.to(self.accelerator.device)
-        reuse_rows = None
+        reuse = None
         if self._prefix_reuse_rows is not None:
-            reuse_rows = [prefix_reuse_rows(model, forest, self._prefix_reuse_rows, None, lambda k, v: None)]
+            reuse = [prefix_reuse_chunks(model, forest, self._prefix_reuse_rows, None, lambda k, v: None)]
         total = torch.zeros((), device=self.accelerator.device)
         for _ in range(count):
             tables, _, _ = score_forests(
                 model, [forest], [None], temperature=self.temperature, autocast=self.accelerator.autocast,
-                prefix_reuse_rows=reuse_rows,
+                prefix_reuse_chunks=reuse,
             )  # fmt: skip
             total = total + tables[0].sum()
         return 0.0 * total
@@ -611,19 +611,19 @@ class TreeGroupTrainerMixin(TreeTrainerMixin):
         logps = torch.zeros(num_rows, logits_to_keep, dtype=torch.float32, device=device)
         entropies = torch.zeros_like(logps) if compute_entropy else None
         fp32_head = getattr(self.args, "cast_lm_head_to_fp32", False)  # GRPO's setting; RLOO's head has none
-        reuse_rows = None
+        reuse = None
         if self._prefix_reuse_rows is not None:
             budget = self.args.tree_prefix_reuse_budget_gib
             record = trl_compat.metrics(self)["train"]
-            reuse_rows = [
-                prefix_reuse_rows(model, f.forest, self._prefix_reuse_rows, budget, lambda k, v: record[k].append(v))
+            reuse = [
+                prefix_reuse_chunks(model, f.forest, self._prefix_reuse_rows, budget, lambda k, v: record[k].append(v))
                 for f in packed
             ]
         tables, entropy_tables, aux_loss = score_forests(
             model, [f.forest for f in packed], [f.plan.scored_rows for f in packed], temperature=self.temperature,
             autocast=self.accelerator.autocast, compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss,
             recompute=self._layers_to_checkpoint(packed), fp32_head=fp32_head,
-            prefix_reuse_rows=reuse_rows,
+            prefix_reuse_chunks=reuse,
         )  # fmt: skip
         for f, table, entropy_table in zip(packed, tables, entropy_tables):
             logps = logps.index_put((f.row, f.column), f.plan.read(table))
