@@ -13,7 +13,7 @@ or with `--optimizer` an AdamW step at learning rate 0, which holds and updates 
   `HF_TREE_ATTN_PREFIX_REUSE_CUDA=flex` unless set otherwise).
 - `reuse_kept` (only where asked for): the same with every chunk's forward graph kept for the backward
   (`keep_graphs`), no chunk recomputed there; paired with `split` (`paired_kept`, `agreement_kept`) and with
-  `reuse` (`paired_reuse_vs_kept`: reuse's seconds over reuse_kept's per step).
+  `reuse` (`paired_reuse_vs_kept`: reuse's seconds over reuse_kept's per step; `agreement_reuse_vs_kept`).
 
 The loss is the same for both: a fixed random weight per scored token times its log-probability, summed, over the
 step's scored tokens. Random-weight bf16 models of the named shapes (no download), every decoder layer checkpointed
@@ -233,14 +233,22 @@ def measure(model_name: str, workload: str, args, save, earlier: dict) -> dict:
             print(f"  split vs {reuse_method}: {pair['median']:.2f}x [{pair['min']:.2f}, {pair['max']:.2f}] "
                   f"{'FAILED agreement' if pair['failed'] else 'agrees'} (max |dlogp| {check['max_abs']:.3g}, "
                   f"gradient cosine {check['gradient_cosine']:.5f})", flush=True)  # fmt: skip
-    if {"reuse", "reuse_kept"} <= measured:  # the recomputes the kept graphs save, per step
+    if {"reuse", "reuse_kept"} <= measured and {"reuse", "reuse_kept"} <= firsts.keys():
+        # the recomputes the kept graphs save, per step; the two agree as each agrees with the split
+        check = agreement(firsts["reuse_kept"]["logps"], firsts["reuse"]["logps"], bound=LOGPROB_BOUND[args.dtype])
+        check["gradient_cosine"] = gradient_cosine(firsts["reuse_kept"]["grads"], firsts["reuse"]["grads"])
+        check["passed"] = check["passed"] and check["gradient_cosine"] >= GRAD_COSINE
+        row["agreement_reuse_vs_kept"] = check
         try:
             pair = paired(row["methods"]["reuse"]["measured_step_s"], row["methods"]["reuse_kept"]["measured_step_s"])
         except ValueError as error:
             pair = {"error": str(error)}
+        pair["failed"] = not check["passed"]
         row["paired_reuse_vs_kept"] = pair
         if "median" in pair:
-            print(f"  reuse vs reuse_kept: {pair['median']:.2f}x [{pair['min']:.2f}, {pair['max']:.2f}]", flush=True)
+            print(f"  reuse vs reuse_kept: {pair['median']:.2f}x [{pair['min']:.2f}, {pair['max']:.2f}] "
+                  f"{'FAILED agreement' if pair['failed'] else 'agrees'} (max |dlogp| {check['max_abs']:.3g}, "
+                  f"gradient cosine {check['gradient_cosine']:.5f})", flush=True)  # fmt: skip
     del model, firsts
     if args.device == "cuda":
         torch.cuda.empty_cache()

@@ -39,6 +39,21 @@ def test_reuse_with_every_graph_kept_agrees_and_is_paired_with_both():
     assert row["methods"]["reuse_kept"]["forwarded"] == row["unique"]
     assert row["paired_kept"]["steps"] == row["paired_reuse_vs_kept"]["steps"] == 8
     assert not row["paired_kept"]["failed"] and row["paired_reuse_vs_kept"]["median"] > 0
+    check = row["agreement_reuse_vs_kept"]
+    assert check["passed"] and check["max_abs"] < 1e-5 and not row["paired_reuse_vs_kept"]["failed"], check
+
+
+def test_a_kept_graph_step_that_is_off_fails_both_its_ratios(monkeypatch):
+    step = bench.step
+
+    def off(model, sequences, budget, method, weights, scored):
+        logps = step(model, sequences, budget, method, weights, scored)
+        return [lp + 0.01 for lp in logps] if method == "reuse_kept" else logps
+
+    monkeypatch.setattr(bench, "step", off)
+    args = argparse.Namespace(**{**ARGS, "methods": ["split", "reuse", "reuse_kept"], "steps": 8})
+    row = bench.measure("tiny", "smoke", args, save=lambda row: None, earlier={})
+    assert row["paired_kept"]["failed"] and row["paired_reuse_vs_kept"]["failed"] and not row["paired"]["failed"]
 
 
 def test_a_reuse_step_that_is_off_fails_the_row(monkeypatch):
