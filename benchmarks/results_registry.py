@@ -121,6 +121,7 @@ SOURCES = {
     "tree_vs_flat_h200.png": None,
     "prefix_reuse_plan_cpu.json": None,
     "prefix_reuse_gpu_h200_qwen3-0.6b.json": "prefix-reuse-gpu-split",
+    "prefix_reuse_kept_cpu_qwen3-0.6b.json": None,
 }
 
 # Through trainer.train(), generation a `rollout_func`, each side in its own process, paired per step
@@ -268,6 +269,8 @@ BEYOND_GRPO = [
 PREFIX_REUSE_PLAN = "prefix_reuse_plan_cpu.json"
 # bench_prefix_reuse_gpu.py on the H200: split vs prefix reuse, each in its own process.
 PREFIX_REUSE_GPU = ["prefix_reuse_gpu_h200_qwen3-0.6b.json"]
+# bench_prefix_reuse_gpu.py --methods reuse reuse_kept: every chunk's forward graph kept against recomputing them.
+PREFIX_REUSE_KEPT = ["prefix_reuse_kept_cpu_qwen3-0.6b.json"]
 # The same on the harness (each side in its own process, paired per step, agreement checked): its rows supersede
 # the older files' rows of the same workloads.
 BEYOND_PAIRED = ["trees_beyond_grpo_h200_paired.json"]
@@ -452,6 +455,10 @@ NOTES = {
     "114.1 s, compiled its layers on a fresh machine (dynamo 110.0 s, of which inductor's forward graph 78.2 s and "
     "backward 14.8 s). TRL's `GRPOTrainer` pads each micro-batch to its longest sequence (prompts up to 6,000 "
     "tokens), which its MFU (model FLOPs of the step's prefix forest, one formula for both sides) shows.",
+    "prefix_reuse_kept_cpu_qwen3-0.6b.json": "on the CPU (2 cores, float32), where a step's backward takes most of "
+    "its time: each of the three forwards the kept graphs save is a smaller share of the step than on a GPU, where "
+    "a backward costs about twice a forward. The forwards saved are counted exactly in `tests/test_chunked.py` (a "
+    "chunk forward per chunk and none recomputed, against one recompute per chunk but the last). Not yet run on a GPU.",
     "prefix_reuse_plan_cpu.json": "the planner's estimates, with every layer checkpointed and bf16 keys and values: "
     "a chunk's context keys and values are gathered layer by layer in its backward and let go with the layer, so its "
     "context costs about one layer's worth (it was every layer's, three times at float32 width: 74 GiB of the 8B "

@@ -48,6 +48,7 @@ from results_registry import (
     PREFIX_NEW_SHAPES,
     PREFIX_PARTS,
     PREFIX_REUSE_GPU,
+    PREFIX_REUSE_KEPT,
     PREFIX_REUSE_PLAN,
     PREFIX_RUNS,
     PROBES_ON_GPU,
@@ -444,7 +445,7 @@ def prefix_reuse_plan() -> list[str]:
                "forwarded / unique, prefix reuse", "model shape",
                "reuse peak estimate GiB (activations / context / kept K/V + grads)", "least estimate GiB",
                "source"]  # fmt: skip
-    return table(headers, rows) + notes.lines() + prefix_reuse_gpu()
+    return table(headers, rows) + notes.lines() + prefix_reuse_gpu() + prefix_reuse_kept()
 
 
 def prefix_reuse_gpu() -> list[str]:
@@ -473,6 +474,32 @@ def prefix_reuse_gpu() -> list[str]:
     headers = ["model shape", "workload", "budget", "split: median step [range], forwarded / unique, MFU, peak",
                "prefix reuse: the same", "split over reuse, per step", "source"]  # fmt: skip
     return table(headers, rows) + notes.lines()
+
+
+def prefix_reuse_kept() -> list[str]:
+    """bench_prefix_reuse_gpu.py --methods reuse reuse_kept: recomputing each chunk in the backward against keeping
+    every chunk's forward graph, paired per step."""
+    notes, rows = Notes(), []
+    for name in PREFIX_REUSE_KEPT:
+        data = load(name)
+        for row in data["rows"]:
+            cells = []
+            for method in ("reuse", "reuse_kept"):
+                measured = row["methods"][method]["measured_step_s"]
+                cells.append(f"{secs(statistics.median(measured))} [{min(measured):.2f}, {max(measured):.2f} s]")
+            check = row["agreement_reuse_vs_kept"]
+            rows.append([
+                f"{MODELS[row['model']]}, {data['gpu']} {data['dtype']}", f"`{row['workload']}`",
+                f"{row['unique']:,} rows in chunks of {row['budget']:,}", *cells, ranged(row["paired_reuse_vs_kept"]),
+                f"max abs {check['max_abs']:.1e}, gradient cosine {check['gradient_cosine']:.6f}",
+                notes.source(name),
+            ])  # fmt: skip
+    headers = ["model shape, device", "workload", "forest", "recomputing: median step [range]",
+               "every graph kept: the same", "recomputing over kept, per step", "agreement (log-probs, gradients)",
+               "source"]  # fmt: skip
+    return ["", "Prefix reuse keeping every chunk's forward graph for the backward, against recomputing each but the "
+            "last there (`bench_prefix_reuse_gpu.py --methods reuse reuse_kept`, each layer checkpointed):", "",
+            *table(headers, rows), *notes.lines()]  # fmt: skip
 
 
 def flop_ceiling_and_mfu() -> list[str]:

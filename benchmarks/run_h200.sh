@@ -372,6 +372,14 @@ for stage in "$@"; do
         || cp benchmarks/results/prefix_reuse_gpu_h200_qwen3-0.6b.json "$OUT/"
       timeout 560 python3 benchmarks/bench_prefix_reuse_gpu.py --models qwen3-0.6b --workloads agent_2x20x4 \
         --methods reuse --resume --warmup 2 --steps 8 --first-dir /tmp/prefix_reuse_first \
+        --out "$OUT/prefix_reuse_gpu_h200_qwen3-0.6b.json" 2>&1 | quiet 12
+      cp "$OUT/prefix_reuse_gpu_h200_qwen3-0.6b.json" /tmp/prefix_reuse_gpu_h200_qwen3-0.6b.json ;;
+    prefix-reuse-gpu-kept)  # the same step with every chunk's forward graph kept for the backward (no chunk recomputed
+      # there), after `prefix-reuse-gpu`, paired with its split and its recomputing reuse step by step
+      cp /tmp/prefix_reuse_gpu_h200_qwen3-0.6b.json "$OUT/" 2>/dev/null \
+        || cp benchmarks/results/prefix_reuse_gpu_h200_qwen3-0.6b.json "$OUT/"
+      timeout 560 python3 benchmarks/bench_prefix_reuse_gpu.py --models qwen3-0.6b --workloads agent_2x20x4 \
+        --methods reuse_kept --resume --warmup 2 --steps 8 --first-dir /tmp/prefix_reuse_first \
         --out "$OUT/prefix_reuse_gpu_h200_qwen3-0.6b.json" 2>&1 | quiet 12 ;;
     prefix-reuse-gpu-no-ckpt)  # prefix reuse on the same step without the model's own layer checkpointing (each chunk
       # recomputed once, not each layer again in the backward), in 32k-row chunks for the activations it then holds
