@@ -581,13 +581,15 @@ def prefix_reuse_chunks(model, forest, max_tokens_per_mb: int, budget_gib: float
     plan = plan_prefix_reuse(
         model, forest, max_chunk_rows=max_tokens_per_mb, memory_budget_bytes=int(budget_gib * 2**30), block=BLOCK
     )
+    # Under FSDP2 only the last chunk's graph is kept (`prefix_reuse._Step`: each chunk one FSDP2 pass).
+    keep, graphs = (1, 0) if one_chunk_too else (plan.keep_graphs, plan.graphs)
     if torch.is_grad_enabled():
         record("tree_prefix_reuse_chunks", float(plan.chunks.num_chunks))
-        record("tree_prefix_reuse_kept_graphs", float(min(plan.keep_graphs, plan.chunks.num_chunks)))
+        record("tree_prefix_reuse_kept_graphs", float(min(keep, plan.chunks.num_chunks)))
         record("tree_prefix_reuse_kept_gib", plan.kept_kv / 2**30)
-        record("tree_prefix_reuse_peak_gib", (plan.total + plan.graphs) / 2**30)
+        record("tree_prefix_reuse_peak_gib", (plan.total + graphs) / 2**30)
     chunked = plan.chunks.num_chunks > 1 or one_chunk_too
-    return ReuseChunks(plan.chunk_rows, plan.keep_graphs) if chunked else None
+    return ReuseChunks(plan.chunk_rows, keep) if chunked else None
 
 
 # ------------------------------------------------------------------ the decision
