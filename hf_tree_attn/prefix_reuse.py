@@ -409,13 +409,13 @@ class _Step:
             self.size = len(sources)
         self.present: list[bool] | None = None  # which of the head's outputs are tensors (known after a chunk)
         self.released = False  # the stores freed by the backward
-        # The last chunks run with autograd in the forward, their graphs kept for the backward (under FSDP the last
-        # alone: every chunk's forward and backward one FSDP2 pass): position -> (context, items, outputs).
-        self.keep_graphs = 1 if fsdp2_sharded(model) else keep_graphs
-        self.kept: dict[int, tuple] = {}
         # The chunks in the order they run: their indices, then under FSDP the dummies (-1) that give every rank
         # the same number of chunks (`_fsdp_dummies`).
         self.fsdp = fsdp2_sharded(model)
+        # The last chunks run with autograd in the forward, their graphs kept for the backward (under FSDP the last
+        # alone: every chunk's forward and backward one FSDP2 pass): position -> (context, items, outputs).
+        self.keep_graphs = 1 if self.fsdp else keep_graphs
+        self.kept: dict[int, tuple] = {}
         self.order = np.flatnonzero(self.runs).tolist()
         if self.fsdp:
             self.order += [-1] * _fsdp_dummies(model, len(self.order), self.device)
