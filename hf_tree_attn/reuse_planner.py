@@ -27,8 +27,8 @@ What the budget leaves beside that peak buys back recomputes: the last chunk's f
 (the backward's first chunk, priced above), and as many chunks before it as fit keep theirs too (`ReusePlan.
 keep_graphs`), each holding what its layers keep for the backward (`hf_tree_attn.recompute`'s price per row: with the
 model's own checkpointing, the layers' inputs) from its forward until its backward. Each kept graph saves one forward
-of its rows: with every layer checkpointed a recomputed chunk runs four forwards' worth (the forward, the chunk's
-recompute, the layers' recompute, the backward's two), a kept one three, what the split into micro-batches costs per
+of its rows: with every layer checkpointed a recomputed chunk runs five forwards' worth (the forward, the chunk's
+recompute, the layers' recompute, the backward's two), a kept one four, what the split into micro-batches costs per
 forwarded row.
 
 The tiny example of `hf_tree_attn.tree` (`[[5, 6, 7, 8], [5, 6, 9]]`)::
