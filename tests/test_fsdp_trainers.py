@@ -10,8 +10,9 @@ paths as on GPUs.
   ranks); `TreeRewardTrainer` against TRL's `RewardTrainer`.
 - The same with prefix reuse, whose chunks the fused head runs inside the model's own forward (FSDP2's backward of
   that forward is under way when the chunks' backwards run; each is made a pass of its own,
-  `hf_tree_attn.fsdp2_compat`): SFT with rank 0's forests in 3 chunks and rank 1's in 2, with LoRA, and with one
-  rank's micro-batch on TRL's forward (the other rank's follows); DPO, its policy and reference forests in chunks.
+  `hf_tree_attn.fsdp2_compat`): SFT with rank 0's forests in 3 chunks and rank 1's in 2, with LoRA, on a Qwen3.5
+  hybrid, and with one rank's micro-batch on TRL's forward (the other rank's follows); DPO, its policy and
+  reference forests in chunks.
 
 With prefix reuse the ranks must run as many chunks (dummies on the ranks with fewer), as many forests (idle ones on
 the ranks with fewer) and the same path (tree or TRL's flat forward) for every micro-batch, since FSDP2 gathers
@@ -133,10 +134,13 @@ def _run_rank(model_path: str, async_path: str, out_dir: str) -> None:
         ("reuse fallback", True, True, 0.56, None),
         ("lora reuse", True, True, 1.0, lora),
         ("lora trl", False, False, 1.0, lora),
+        ("hybrid reuse", True, True, 1.0, None),  # a Qwen3.5: recurrent states and convolution inputs kept too
+        ("hybrid tree", False, True, 1.0, None),  # each micro-batch one forest, no chunks
     ]
     for run, reuse, packing, ratio, peft_config in sft_runs:
+        path = str(Path(model_path).parent / "hybrid_model") if run.startswith("hybrid") else model_path
         trainer, gradients, chunks = _train_sft(
-            model_path, out / f"sft_{run}", reuse, peft_config=peft_config, tree_packing=packing,
+            path, out / f"sft_{run}", reuse, peft_config=peft_config, tree_packing=packing,
             tree_max_token_ratio=ratio, **FSDP2,
         )  # fmt: skip
         trainers.append(trainer)
@@ -228,12 +232,18 @@ def test_sft_equals_trl_under_fsdp2(runs):
         _assert_close(tree["weights"], trl["weights"], f"SFT, rank {rank} weights")
 
 
-@pytest.mark.parametrize("run, want", [("reuse", "trl"), ("reuse fallback", "trl"), ("lora reuse", "lora trl")])
+@pytest.mark.parametrize(
+    "run, want",
+    [("reuse", "trl"), ("reuse fallback", "trl"), ("lora reuse", "lora trl"), ("hybrid reuse", "hybrid tree")],
+)
 def test_sft_with_prefix_reuse_equals_trl_under_fsdp2(runs, run, want):
     """Prefix reuse in TRL's fused head, whose chunks run inside the model's own forward (each chunk's backward an
     FSDP2 pass of its own): every batch one forest, rank 0's in 3 chunks, rank 1's in 2 and a dummy; TRL's gradients
     at every step and its weights. Where rank 1's micro-batch takes TRL's forward, rank 0's takes it too (no
-    deadlock, both log the same fallbacks). With LoRA, TRL's adapter gradients and weights."""
+    deadlock, both log the same fallbacks). With LoRA, TRL's adapter gradients and weights; on a Qwen3.5 hybrid (its
+    recurrent states and convolution inputs kept between chunks), those of each micro-batch as one forest (the same
+    tree kernels: against TRL's flat delta rule fp32 differs in the last digits of near-zero gradients, which the
+    one-process tests bound against a float64 reference)."""
     from test_prefix_reuse_ddp import SFT_STEPS, _assert_close
 
     fallback = [0.5] * SFT_STEPS if run == "reuse fallback" else [0.0] * SFT_STEPS
