@@ -412,8 +412,10 @@ class _Step:
         # The chunks in the order they run: their indices, then under FSDP the dummies (-1) that give every rank
         # the same number of chunks (`_fsdp_dummies`).
         self.fsdp = fsdp2_sharded(model)
-        # The last chunks run with autograd in the forward, their graphs kept for the backward (under FSDP the last
-        # alone: every chunk's forward and backward one FSDP2 pass): position -> (context, items, outputs).
+        # The last chunks run with autograd in the forward, their graphs kept for the backward: position -> (context,
+        # items, outputs). Under FSDP the last alone: each chunk's backward is an FSDP2 pass, at whose end FSDP2
+        # reshards the root's parameters (embeddings, LM head), which an earlier chunk's graph kept from the forward
+        # would read back freed (a trial failed so); a recompute gathers them again in its forward.
         self.keep_graphs = 1 if self.fsdp else keep_graphs
         self.kept: dict[int, tuple] = {}
         self.order = np.flatnonzero(self.runs).tolist()
