@@ -458,7 +458,8 @@ NOTES = {
     "prefix_reuse_kept_cpu_qwen3-0.6b.json": "on the CPU (2 cores, float32), where a step's backward takes most of "
     "its time: each of the three forwards the kept graphs save is a smaller share of the step than on a GPU, where "
     "a backward costs about twice a forward. The forwards saved are counted exactly in `tests/test_chunked.py` (a "
-    "chunk forward per chunk and none recomputed, against one recompute per chunk but the last). Not yet run on a GPU.",
+    "chunk forward per chunk and none recomputed, against one recompute per chunk but the last). Not yet run on a "
+    "GPU.",
     "prefix_reuse_plan_cpu.json": "the planner's estimates, with every layer checkpointed and bf16 keys and values: "
     "a chunk's context keys and values are gathered layer by layer in its backward and let go with the layer, so its "
     "context costs about one layer's worth (it was every layer's, three times at float32 width: 74 GiB of the 8B "

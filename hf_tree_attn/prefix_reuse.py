@@ -238,7 +238,7 @@ def chunked_forest_logprobs(
         keep_graphs: under grad, the last chunks whose forward runs with autograd, the graph kept for the backward
             instead of recomputed there: each saves one forward of its rows and holds what its forward keeps for
             the backward (with the model's own checkpointing, its layers' inputs) until its backward runs
-            (`reuse_planner.plan_prefix_reuse` picks how many fit a budget). At least 1; under FSDP2 1.
+            (`reuse_planner.plan_prefix_reuse` picks how many fit a budget). At least 1.
 
     Returns:
         `(logps, entropy)`, each `(S,)` float32 indexed by the forest's rows (0 at unscored rows); `entropy` is None
@@ -413,14 +413,15 @@ class _Step:
         # the same number of chunks (`_fsdp_dummies`).
         self.fsdp = fsdp2_sharded(model)
         # The last chunks run with autograd in the forward, their graphs kept for the backward: position -> (context,
-        # items, outputs). Under FSDP the last alone: each chunk's backward is an FSDP2 pass, at whose end FSDP2
-        # reshards the root's parameters (embeddings, LM head), which an earlier chunk's graph kept from the forward
-        # would read back freed (a trial failed so); a recompute gathers them again in its forward.
-        self.keep_graphs = 1 if self.fsdp else keep_graphs
+        # items, outputs). Under FSDP each kept graph's backward after the first gathers the parameters outside the
+        # decoder layers first (`_regather_outer_params`), and every rank recomputes as many chunks as the rank that
+        # recomputes the most (a kept chunk and a recomputed one call different collectives; dummies count as kept).
+        self.keep_graphs = keep_graphs
         self.kept: dict[int, tuple] = {}
         self.order = np.flatnonzero(self.runs).tolist()
         if self.fsdp:
-            self.order += [-1] * _fsdp_dummies(model, len(self.order), self.device)
+            dummies, self.keep_graphs = _fsdp_dummies(model, len(self.order), self.device, keep_graphs)
+            self.order += [-1] * dummies
 
     def forward(self, keep: bool = False) -> tuple[torch.Tensor, ...]:
         """The chunks in order, without autograd; with `keep` (a backward follows) the last `keep_graphs` chunks with
@@ -478,6 +479,8 @@ class _Step:
                 stack.enter_context(torch.enable_grad())
                 if kept:
                     context, items, values = self.kept.pop(k)
+                    if self.fsdp and k < len(self.order) - 1:
+                        _regather_outer_params(self.model)
                 else:
                     context, items, values = self._run(c, backward=True)
                 # The outputs the loss reads: a zero gradient (an output only metrics read) adds nothing.
@@ -911,17 +914,35 @@ class ChunkContext:
         store.index_copy_(0, slots, values.detach().to(store.dtype))
 
 
-def _fsdp_dummies(model: torch.nn.Module, chunks: int, device: torch.device) -> int:
-    """How many dummy chunks this rank runs so that every rank runs as many chunks as the rank with the most.
+def _regather_outer_params(model: torch.nn.Module) -> None:
+    """Gather again, before the backward of a graph kept from the forward, the parameters of the FSDP2 modules other
+    than decoder layers (the embeddings, the final norm and LM head, the root), which the previous chunk's FSDP2 pass
+    resharded at its end: the graph saved them in its forward, and the LM head's are read before any pre-backward
+    hook of theirs runs. Each decoder layer's hook gathers its own. A collective every rank calls alike (the ranks
+    run as many chunks, and keep the graphs of as many)."""
+    from torch.distributed.fsdp import FSDPModule
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule) and not isinstance(module, GradientCheckpointingLayer):
+            module.unshard()
+
+
+def _fsdp_dummies(model: torch.nn.Module, chunks: int, device: torch.device, keep_graphs: int) -> tuple[int, int]:
+    """`(dummies, keep_graphs)`: how many dummy chunks this rank runs so that every rank runs as many chunks as the
+    rank with the most, and how many of them keep their graphs on every rank: all but as many as the rank that
+    recomputes the most recomputes (this rank asked to keep `keep_graphs` of its own `chunks`).
 
     FSDP2 gathers each sharded module's parameters in its forward (and its backward) and reduce-scatters their
     gradients in the backward: collectives every rank must call alike. Ranks cut their forests into different
     numbers of chunks, so the ones with fewer run dummy chunks (one row, keeping and scoring nothing, its gradient
     zero) until they match. A dummy keeps no key, value, state or convolution input: it reruns the forest's first row
     after every real chunk, and what it kept would replace what chunk 0 kept, which the backward's recomputes read."""
-    count = torch.tensor([chunks], device=device if device.type == "cuda" else "cpu")
-    torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX)
-    return int(count.item()) - chunks
+    recomputed = chunks - min(keep_graphs, chunks)
+    counts = torch.tensor([chunks, recomputed], device=device if device.type == "cuda" else "cpu")
+    torch.distributed.all_reduce(counts, op=torch.distributed.ReduceOp.MAX)
+    total, recomputed = (int(c) for c in counts.tolist())
+    return total - chunks, max(1, total - recomputed)
 
 
 def _rng_state(device: torch.device) -> tuple:

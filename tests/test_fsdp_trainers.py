@@ -10,9 +10,9 @@ paths as on GPUs.
   ranks); `TreeRewardTrainer` against TRL's `RewardTrainer`.
 - The same with prefix reuse, whose chunks the fused head runs inside the model's own forward (FSDP2's backward of
   that forward is under way when the chunks' backwards run; each is made a pass of its own,
-  `hf_tree_attn.fsdp2_compat`): SFT with rank 0's forests in 3 chunks and rank 1's in 2, with LoRA, on a Qwen3.5
-  hybrid, and with one rank's micro-batch on TRL's forward (the other rank's follows); DPO, its policy and
-  reference forests in chunks.
+  `hf_tree_attn.fsdp2_compat`): SFT with rank 0's forests in 3 chunks and rank 1's in 2, with every chunk's graph
+  kept from the forward, with LoRA, on a Qwen3.5 hybrid, and with one rank's micro-batch on TRL's forward (the other
+  rank's follows); DPO, its policy and reference forests in chunks.
 
 With prefix reuse the ranks must run as many chunks (dummies on the ranks with fewer), as many forests (idle ones on
 the ranks with fewer) and the same path (tree or TRL's flat forward) for every micro-batch, since FSDP2 gathers
@@ -90,6 +90,7 @@ def _run_rank(model_path: str, async_path: str, out_dir: str) -> None:
     from test_prefix_reuse_ddp import _full, _Spy, _train_grpo, _train_sft
     from transformers import AutoTokenizer
 
+    from hf_tree_attn import prefix_reuse
     from hf_tree_attn.trainer import forest_step, fused_head
 
     # A collective one rank never joins fails after this long instead of hanging until the subprocess timeout.
@@ -127,21 +128,32 @@ def _run_rank(model_path: str, async_path: str, out_dir: str) -> None:
     report["idle"] = _idle_pairs_with_chunks(trainers[0])
     # (name, prefix reuse, tree_packing, tree_max_token_ratio, peft_config). At ratio 0.56 rank 1's first
     # micro-batch of each step (0.57 of TRL's padded rows) takes TRL's forward, and with it rank 0's (0.52).
+    # "reuse kept": a budget that keeps every chunk's forward graph for the backward.
+    kept = {"tree_prefix_reuse_budget_gib": 1.0}
     sft_runs = [
-        ("tree", False, True, 1.0, None),
-        ("trl", False, False, 1.0, None),
-        ("reuse", True, True, 1.0, None),
-        ("reuse fallback", True, True, 0.56, None),
-        ("lora reuse", True, True, 1.0, lora),
-        ("lora trl", False, False, 1.0, lora),
-        ("hybrid reuse", True, True, 1.0, None),  # a Qwen3.5: recurrent states and convolution inputs kept too
-        ("hybrid tree", False, True, 1.0, None),  # each micro-batch one forest, no chunks
+        ("tree", False, True, 1.0, None, {}),
+        ("trl", False, False, 1.0, None, {}),
+        ("reuse", True, True, 1.0, None, {}),
+        ("reuse kept", True, True, 1.0, None, kept),
+        ("reuse fallback", True, True, 0.56, None, {}),
+        ("lora reuse", True, True, 1.0, lora, {}),
+        ("lora trl", False, False, 1.0, lora, {}),
+        ("hybrid reuse", True, True, 1.0, None, {}),  # a Qwen3.5: recurrent states and convolution inputs kept too
+        ("hybrid tree", False, True, 1.0, None, {}),  # each micro-batch one forest, no chunks
     ]
-    for run, reuse, packing, ratio, peft_config in sft_runs:
+    backward, kept_at_backward = prefix_reuse._Step.backward, []
+
+    def counting(step, grads):  # the graphs a step kept from its forward, as its backward starts
+        kept_at_backward.append(len(step.kept))
+        return backward(step, grads)
+
+    prefix_reuse._Step.backward = counting
+    for run, reuse, packing, ratio, peft_config, extra in sft_runs:
         path = str(Path(model_path).parent / "hybrid_model") if run.startswith("hybrid") else model_path
+        kept_at_backward.clear()
         trainer, gradients, chunks = _train_sft(
             path, out / f"sft_{run}", reuse, peft_config=peft_config, tree_packing=packing,
-            tree_max_token_ratio=ratio, **FSDP2,
+            tree_max_token_ratio=ratio, **extra, **FSDP2,
         )  # fmt: skip
         trainers.append(trainer)
         report["sft", run] = {
@@ -150,7 +162,12 @@ def _run_rank(model_path: str, async_path: str, out_dir: str) -> None:
             "weights": {n: _full(p) for n, p in trainer.model.named_parameters()},
             "fallback": [e["tree_fallback"] for e in trainer.state.log_history if "tree_fallback" in e],
             "chunks": chunks,
+            "kept graphs": [
+                e["tree_prefix_reuse_kept_graphs"] for e in trainer.state.log_history if extra and "loss" in e
+            ],
+            "kept at backward": list(kept_at_backward),
         }
+    prefix_reuse._Step.backward = backward
 
     for name, module in (("dpo", "test_tree_dpo"), ("reward", "test_tree_reward_trainer")):
         test = importlib.import_module(module)
@@ -234,16 +251,23 @@ def test_sft_equals_trl_under_fsdp2(runs):
 
 @pytest.mark.parametrize(
     "run, want",
-    [("reuse", "trl"), ("reuse fallback", "trl"), ("lora reuse", "lora trl"), ("hybrid reuse", "hybrid tree")],
+    [
+        ("reuse", "trl"),
+        ("reuse kept", "trl"),
+        ("reuse fallback", "trl"),
+        ("lora reuse", "lora trl"),
+        ("hybrid reuse", "hybrid tree"),
+    ],
 )
 def test_sft_with_prefix_reuse_equals_trl_under_fsdp2(runs, run, want):
     """Prefix reuse in TRL's fused head, whose chunks run inside the model's own forward (each chunk's backward an
     FSDP2 pass of its own): every batch one forest, rank 0's in 3 chunks, rank 1's in 2 and a dummy; TRL's gradients
     at every step and its weights. Where rank 1's micro-batch takes TRL's forward, rank 0's takes it too (no
-    deadlock, both log the same fallbacks). With LoRA, TRL's adapter gradients and weights; on a Qwen3.5 hybrid (its
-    recurrent states and convolution inputs kept between chunks), those of each micro-batch as one forest (the same
-    tree kernels: against TRL's flat delta rule fp32 differs in the last digits of near-zero gradients, which the
-    one-process tests bound against a float64 reference)."""
+    deadlock, both log the same fallbacks). With a budget that keeps every chunk's forward graph for the backward
+    (rank 1's dummy's too), no chunk recomputed on either rank. With LoRA, TRL's adapter gradients and weights; on a
+    Qwen3.5 hybrid (its recurrent states and convolution inputs kept between chunks), those of each micro-batch as
+    one forest (the same tree kernels: against TRL's flat delta rule fp32 differs in the last digits of near-zero
+    gradients, which the one-process tests bound against a float64 reference)."""
     from test_prefix_reuse_ddp import SFT_STEPS, _assert_close
 
     fallback = [0.5] * SFT_STEPS if run == "reuse fallback" else [0.0] * SFT_STEPS
@@ -252,6 +276,11 @@ def test_sft_with_prefix_reuse_equals_trl_under_fsdp2(runs, run, want):
         assert tree["sharded"] and trl["sharded"] and tree["fallback"] == fallback
         chunks = {0: 3, 1: 2}[rank]
         assert tree["chunks"] == [chunks] * SFT_STEPS * (1 if run == "reuse fallback" else 2)
+        if run == "reuse kept":  # every chunk's graph kept, rank 1's dummy's too: no chunk recomputed on either rank
+            assert tree["kept graphs"] == [float(chunks)] * SFT_STEPS, tree["kept graphs"]
+            assert tree["kept at backward"] == [3] * SFT_STEPS * 2, tree["kept at backward"]
+        elif run == "reuse":
+            assert tree["kept at backward"] == [1] * SFT_STEPS * 2, tree["kept at backward"]
         assert len(tree["gradients"]) == len(trl["gradients"]) == SFT_STEPS
         for step, (got, want_step) in enumerate(zip(tree["gradients"], trl["gradients"])):
             _assert_close(got, want_step, f"SFT {run}, rank {rank}, step {step} gradients")

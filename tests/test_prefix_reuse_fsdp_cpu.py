@@ -7,7 +7,9 @@ rank must call alike, while ranks cut their forests into different numbers of ch
 chunks, then 1 (a forest within the budget) and 3; without the dummy chunks that even them out the ranks deadlock.
 The same on a Qwen3.5 hybrid (Gated DeltaNet and short convolutions beside attention), whose chunks hand states on:
 a dummy reruns the forest's first row, which chunk 0 keeps, after every real chunk, so it must keep nothing (a state
-it kept would replace chunk 0's, which the backward's recompute of chunk 1 reads).
+it kept would replace chunk 0's, which the backward's recompute of chunk 1 reads). Each with the last chunk's forward
+graph kept and with every chunk's (`keep_graphs`: the parameters outside the decoder layers gathered again before
+each kept graph's backward), with and without the model's own checkpointing.
 """
 
 import copy
@@ -77,12 +79,12 @@ def _worker(rank: int, port: int) -> None:
                     expected[name] += p.grad / WORLD_SIZE
             with torch.no_grad():
                 expected_logps = sequence_logprobs(reference, sequences[rank])
-            for checkpointing in (False, True):
+            for checkpointing, keep in ((False, 1), (True, 1), (False, 8), (True, 8)):
                 model = copy.deepcopy(build())
                 if checkpointing:
                     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
                 _shard_like_accelerate(model)
-                logps = sequence_logprobs(model, sequences[rank], BUDGET, prefix_reuse=True)
+                logps = sequence_logprobs(model, sequences[rank], BUDGET, prefix_reuse=True, keep_graphs=keep)
                 for got, want in zip(logps, expected_logps, strict=True):
                     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
                 _loss(logps).backward()

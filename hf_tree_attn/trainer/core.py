@@ -581,8 +581,7 @@ def prefix_reuse_chunks(model, forest, max_tokens_per_mb: int, budget_gib: float
     plan = plan_prefix_reuse(
         model, forest, max_chunk_rows=max_tokens_per_mb, memory_budget_bytes=int(budget_gib * 2**30), block=BLOCK
     )
-    # Under FSDP2 only the last chunk's graph is kept (`prefix_reuse._Step`: each chunk one FSDP2 pass).
-    keep, graphs = (1, 0) if one_chunk_too else (plan.keep_graphs, plan.graphs)
+    keep, graphs = plan.keep_graphs, plan.graphs
     if torch.is_grad_enabled():
         record("tree_prefix_reuse_chunks", float(plan.chunks.num_chunks))
         record("tree_prefix_reuse_kept_graphs", float(min(keep, plan.chunks.num_chunks)))
