@@ -494,7 +494,8 @@ NOTES = {
     "a changed branch moving only its subtree, and bf16 as close to fp32 as the unsplit forest, on dense masks and "
     "FlexAttention, at an earlier commit. The file's 15th test (steps over forests of 2 to 8 chunks within dynamo's "
     "recompile limit, leaving no memory allocated), added with the fixes of what prefix reuse's first GPU timing "
-    "found, has not yet run on a GPU. Prefix reuse stays refused on CUDA unless `HF_TREE_ATTN_PREFIX_REUSE_CUDA` "
+    "found, and the four of kept forward graphs (2 and 8 of 8 chunks, on both paths) have not yet run on a GPU. "
+    "Prefix reuse stays refused on CUDA unless `HF_TREE_ATTN_PREFIX_REUSE_CUDA` "
     "picks a path (its step time on the H200 is not measured).",
     "async_grpo_h200_qwen3-1.7b.json": "peak memory counted from zero while TRL's trainer, run first in the same "
     "process, still held its weights and optimizer state: the tree's peak includes them. The tree alone on these "

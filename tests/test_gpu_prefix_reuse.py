@@ -4,7 +4,8 @@ concatenated context and own keys) and `dense` (SDPA on dense masks), forward an
 The CPU tests (`tests/test_chunked.py`) prove the plan and the chunked step exact on the dense path; here each CUDA
 path runs the same forests on its real kernels: a trie split 2, 3 and 8 ways, a sequence four times the budget, edge
 cases (identical sequences, a prefix of another, 1-token sequences, several tries), a branch changed inside one
-chunk's context (no leakage into its siblings), and a bf16 model against the float32 reference.
+chunk's context (no leakage into its siblings), a bf16 model against the float32 reference, and the trie with the
+last chunks' forward graphs kept for the backward (`keep_graphs`).
 
 `pytest -m gpu tests/test_gpu_prefix_reuse.py` — skipped without CUDA (CI).
 """
@@ -72,9 +73,11 @@ def _grads(model) -> dict[str, torch.Tensor]:
     return {name: p.grad.detach().float().clone() for name, p in model.named_parameters() if p.grad is not None}
 
 
-def _chunked(tree, sequences):
+def _chunked(tree, sequences, keep_graphs: int = 1):
     """Chunked log-probs and entropies of `sequences` and the parameter gradients of `_loss` through them."""
-    logps, entropies = sequence_logprobs(tree, sequences, BUDGET, return_entropy=True, prefix_reuse=True)
+    logps, entropies = sequence_logprobs(
+        tree, sequences, BUDGET, return_entropy=True, prefix_reuse=True, keep_graphs=keep_graphs
+    )
     _loss(logps, entropies, _weights(sequences, seed=0)).backward()
     return [x.detach() for x in logps], [x.detach() for x in entropies], _grads(tree)
 
@@ -85,11 +88,11 @@ def _flat(ref, sequences):
     return [f[0].detach() for f in flat], [f[1].detach() for f in flat], _grads(ref)
 
 
-def _check_against_flat(cuda_path, sequences, family: str = "qwen3") -> None:
+def _check_against_flat(cuda_path, sequences, family: str = "qwen3", keep_graphs: int = 1) -> None:
     path, calls = cuda_path
     atol, grad_rel, min_cos = FP32_TOLERANCES[path]
     tree, ref = _cuda_twins(family)
-    logps, entropies, grads = _chunked(tree, sequences)
+    logps, entropies, grads = _chunked(tree, sequences, keep_graphs)
     want_logps, want_entropies, want_grads = _flat(ref, sequences)
     assert (len(calls) > 0) == (path == "flex"), f"{path}: FlexAttention called {len(calls)} times"
     for i in range(len(sequences)):
@@ -113,6 +116,14 @@ def test_split_trie_matches_flat(cuda_path, num_chunks):
     sequences = _trie(num_chunks, seed=num_chunks)
     assert _num_chunks(sequences) == num_chunks
     _check_against_flat(cuda_path, sequences)
+
+
+@pytest.mark.parametrize("keep_graphs", [2, 8])
+def test_kept_graphs_match_flat(cuda_path, keep_graphs):
+    """The last 2 of 8 chunks, or all 8, run with autograd in the forward and their graphs kept for the backward."""
+    sequences = _trie(8, seed=8)
+    assert _num_chunks(sequences) == 8
+    _check_against_flat(cuda_path, sequences, keep_graphs=keep_graphs)
 
 
 def test_sequence_four_times_the_budget_matches_flat(cuda_path):
