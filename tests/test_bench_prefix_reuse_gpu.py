@@ -43,27 +43,26 @@ def test_reuse_with_every_graph_kept_agrees_and_is_paired_with_both():
     assert check["passed"] and check["max_abs"] < 1e-5 and not row["paired_reuse_vs_kept"]["failed"], check
 
 
-def test_a_kept_graph_step_that_is_off_fails_both_its_ratios(monkeypatch):
+def _off(monkeypatch, off_method: str) -> None:
+    """`bench.step` with `off_method`'s log-probabilities shifted by 0.01."""
     step = bench.step
 
     def off(model, sequences, budget, method, weights, scored):
         logps = step(model, sequences, budget, method, weights, scored)
-        return [lp + 0.01 for lp in logps] if method == "reuse_kept" else logps
+        return [lp + 0.01 for lp in logps] if method == off_method else logps
 
     monkeypatch.setattr(bench, "step", off)
-    args = argparse.Namespace(**{**ARGS, "methods": ["split", "reuse", "reuse_kept"], "steps": 8})
+
+
+def test_a_kept_graph_step_that_is_off_fails_both_its_ratios(monkeypatch):
+    _off(monkeypatch, "reuse_kept")
+    args = argparse.Namespace(**{**ARGS, "methods": ["split", "reuse", "reuse_kept"]})
     row = bench.measure("tiny", "smoke", args, save=lambda row: None, earlier={})
     assert row["paired_kept"]["failed"] and row["paired_reuse_vs_kept"]["failed"] and not row["paired"]["failed"]
 
 
 def test_a_reuse_step_that_is_off_fails_the_row(monkeypatch):
-    step = bench.step
-
-    def off(model, sequences, budget, method, weights, scored):
-        logps = step(model, sequences, budget, method, weights, scored)
-        return [lp + 0.01 for lp in logps] if method == "reuse" else logps
-
-    monkeypatch.setattr(bench, "step", off)
+    _off(monkeypatch, "reuse")
     row = _row()
     assert not row["agreement"]["passed"] and row["paired"]["failed"]
     assert torch.isclose(torch.tensor(row["agreement"]["max_abs"]), torch.tensor(0.01), atol=1e-5)
