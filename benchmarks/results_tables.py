@@ -454,7 +454,7 @@ def prefix_reuse_gpu() -> list[str]:
     for name in PREFIX_REUSE_GPU:
         for row in load(name)["rows"]:
             cells = []
-            for method in ("split", "reuse"):
+            for method in ("split", "reuse", "reuse_kept"):
                 run = row["methods"].get(method)
                 if run is None or "incomplete" in run:
                     cells.append("*not yet timed*")
@@ -469,10 +469,11 @@ def prefix_reuse_gpu() -> list[str]:
                     )
             rows.append([
                 MODELS[row["model"]], f"`{row['workload']}`", f"{row['budget']:,}", *cells, ranged(row.get("paired")),
-                notes.source(name),
+                ranged(row.get("paired_kept")), notes.source(name),
             ])  # fmt: skip
     headers = ["model shape", "workload", "budget", "split: median step [range], forwarded / unique, MFU, peak",
-               "prefix reuse: the same", "split over reuse, per step", "source"]  # fmt: skip
+               "prefix reuse: the same", "prefix reuse, every chunk's graph kept: the same",
+               "split over reuse, per step", "split over reuse with graphs kept, per step", "source"]  # fmt: skip
     return table(headers, rows) + notes.lines()
 
 
@@ -1296,8 +1297,9 @@ SECTIONS = [  # (heading level, title, section, what it measures)
      "grad and its recomputes with grad, over chunks whose context size changes, compiled FlexAttention past "
      "dynamo's recompile limit, after which FlexAttention runs its eager reference (the full scores matrix: out of "
      "memory); and each step's kept keys and values stayed alive after its backward (a reference cycle through the "
-     "layers' checkpoints), so the third step ran out of memory. Its timed run after the fixes reached its time "
-     "limit before it wrote a step (the script now writes each step as it ends)."),
+     "layers' checkpoints), so the third step ran out of memory. With both fixed, its steps ran to the end: with the "
+     "last chunk's graph kept (recomputing the others in the backward) and with every chunk's kept "
+     "(`--methods reuse_kept`), each paired with the split's steps."),
     (2, "FLOP ceiling and MFU", flop_ceiling_and_mfu,
      "MFU = model FLOPs of the trainer phase (`estimate_flops` × 4: old-log-prob forward, policy forward, backward; "
      "recompute not counted) / time / 989 TFLOPS (the H200's dense bf16 peak). A tree that recomputes fewer layers "
