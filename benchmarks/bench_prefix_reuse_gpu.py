@@ -9,8 +9,8 @@ or with `--optimizer` an AdamW step at learning rate 0, which holds and updates 
   micro-batch `forest_logprobs` and its backward, each micro-batch repeating the prefix its sequences need; a
   sequence longer than the budget is refused (recorded as such);
 - `reuse`: `sequence_logprobs(..., prefix_reuse=True)` and one backward: the step as one forest in chunks of `budget`
-  rows, every row forwarded once (`hf_tree_attn.prefix_reuse`; on CUDA its FlexAttention path,
-  `HF_TREE_ATTN_PREFIX_REUSE_CUDA=flex` unless set otherwise).
+  rows, every row forwarded once (`hf_tree_attn.prefix_reuse`; on CUDA its FlexAttention path unless
+  `HF_TREE_ATTN_PREFIX_REUSE_CUDA=dense`).
 - `reuse_kept` (only where asked for): the same with every chunk's forward graph kept for the backward
   (`keep_graphs`), no chunk recomputed there; paired with `split` (`paired_kept`, `agreement_kept`) and with
   `reuse` (`paired_reuse_vs_kept`: reuse's seconds over reuse_kept's per step; `agreement_reuse_vs_kept`).
@@ -42,14 +42,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
 import sys
 import time
 from pathlib import Path
-
-os.environ.setdefault("HF_TREE_ATTN_PREFIX_REUSE_CUDA", "flex")
 
 import torch  # noqa: E402
 
@@ -59,7 +56,7 @@ from bench_prefix_reuse_plan import WORKLOADS as PLAN_WORKLOADS  # noqa: E402
 from bench_tree_vs_flat import MODELS, PEAK_FLOPS, _sync, build_model  # noqa: E402
 from harness import LOGPROB_BOUND, agreement, earlier_runs, paired, provenance  # noqa: E402
 
-from hf_tree_attn import forest_logprobs, gather_sequences, pack_forest, sequence_logprobs  # noqa: E402
+from hf_tree_attn import forest_logprobs, gather_sequences, pack_forest, prefix_reuse, sequence_logprobs  # noqa: E402
 from hf_tree_attn.chunked import plan_chunks  # noqa: E402
 from hf_tree_attn.metrics import estimate_flops  # noqa: E402
 from hf_tree_attn.support import rope_split_lengths  # noqa: E402
@@ -289,7 +286,7 @@ def main() -> None:
         parser.error("--device cuda: no CUDA device here (use --device cpu for a smoke run)")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    results = {**provenance(), "peak_flops": PEAK_FLOPS, "cuda_path": os.environ["HF_TREE_ATTN_PREFIX_REUSE_CUDA"],
+    results = {**provenance(), "peak_flops": PEAK_FLOPS, "cuda_path": prefix_reuse.CUDA_PATH,
                "dtype": args.dtype, "warmup": args.warmup, "steps": args.steps, "optimizer": args.optimizer,
                "checkpointing": args.checkpointing,
                "rows": []}  # fmt: skip

@@ -493,8 +493,8 @@ NOTES = {
     "h200_gpu_tests_prefix_reuse.log": "all 19: split 2, 3 and 8 ways, the last 2 or all 8 chunks' forward graphs "
     "kept, a sequence 4x the budget, the edge cases, a changed branch moving only its subtree, and bf16 as close to "
     "fp32 as the unsplit forest, on dense masks and FlexAttention, and steps over forests of 2 to 8 chunks within "
-    "dynamo's recompile limit, leaving no memory allocated. Prefix reuse stays opt-in on CUDA "
-    "(`HF_TREE_ATTN_PREFIX_REUSE_CUDA`): one workload's step is measured.",
+    "dynamo's recompile limit, leaving no memory allocated. On these and the measured step, prefix reuse runs on "
+    "CUDA by default (FlexAttention; `HF_TREE_ATTN_PREFIX_REUSE_CUDA=dense` for dense masks).",
     "async_grpo_h200_qwen3-1.7b.json": "peak memory counted from zero while TRL's trainer, run first in the same "
     "process, still held its weights and optimizer state: the tree's peak includes them. The tree alone on these "
     "rows (`async_grpo_h200_qwen3-1.7b_flex_only.json`, same forests and recompute) peaked at 18.1 GiB against "
@@ -572,7 +572,7 @@ PENDING = {
     ],
     "gpu_tests": [
         "`test_gpu_recurrent.py` and `test_gpu_deepspeed.py` on the present code (their last logs are below)",
-        "prefix reuse on hybrids and in `TreeAsyncGRPOTrainer` (CPU-tested; CUDA opt-in)",
+        "prefix reuse on hybrids and in `TreeAsyncGRPOTrainer` (CPU-tested)",
     ],
     "gradients": [
         "Liger + compiled layers at 36 layers without inductor's mix-order reduction "

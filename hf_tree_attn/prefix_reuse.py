@@ -56,10 +56,10 @@ reentrant one is refused (its forward keeps no graph). Decoder layers compiled b
 eagerly here.
 
 Devices: on CPU the chunk masks are dense and attention runs through SDPA / HF's eager math (softcap, sinks). On CUDA
-the FlexAttention path (a `BlockMask` over the concatenated keys) and the dense one have passed their exactness tests
-on an H200 (`tests/test_gpu_prefix_reuse.py`), but a step's time and memory there are not yet measured. So CUDA is
-refused unless `HF_TREE_ATTN_PREFIX_REUSE_CUDA` (or `CUDA_PATH`) picks a path: `flex` (the `BlockMask`) or `dense`
-(SDPA on dense masks: exact, `S * (P + S)` bytes of mask per layer kind).
+`HF_TREE_ATTN_PREFIX_REUSE_CUDA` (or `CUDA_PATH`) picks the path: `flex` (the default: FlexAttention with a
+`BlockMask` over the concatenated keys) or `dense` (SDPA on dense masks: exact, `S * (P + S)` bytes of mask per layer
+kind). Both passed their exactness tests on an H200 (`tests/test_gpu_prefix_reuse.py`), where a 168k-row agent step
+ran 1.19x faster than the same step split into micro-batches (`benchmarks/results/README.md`).
 """
 
 from __future__ import annotations
@@ -84,6 +84,7 @@ from .tree import PackedForest
 __all__ = [
     "CUDA_PATH",
     "chunked_forest_logprobs",
+    "cuda_path_error",
     "chunked_forest_scores",
     "kept_kv_bytes",
     "kept_state_bytes",
@@ -91,8 +92,10 @@ __all__ = [
     "prefix_reuse_error",
 ]
 
-# How prefix reuse attends on CUDA: "flex", "dense", or None (refused: its step not yet measured on a GPU).
-CUDA_PATH = os.environ.get("HF_TREE_ATTN_PREFIX_REUSE_CUDA") or None
+# How prefix reuse attends on CUDA: "flex" (FlexAttention, the default) or "dense" (SDPA on dense masks). From
+# HF_TREE_ATTN_PREFIX_REUSE_CUDA at import; may be set at run time (`cuda_path_error` checks it where it is read).
+_CUDA_PATHS = ("flex", "dense")
+CUDA_PATH = (os.environ.get("HF_TREE_ATTN_PREFIX_REUSE_CUDA") or "flex").strip().lower()
 
 _ATTENTION_KINDS = ("full_attention", "sliding_attention")
 _PER_TOKEN_KINDS = ("mlp", "moe", "dense", "sparse")
@@ -291,6 +294,16 @@ def chunked_forest_scores(
     return tuple(next(tables) if present else None for present in step.present)
 
 
+def cuda_path_error() -> str | None:
+    """Why `CUDA_PATH` names no path prefix reuse can take on CUDA, or None."""
+    if CUDA_PATH in _CUDA_PATHS:
+        return None
+    return (
+        f"HF_TREE_ATTN_PREFIX_REUSE_CUDA={CUDA_PATH!r} is not a path prefix reuse takes on CUDA: set it to flex "
+        "(FlexAttention, the default) or dense (SDPA on dense masks), or unset it."
+    )
+
+
 def _positive(keep_graphs: int) -> int:
     if isinstance(keep_graphs, bool) or not isinstance(keep_graphs, int | np.integer) or keep_graphs < 1:
         raise ValueError(f"keep_graphs={keep_graphs!r} must be a positive int (1: the last chunk's graph).")
@@ -305,13 +318,8 @@ def _checked(model, forest: PackedForest, temperature: float, pad_multiple: int 
         raise NotImplementedError(error)
     check_forest_inputs(unwrap_model(model), forest, temperature)
     device = forest.input_ids.device
-    if device.type == "cuda" and CUDA_PATH not in ("flex", "dense"):
-        raise NotImplementedError(
-            f"Prefix reuse on CUDA is opt-in (HF_TREE_ATTN_PREFIX_REUSE_CUDA={CUDA_PATH!r}): it passed its exactness "
-            "tests on an H200, but its step's time and memory there are not yet measured. Set "
-            "HF_TREE_ATTN_PREFIX_REUSE_CUDA=flex (a BlockMask over the concatenated keys) or =dense (SDPA on dense "
-            "masks), or use prefix_reuse=False."
-        )
+    if device.type == "cuda" and (error := cuda_path_error()) is not None:
+        raise ValueError(error)
     dense = device.type != "cuda" or CUDA_PATH == "dense"
     if pad_multiple is None:
         pad_multiple = 128 if device.type == "cuda" else 1

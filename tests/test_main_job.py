@@ -159,14 +159,13 @@ def test_fsdp2_on_two_gpus(tmp_path):
 
 @pytest.mark.multi_gpu
 def test_fsdp2_with_prefix_reuse_on_two_gpus(tmp_path):
-    """The same with `--tree_prefix_reuse true` in chunks of 128 rows (FlexAttention's block; CUDA's opt-in set): every
-    rank runs as many chunks (its exactness: `tests/test_fsdp_trainers.py`, on CPU)."""
+    """The same with `--tree_prefix_reuse true` in chunks of 128 rows (FlexAttention's block, its default CUDA path):
+    every rank runs as many chunks (its exactness: `tests/test_fsdp_trainers.py`, on CPU)."""
     config = REPO / "trainers" / "configs" / "fsdp2.yaml"
     args = ["--max_steps", "10", "--logging_steps", "5", "--output_dir", str(tmp_path), "--tree_prefix_reuse", "true",
             "--max_tokens_per_mb", "128"]  # fmt: skip
     env_args = ["--config_file", str(config), "--num_processes", "2"]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_DISABLE_TELEMETRY="1", NCCL_NVLS_ENABLE="0",
-               HF_TREE_ATTN_PREFIX_REUSE_CUDA="flex")  # fmt: skip
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_DISABLE_TELEMETRY="1", NCCL_NVLS_ENABLE="0")
     command = [sys.executable, "-m", "accelerate.commands.launch", *env_args, str(SCRIPT), *args]
     result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

@@ -382,7 +382,9 @@ FSDP2 = dict(SEVERAL, distributed_type=DistributedType.FSDP, is_fsdp_enabled=Tru
         (dict(FSDP2, hybrid=True), None),  # tests/test_prefix_reuse_fsdp_cpu.py, tests/test_fsdp_trainers.py
         (dict(FSDP2, parallelism_config=object()), r"runs FSDP2 over accelerate's parallelism_config"),
         (dict(FSDP2), None),  # tests/test_fsdp_trainers.py
-        (dict(device="cuda"), r"CUDA.*HF_TREE_ATTN_PREFIX_REUSE_CUDA=None"),
+        (dict(device="cuda"), None),  # the flex path by default (tests/test_gpu_prefix_reuse.py)
+        (dict(device="cuda", cuda_path="flash"), r"HF_TREE_ATTN_PREFIX_REUSE_CUDA='flash' is not a path.*flex.*dense"),
+        (dict(cuda_path="flash"), None),  # read on CUDA only
         (dict(SEVERAL, distributed_type=DistributedType.XLA), r"2 processes as XLA.*MULTI_CPU / MULTI_GPU"),
         (dict(SEVERAL, parallelism_config=object()), r"2 processes with tensor, context or sharded"),
         (dict(SEVERAL, is_distributed_loading_by_transformers=True), r"2 processes with tensor, context or sharded"),
@@ -397,9 +399,10 @@ FSDP2 = dict(SEVERAL, distributed_type=DistributedType.FSDP, is_fsdp_enabled=Tru
 )
 def test_run_refusals(setting, match, monkeypatch):
     """What the trainers ask `prefix_reuse_refusal` at init, for settings a CPU test cannot start: DeepSpeed, FSDP1,
-    FSDP2 over a `parallelism_config` (FSDP2 otherwise, hybrids too: accepted, its DDP checks not asked), CUDA
-    without a chosen path (with one: accepted), several processes other than plain DDP (DDP: accepted)."""
-    monkeypatch.setattr(prefix_reuse, "CUDA_PATH", None)
+    FSDP2 over a `parallelism_config` (FSDP2 otherwise, hybrids too: accepted, its DDP checks not asked), CUDA with
+    a `HF_TREE_ATTN_PREFIX_REUSE_CUDA` that names no path (flex, the default, and dense: accepted), several processes
+    other than plain DDP (DDP: accepted)."""
+    monkeypatch.setattr(prefix_reuse, "CUDA_PATH", setting.get("cuda_path", "flex"))
     model, _ = hybrid_twin_models("qwen3_5") if setting.get("hybrid") else twin_models("qwen3")
     accelerator = SimpleNamespace(
         num_processes=setting.get("num_processes", 1),
@@ -419,7 +422,7 @@ def test_run_refusals(setting, match, monkeypatch):
     reason = prefix_reuse_refusal(trainer, (model, None))
     assert reason is None if match is None else re.search(match, reason), reason
     if "device" in setting:
-        monkeypatch.setattr(prefix_reuse, "CUDA_PATH", "flex")
+        monkeypatch.setattr(prefix_reuse, "CUDA_PATH", "dense")
         assert prefix_reuse_refusal(trainer, (model, None)) is None
 
 

@@ -371,8 +371,8 @@ def prefix_reuse_refusal(trainer, models) -> str | None:
     DDP's reducer out of the step and average the gradients themselves, `prefix_reuse_gradient_sync`), and under DDP
     its static graph and communication hooks, which that average would not reproduce; reentrant activation
     checkpointing keeps no graph for a chunk's backward; a model without exact chunks (`prefix_reuse_error`); the
-    MoE load-balancing loss, whose router statistics the chunked forward does not return; CUDA until a path is
-    chosen (`prefix_reuse.CUDA_PATH`).
+    MoE load-balancing loss, whose router statistics the chunked forward does not return; on CUDA, a
+    `HF_TREE_ATTN_PREFIX_REUSE_CUDA` that names no path (`prefix_reuse.cuda_path_error`).
     """
     args = trainer.args
     for loaded in models:
@@ -401,12 +401,8 @@ def prefix_reuse_refusal(trainer, models) -> str | None:
             f"{getattr(config, 'router_aux_loss_coef', None)}): the chunked forward returns no router logits. Load "
             "the model with output_router_logits=False to train without it."
         )
-    if trainer.accelerator.device.type == "cuda" and prefix_reuse.CUDA_PATH not in ("flex", "dense"):
-        return (
-            "it runs on CUDA, where prefix reuse is opt-in: its step is not yet measured on a GPU "
-            f"(HF_TREE_ATTN_PREFIX_REUSE_CUDA={prefix_reuse.CUDA_PATH!r}). Set HF_TREE_ATTN_PREFIX_REUSE_CUDA=flex or "
-            "=dense to run it."
-        )
+    if trainer.accelerator.device.type == "cuda" and (error := prefix_reuse.cuda_path_error()) is not None:
+        return error
     return None
 
 
