@@ -60,6 +60,7 @@ SOURCES = {
     "h200_gpu_tests_coverage.log": "gpu-tests-coverage",
     "fsdp2_2gpu_h200.log": "fsdp2-main-job",
     "sync_grpo_h200_qwen3-1.7b_P4096_paired.json": "compile-sync-1.7b-p4096",
+    "sync_grpo_h200_qwen3-8b_P4096_paired.json": "compile-sync-8b-p4096",
     "sync_grpo_h200_qwen3-1.7b_paired.json": "compile-sync-1.7b",
     "trees_beyond_grpo_h200_paired.json": "beyond-grpo-paired",
     "async_grpo_h200_qwen3-1.7b_paired.json": "compile-async-1.7b",
@@ -121,6 +122,8 @@ SOURCES = {
     "tree_vs_flat_h200.png": None,
     "prefix_reuse_plan_cpu.json": None,
     "prefix_reuse_gpu_h200_qwen3-0.6b.json": "prefix-reuse-gpu-kept",
+    "prefix_reuse_gpu_h200_qwen3-1.7b.json": "prefix-reuse-gpu-1.7b",
+    "prefix_reuse_gpu_h200_qwen3-8b_trajectory.json": "prefix-reuse-gpu-8b-trajectory",
     "prefix_reuse_kept_cpu_qwen3-0.6b.json": None,
 }
 
@@ -129,6 +132,7 @@ SOURCES = {
 SYNC_PAIRED = [
     ("sync_grpo_h200_qwen3-1.7b_P4096_paired.json", "grpo_P4096_C512"),
     ("sync_grpo_h200_qwen3-1.7b_paired.json", "grpo_mixed"),
+    ("sync_grpo_h200_qwen3-8b_P4096_paired.json", "grpo_P4096_C512"),
 ]
 
 # Through trainer.train() with generation (bench_generation_modes.py), each side in its own process, paired per step:
@@ -268,7 +272,11 @@ BEYOND_GRPO = [
 # Forwarded over unique tokens, micro-batches vs prefix reuse, and the reuse planner's estimates (CPU, layouts only).
 PREFIX_REUSE_PLAN = "prefix_reuse_plan_cpu.json"
 # bench_prefix_reuse_gpu.py on the H200: split vs prefix reuse, each in its own process.
-PREFIX_REUSE_GPU = ["prefix_reuse_gpu_h200_qwen3-0.6b.json"]
+PREFIX_REUSE_GPU = [
+    "prefix_reuse_gpu_h200_qwen3-0.6b.json",
+    "prefix_reuse_gpu_h200_qwen3-1.7b.json",
+    "prefix_reuse_gpu_h200_qwen3-8b_trajectory.json",
+]
 # bench_prefix_reuse_gpu.py --methods reuse reuse_kept: every chunk's forward graph kept against recomputing them.
 PREFIX_REUSE_KEPT = ["prefix_reuse_kept_cpu_qwen3-0.6b.json"]
 # The same on the harness (each side in its own process, paired per step, agreement checked): its rows supersede
@@ -375,7 +383,8 @@ README_ROWS = [
      ("sync_grpo_h200_qwen3-1.7b_paired.json", "grpo_mixed"), None, None),
     ("Qwen3-0.6B", "2 prompts × G=16, P=2,112 (2,048 shared), C=256; HF `generate`",
      ("generation_modes_h200_paired.json", "generate"), None, None),
-    ("Qwen3-8B", "P=4,096 + G=16 × C=512", None,
+    ("Qwen3-8B", "P=4,096 + G=16 × C=512 (loop: 1 such group); a `rollout_func`",
+     ("sync_grpo_h200_qwen3-8b_P4096_paired.json", "grpo_P4096_C512"),
      "tree_vs_flat_h200_qwen3-8b.json", "tree_vs_flat_h200_qwen3-8b_compile_keep.json"),
     ("Qwen3-1.7B", "τ²-like agent: 10–20 turns, 4,800-token system prompt", None,
      "tree_vs_flat_h200_qwen3-1.7b_agent.json", None),
@@ -460,13 +469,35 @@ NOTES = {
     "a backward costs about twice a forward. The forwards saved are counted exactly in `tests/test_chunked.py` (a "
     "chunk forward per chunk and none recomputed, against one recompute per chunk but the last). On the H200 the "
     "same comparison gave 1.14× on a 168k-row step (`prefix_reuse_gpu_h200_qwen3-0.6b.json`).",
+    "sync_grpo_h200_qwen3-8b_P4096_paired.json": "every side in one call, on the image's transformers 5.17 (the "
+    "stage's own path then left out the 5.24 of `.whl/common`, as every stage now keeps it). The tree's first step, "
+    "22.9 s, compiled its layers on a machine whose inductor cache earlier calls of other shapes had filled. At 8B "
+    "random weights each bf16 side is far from float32 on single tokens (largest error 7.49 tree, 7.36 TRL; mean "
+    "1.39 both), equally so: the check passes.",
+    "prefix_reuse_gpu_h200_qwen3-1.7b.json": "two calls made back to back on one machine (the split's in "
+    "`earlier_runs`). Prefix reuse ran slower than the split here: at 1.29x forwarded over unique tokens, the rows "
+    "the split repeats cost less than the chunk recompute prefix reuse adds in the backward (its chunks but the last, "
+    "forwarded once more on top of each layer's own recompute); on the 0.6B shape's `agent_2x20x4` (1.74x) it won "
+    "1.19x, 1.36x with every graph kept. The agreement check compares the two bf16 layouts directly, within a fixed "
+    "0.12 (twice the bf16 bound of the small GPU-test models), and failed: largest difference 0.149 over 2.26M "
+    "scored tokens (mean 0.016), gradient cosine 0.99848. At this model shape each bf16 side of the async rows was "
+    "up to 0.12 to 0.17 from a float32 run (`async_grpo_h200_qwen3-1.7b_paired.json`), so the check cannot tell "
+    "bf16 rounding from a fault here; no float32 run of this step was made. The fp32 exactness tests of prefix reuse "
+    "on the GPU pass (`h200_gpu_tests_prefix_reuse.log`).",
+    "prefix_reuse_gpu_h200_qwen3-8b_trajectory.json": "the 96k-token trajectory with 8 branches at the Qwen3-8B "
+    "shape, AdamW's states held (`--optimizer`), in chunks of 2,176 rows (the planner's least estimate): one H200 "
+    "holds its step, 108.7 GiB at the peak against the planner's 133 GiB (43.7 GiB beside 89 GiB of weights, "
+    "gradients and moments). The split refuses the trajectory (a sequence longer than the 32,768 budget), so there "
+    "is no ratio. 2 measured steps after one warm-up (the call's time); at chunks of 2,176 rows the step runs 53 "
+    "forwards of few rows each, at 16.9% MFU.",
     "prefix_reuse_plan_cpu.json": "the planner's estimates, with every layer checkpointed and bf16 keys and values: "
     "a chunk's context keys and values are gathered layer by layer in its backward and let go with the layer, so its "
     "context costs about one layer's worth (it was every layer's, three times at float32 width: 74 GiB of the 8B "
     "trajectory's 127 GiB at 32k-row chunks). What remains is the kept keys and values of every row a later chunk "
     "reads and their float32 gradients, 37 GiB of the 96k trajectory's 62.5 GiB at 8B (43.7 GiB at the least, "
     "2,176-row chunks). Beside an 8B model's bf16 weights and gradients and float32 AdamW moments (89 GiB), that "
-    "least is 133 GiB: within one H200's 140 GiB by the estimate, with little to spare; not yet run on a GPU.",
+    "least is 133 GiB: within one H200's 140 GiB by the estimate, with little to spare. On the H200 that step, AdamW "
+    "included, peaked at 108.7 GiB (`prefix_reuse_gpu_h200_qwen3-8b_trajectory.json`).",
     "trees_beyond_grpo_h200_paired.json": "four calls (`earlier_runs`): `sft_system_prompt` and `dpo_long_prompt` at "
     "commit a8cc451 (two calls made back to back, the first stopped in `dpo_long_prompt` by its time limit), "
     "`sft_agent_turns` and `reward_pairs` at commit e4ba9c3 (stopped before `rloo_groups` by its 450 s limit), "
@@ -545,9 +576,7 @@ NOTES = {
 
 # Not measured yet, per section: one row each until a result file answers it.
 PENDING = {
-    "sync": [
-        "Qwen3-8B shape, G=16, P=4,096, C=512 (stage `compile-sync-8b-p4096`)",
-    ],
+    "sync": [],
     "through_trainer": [
         "DeepSpeed ZeRO step times (ZeRO-2 / ZeRO-3 are tested equal to TRL on one H200, not timed)",
     ],

@@ -456,7 +456,9 @@ def prefix_reuse_gpu() -> list[str]:
             cells = []
             for method in ("split", "reuse", "reuse_kept"):
                 run = row["methods"].get(method)
-                if run is None or "incomplete" in run:
+                if run is None and method == "split" and row["longest"] > row["budget"]:
+                    cells.append("refused (a sequence longer than the budget)")
+                elif run is None or "incomplete" in run:
                     cells.append("*not yet timed*")
                 elif "refused" in run:
                     cells.append("refused")

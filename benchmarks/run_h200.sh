@@ -249,11 +249,10 @@ for stage in "$@"; do
     # ---- whole GRPO steps through trainer.train(), per generation mode (TreeGRPOTrainer vs trl.GRPOTrainer)
     generation-modes)  # HF generate, paired per step: TRL's side, then the tree and the float32 reference resuming
       # the file (gpu_compile.sh's generation-modes phase; two calls made back to back on one machine; carry .whl)
-      python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/async/*.whl
-      PYTHONPATH=/tmp/site:$PWD timeout 450 python3 benchmarks/bench_generation_modes.py --models qwen3-0.6b \
+      timeout 450 python3 benchmarks/bench_generation_modes.py --models qwen3-0.6b \
         --warmup 2 --steps 8 --resume --modes generate --sides trl --out "$OUT/generation_modes_h200_paired.json" \
         2>&1 | grep -E "^qwen|^  |rror:"
-      PYTHONPATH=/tmp/site:$PWD timeout 420 python3 benchmarks/bench_generation_modes.py --models qwen3-0.6b \
+      timeout 420 python3 benchmarks/bench_generation_modes.py --models qwen3-0.6b \
         --warmup 2 --steps 8 --resume --modes generate --sides tree reference \
         --out "$OUT/generation_modes_h200_paired.json" 2>&1 | grep -E "^qwen|^  |rror:" ;;
     generation-modes-more)
@@ -281,11 +280,10 @@ for stage in "$@"; do
       # and with accelerate's regional compile, paired per step (gpu_compile.sh's async-1.7b-grpo and async-1.7b-tau2
       # phases, GRPO_SIDES="reference trl tree trl_compiled" GRPO_LIMIT=380; two calls made back to back, the second
       # resuming the file; carry .whl/async)
-      python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/async/*.whl
-      PYTHONPATH=/tmp/site:$PWD timeout 380 python3 benchmarks/bench_async_grpo.py --warmup 2 --steps 8 --resume \
+      timeout 380 python3 benchmarks/bench_async_grpo.py --warmup 2 --steps 8 --resume \
         --models qwen3-1.7b --workloads grpo_mixed --sides reference trl tree trl_compiled \
         --out "$OUT/async_grpo_h200_qwen3-1.7b_paired.json" 2>&1 | grep -E "^qwen|^  |rror:"
-      PYTHONPATH=/tmp/site:$PWD timeout 340 python3 benchmarks/bench_async_grpo.py --warmup 2 --steps 8 --resume \
+      timeout 340 python3 benchmarks/bench_async_grpo.py --warmup 2 --steps 8 --resume \
         --models qwen3-1.7b --workloads tau2_like --sides reference trl tree trl_compiled \
         --out "$OUT/async_grpo_h200_qwen3-1.7b_paired.json" 2>&1 | grep -E "^qwen|^  |rror:" ;;
     compile-async-8b)  # the same at the Qwen3-8B shape, TRL at its defaults (carry .whl)
@@ -299,47 +297,42 @@ for stage in "$@"; do
         --out "$OUT/async_grpo_h200_qwen3-8b_paired_tau2.json" 2>&1 | grep -E "^qwen|^  |rror:" ;;
     compile-async-1.7b-profiled)  # the same rows, one more step per side under the torch profiler (gpu_compile.sh's
       # async-1.7b-profiled phase; transformers 5.24 from .whl/common; carry .whl)
-      python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/async/*.whl
-      PYTHONPATH=/tmp/site:$PWD timeout 270 python3 benchmarks/bench_async_grpo.py --warmup 2 --steps 8 --resume \
+      timeout 270 python3 benchmarks/bench_async_grpo.py --warmup 2 --steps 8 --resume \
         --profile --models qwen3-1.7b --workloads grpo_mixed --sides reference trl tree trl_compiled \
         --out "$OUT/async_grpo_h200_qwen3-1.7b_profiled.json" 2>&1 | grep -E "^qwen|^  |rror:"
-      PYTHONPATH=/tmp/site:$PWD timeout 380 python3 benchmarks/bench_async_grpo.py --warmup 2 --steps 8 --resume \
+      timeout 380 python3 benchmarks/bench_async_grpo.py --warmup 2 --steps 8 --resume \
         --profile --models qwen3-1.7b --workloads tau2_like --sides reference trl tree trl_compiled \
         --out "$OUT/async_grpo_h200_qwen3-1.7b_profiled.json" 2>&1 | grep -E "^qwen|^  |rror:" ;;
     compile-sync-1.7b)  # TreeGRPOTrainer on its defaults vs trl.GRPOTrainer, paired per step (gpu_compile.sh's
       # sync-1.7b phase, then sync-1.7b-tree resuming its file in a second call; carry .whl)
-      python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/async/*.whl
-      PYTHONPATH=/tmp/site:$PWD timeout 220 python3 benchmarks/bench_sync_grpo.py --warmup 2 --steps 8 --resume \
+      timeout 220 python3 benchmarks/bench_sync_grpo.py --warmup 2 --steps 8 --resume \
         --models qwen3-1.7b --workloads grpo_mixed --sides reference trl tree \
         --out "$OUT/sync_grpo_h200_qwen3-1.7b_paired.json" 2>&1 | grep -E "^qwen|^  |rror:"
-      PYTHONPATH=/tmp/site:$PWD timeout 190 python3 benchmarks/bench_sync_grpo.py --warmup 2 --steps 8 --resume \
+      timeout 190 python3 benchmarks/bench_sync_grpo.py --warmup 2 --steps 8 --resume \
         --models qwen3-1.7b --workloads grpo_mixed --sides tree \
         --out "$OUT/sync_grpo_h200_qwen3-1.7b_paired.json" 2>&1 | grep -E "^qwen|^  |rror:" ;;
     compile-sync-1.7b-p4096)  # the same on the fixed-length row, every side in one call (gpu_compile.sh's
       # sync-1.7b-p4096 phase; carry .whl)
-      python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/async/*.whl
-      PYTHONPATH=/tmp/site:$PWD timeout 560 python3 benchmarks/bench_sync_grpo.py --warmup 2 --steps 8 --resume \
+      timeout 560 python3 benchmarks/bench_sync_grpo.py --warmup 2 --steps 8 --resume \
         --models qwen3-1.7b --workloads grpo_P4096_C512 --sides reference trl tree \
         --out "$OUT/sync_grpo_h200_qwen3-1.7b_P4096_paired.json" 2>&1 | grep -E "^qwen|^  |rror:" ;;
     compile-sync-8b-p4096)  # the same at the Qwen3-8B shape (gpu_compile.sh's sync-8b-p4096 phase; carry .whl)
-      python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/async/*.whl
-      PYTHONPATH=/tmp/site:$PWD timeout 560 python3 benchmarks/bench_sync_grpo.py --warmup 2 --steps 8 --resume \
+      timeout 560 python3 benchmarks/bench_sync_grpo.py --warmup 2 --steps 8 --resume \
         --models qwen3-8b --workloads grpo_P4096_C512 --sides reference trl tree \
         --out "$OUT/sync_grpo_h200_qwen3-8b_P4096_paired.json" 2>&1 | grep -E "^qwen|^  |rror:" ;;
     beyond-grpo-paired)  # TreeSFTTrainer / TreeDPOTrainer, the reward and RLOO trainers vs TRL's, each side in its own
       # process, paired per step (gpu_compile.sh's beyond-grpo and beyond-grpo-more phases, the last row by itself;
       # calls made back to back, each resuming the file; carry .whl)
-      python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/async/*.whl
-      PYTHONPATH=/tmp/site:$PWD timeout 450 python3 benchmarks/bench_trees_beyond_grpo.py --models qwen3-1.7b \
+      timeout 450 python3 benchmarks/bench_trees_beyond_grpo.py --models qwen3-1.7b \
         --warmup 2 --steps 8 --resume --workloads sft_system_prompt dpo_long_prompt \
         --out "$OUT/trees_beyond_grpo_h200_paired.json" 2>&1 | grep -E "^qwen|^  |rror:"
-      PYTHONPATH=/tmp/site:$PWD timeout 450 python3 benchmarks/bench_trees_beyond_grpo.py --models qwen3-1.7b \
+      timeout 450 python3 benchmarks/bench_trees_beyond_grpo.py --models qwen3-1.7b \
         --warmup 2 --steps 8 --resume --workloads dpo_long_prompt sft_agent_turns \
         --out "$OUT/trees_beyond_grpo_h200_paired.json" 2>&1 | grep -E "^qwen|^  |rror:"
-      PYTHONPATH=/tmp/site:$PWD timeout 450 python3 benchmarks/bench_trees_beyond_grpo.py --models qwen3-1.7b \
+      timeout 450 python3 benchmarks/bench_trees_beyond_grpo.py --models qwen3-1.7b \
         --warmup 2 --steps 8 --resume --workloads sft_agent_turns reward_pairs rloo_groups \
         --out "$OUT/trees_beyond_grpo_h200_paired.json" 2>&1 | grep -E "^qwen|^  |rror:"
-      PYTHONPATH=/tmp/site:$PWD timeout 450 python3 benchmarks/bench_trees_beyond_grpo.py --models qwen3-1.7b \
+      timeout 450 python3 benchmarks/bench_trees_beyond_grpo.py --models qwen3-1.7b \
         --warmup 2 --steps 8 --resume --workloads rloo_groups \
         --out "$OUT/trees_beyond_grpo_h200_paired.json" 2>&1 | grep -E "^qwen|^  |rror:" ;;
     gpu-tests-rest)  # the async hybrid and compile-once tests alone, GPT-OSS's CUDA precision cells (gpu_compile.sh's
@@ -406,21 +399,18 @@ for stage in "$@"; do
         --out "$OUT/prefix_reuse_gpu_h200_qwen3-1.7b.json" 2>&1 | quiet 12 ;;
     async-grpo-prefix-kernels)  # the tree side of the 1.7B rows on the shared-prefix kernels for every two-level
       # forest (the committed file ran before the CUDA rule waited for recurring shapes: the size rule alone)
-      python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/async/*.whl
-      HF_TREE_ATTN_PREFIX_ATTENTION=always PYTHONPATH=/tmp/site:$PWD timeout 200 python3 benchmarks/bench_async_grpo.py \
+      HF_TREE_ATTN_PREFIX_ATTENTION=always timeout 200 python3 benchmarks/bench_async_grpo.py \
         --models qwen3-1.7b --workloads grpo_mixed tau2_like --profile \
         --out "$OUT/async_grpo_h200_qwen3-1.7b_prefix_kernels.json" 2>&1 | grep -E "^qwen|rror:" ;;
     async-grpo-more)  # the CUDA rule's GPU test (transformers from .whl/common), a Qwen3.5 hybrid on the tree alone
       # (TRL refuses it), Qwen3-8B on the agent rows (~4 min; carry .whl/async and .whl/common)
-      python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/async/*.whl
-      python3 -m pip install -q --no-index --no-deps --target /tmp/common .whl/common/*.whl
       PYTHONPATH=/tmp/common:/tmp/site:$PWD timeout 70 python3 -m pytest -q -rf -m gpu -p no:cacheprovider \
         tests/test_prefix_attention.py -k "kernels_only_where or fused_merge" 2>&1 | tail -4 \
         | tee "$OUT/h200_gpu_tests_prefix_rule.log"
-      PYTHONPATH=/tmp/site:$PWD timeout 110 python3 benchmarks/bench_async_grpo.py --models qwen3.5-0.8b \
+      timeout 110 python3 benchmarks/bench_async_grpo.py --models qwen3.5-0.8b \
         --workloads grpo_mixed --token-budget 16384 --warmup 2 --steps 2 \
         --out "$OUT/async_grpo_h200_qwen3.5-0.8b.json" 2>&1 | grep -E "^qwen|rror:"
-      PYTHONPATH=/tmp/site:$PWD timeout 140 python3 benchmarks/bench_async_grpo.py --models qwen3-8b \
+      timeout 140 python3 benchmarks/bench_async_grpo.py --models qwen3-8b \
         --workloads tau2_like --warmup 2 --steps 2 --out "$OUT/async_grpo_h200_qwen3-8b_tau2.json" 2>&1 \
         | grep -E "^qwen|rror:" ;;
     # The four trees-beyond-grpo stages ran the one-process version of bench_trees_beyond_grpo.py (both sides in one
