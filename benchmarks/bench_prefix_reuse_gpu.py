@@ -14,6 +14,12 @@ or with `--optimizer` an AdamW step at learning rate 0, which holds and updates 
 - `reuse_kept` (only where asked for): the same with every chunk's forward graph kept for the backward
   (`keep_graphs`), no chunk recomputed there; paired with `split` (`paired_kept`, `agreement_kept`) and with
   `reuse` (`paired_reuse_vs_kept`: reuse's seconds over reuse_kept's per step; `agreement_reuse_vs_kept`).
+- `reference` (only where asked for; not timed): the first step's log-probabilities in float32, the model's weights
+  upcast (the same values the timed methods use), the step's sequences as unsplit forests without gradients
+  (`sequence_logprobs`, exact in float32 against per-sequence forwards in the GPU tests). With it every agreement
+  check is the GPU tests' rule (`harness.agreement`): the candidate's largest and mean error to float32 within twice
+  the baseline's plus one bf16 rounding, which holds at any model shape; without it, the two methods' log-probs
+  directly within `harness.LOGPROB_BOUND`, a bound from small models that bf16 rounding alone can pass on larger ones.
 
 The loss is the same for both: a fixed random weight per scored token times its log-probability, summed, over the
 step's scored tokens. Random-weight bf16 models of the named shapes (no download), every decoder layer checkpointed
@@ -24,7 +30,7 @@ the second run keeps the first's steps and reads its first step back for the agr
 missing, it runs one unmeasured step of the first's method for it, `agreement_steps_rerun`), each with `--warmup`
 unmeasured and `--steps` measured steps (CUDA-synchronized); `paired["split vs reuse"]` is the split's seconds over
 reuse's per measured step (`harness.paired`: min / median / max); peak memory after the warm-up. Agreement, on the
-first step: the per-token log-probabilities of the two methods within `harness.LOGPROB_BOUND` of the dtype, and the
+first step: the per-token log-probabilities of the two methods (against the `reference` where it ran, above), and the
 cosine of their parameter gradients (each tensor's, the least reported; at least `GRAD_COSINE`); a row that fails is
 marked `failed`. MFU: 3x the forward FLOPs of the step's sequences as one prefix forest (`estimate_flops`'
 `tree_flops`; recompute not counted) per step second over 989 TFLOP/s.
@@ -41,6 +47,7 @@ marked `failed`. MFU: 3x the forward FLOPs of the step's sequences as one prefix
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import random
 import statistics
@@ -149,6 +156,39 @@ def run_method(model, sequences, budget, method, weights, scored, args, progress
     return result, first
 
 
+def reference(model, sequences) -> tuple[dict, dict]:
+    """The `reference` method: `({"seconds", "dtype"}, {"logps"})`, the step's log-probabilities from a float32 copy
+    of `model` (its weights upcast), unsplit forests, no gradients."""
+    start = time.perf_counter()
+    exact = copy.deepcopy(model).float()
+    with torch.no_grad():
+        logps = sequence_logprobs(exact, sequences)
+    first = {"logps": torch.cat(logps).cpu().tolist()}
+    del exact, logps
+    _sync()
+    return {"seconds": time.perf_counter() - start, "dtype": "float32"}, first
+
+
+def check_pair(firsts: dict, candidate: str, baseline: str, dtype: str) -> dict:
+    """`candidate`'s first step against `baseline`'s: log-probs by `harness.agreement` (against the float32
+    `reference` where it ran, else directly within `LOGPROB_BOUND`) and the least gradient cosine."""
+    exact = firsts.get("reference", {}).get("logps")
+    a, b = firsts[candidate]["logps"], firsts[baseline]["logps"]
+    check = agreement(a, b, exact) if exact is not None else agreement(a, b, bound=LOGPROB_BOUND[dtype])
+    check["gradient_cosine"] = gradient_cosine(firsts[candidate]["grads"], firsts[baseline]["grads"])
+    check["passed"] = check["passed"] and check["gradient_cosine"] >= GRAD_COSINE
+    return check
+
+
+def described(check: dict) -> str:
+    """One line of an agreement check for the log."""
+    if "max_error" in check:
+        worst = check["max_error"]
+        return (f"largest error to float32 {worst['candidate']:.3g} against {worst['baseline']:.3g}, gradient cosine "
+                f"{check['gradient_cosine']:.5f}")  # fmt: skip
+    return f"max |dlogp| {check['max_abs']:.3g}, gradient cosine {check['gradient_cosine']:.5f}"
+
+
 def first_step(model, logps: list[torch.Tensor]) -> dict:
     """A step's log-probs and parameter gradients, on the host (an 8B model's are 16 GB), for the agreement check."""
     return {
@@ -187,6 +227,14 @@ def measure(model_name: str, workload: str, args, save, earlier: dict) -> dict:
             if path is not None and path.exists():
                 firsts[method] = torch.load(path)
     for method in args.methods:
+        if method == "reference":
+            row["methods"][method], firsts[method] = reference(model, sequences)
+            if (path := first_path(args, model_name, workload, method)) is not None:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                torch.save(firsts[method], path)
+            save(row)
+            print(f"  reference: float32 log-probs in {row['methods'][method]['seconds']:.1f} s", flush=True)
+            continue
 
         def progress(seconds: list[float], method: str = method) -> None:  # a run cut off keeps the steps it ran
             row["methods"][method] = {"incomplete": True, "step_s": list(seconds)}
@@ -207,6 +255,8 @@ def measure(model_name: str, workload: str, args, save, earlier: dict) -> dict:
         print(f"  {method}: {result['median_step_s']:.3f} s (first {result['first_step_s']:.1f} s)  "
               f"mfu {100 * result['mfu']:.1f}%  peak {result['peak_gib'] or 0:.1f} GiB", flush=True)  # fmt: skip
     measured = {m for m, r in row["methods"].items() if "refused" not in r}
+    if "reference" in measured and "reference" not in firsts:  # run earlier, its first step not in --first-dir
+        firsts["reference"] = reference(model, sequences)[1]
     for reuse_method, suffix in (("reuse", ""), ("reuse_kept", "_kept")):
         if not {"split", reuse_method} <= measured:
             continue
@@ -216,10 +266,7 @@ def measure(model_name: str, workload: str, args, save, earlier: dict) -> dict:
             # unmeasured step of that method here, on the same data
             firsts[method] = first_step(model, step(model, sequences, budget, method, weights, scored))
             row.setdefault("agreement_steps_rerun", []).append(method)
-        check = agreement(firsts[reuse_method]["logps"], firsts["split"]["logps"], bound=LOGPROB_BOUND[args.dtype])
-        check["gradient_cosine"] = gradient_cosine(firsts[reuse_method]["grads"], firsts["split"]["grads"])
-        check["passed"] = check["passed"] and check["gradient_cosine"] >= GRAD_COSINE
-        row["agreement" + suffix] = check
+        row["agreement" + suffix] = check = check_pair(firsts, reuse_method, "split", args.dtype)
         try:
             pair = paired(split["measured_step_s"], reuse["measured_step_s"])
         except ValueError as error:
@@ -227,15 +274,14 @@ def measure(model_name: str, workload: str, args, save, earlier: dict) -> dict:
         pair["failed"] = not check["passed"]
         row["paired" + suffix] = pair
         if "median" in pair:
-            print(f"  split vs {reuse_method}: {pair['median']:.2f}x [{pair['min']:.2f}, {pair['max']:.2f}] "
-                  f"{'FAILED agreement' if pair['failed'] else 'agrees'} (max |dlogp| {check['max_abs']:.3g}, "
-                  f"gradient cosine {check['gradient_cosine']:.5f})", flush=True)  # fmt: skip
+            print(
+                f"  split vs {reuse_method}: {pair['median']:.2f}x [{pair['min']:.2f}, {pair['max']:.2f}] "
+                f"{'FAILED agreement' if pair['failed'] else 'agrees'} ({described(check)})",
+                flush=True,
+            )
     if {"reuse", "reuse_kept"} <= measured and {"reuse", "reuse_kept"} <= firsts.keys():
         # the recomputes the kept graphs save, per step; the two agree as each agrees with the split
-        check = agreement(firsts["reuse_kept"]["logps"], firsts["reuse"]["logps"], bound=LOGPROB_BOUND[args.dtype])
-        check["gradient_cosine"] = gradient_cosine(firsts["reuse_kept"]["grads"], firsts["reuse"]["grads"])
-        check["passed"] = check["passed"] and check["gradient_cosine"] >= GRAD_COSINE
-        row["agreement_reuse_vs_kept"] = check
+        row["agreement_reuse_vs_kept"] = check = check_pair(firsts, "reuse_kept", "reuse", args.dtype)
         try:
             pair = paired(row["methods"]["reuse"]["measured_step_s"], row["methods"]["reuse_kept"]["measured_step_s"])
         except ValueError as error:
@@ -243,9 +289,11 @@ def measure(model_name: str, workload: str, args, save, earlier: dict) -> dict:
         pair["failed"] = not check["passed"]
         row["paired_reuse_vs_kept"] = pair
         if "median" in pair:
-            print(f"  reuse vs reuse_kept: {pair['median']:.2f}x [{pair['min']:.2f}, {pair['max']:.2f}] "
-                  f"{'FAILED agreement' if pair['failed'] else 'agrees'} (max |dlogp| {check['max_abs']:.3g}, "
-                  f"gradient cosine {check['gradient_cosine']:.5f})", flush=True)  # fmt: skip
+            print(
+                f"  reuse vs reuse_kept: {pair['median']:.2f}x [{pair['min']:.2f}, {pair['max']:.2f}] "
+                f"{'FAILED agreement' if pair['failed'] else 'agrees'} ({described(check)})",
+                flush=True,
+            )
     del model, firsts
     if args.device == "cuda":
         torch.cuda.empty_cache()
@@ -261,7 +309,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["qwen3-1.7b"], choices=list(MODELS))
     parser.add_argument("--workloads", nargs="+", default=["agent_2x20x4"], choices=list(WORKLOADS))
-    parser.add_argument("--methods", nargs="+", default=["split", "reuse"], choices=["split", "reuse", "reuse_kept"])
+    parser.add_argument(
+        "--methods", nargs="+", default=["split", "reuse"], choices=["split", "reuse", "reuse_kept", "reference"]
+    )
     parser.add_argument("--budget", type=int, help="token budget (default: the workload's)")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--steps", type=int, default=8, help="measured steps (at least 8 for a ratio)")

@@ -148,3 +148,48 @@ def test_without_the_models_checkpointing_reuse_still_agrees():
     args = argparse.Namespace(**{**ARGS, "checkpointing": "none", "optimizer": False})
     row = bench.measure("tiny", "smoke", args, save=lambda row: None, earlier={})
     assert row["agreement"]["passed"] and row["agreement"]["gradient_cosine"] > 0.99999, row["agreement"]
+
+
+def _bf16_row(monkeypatch, off_method: str | None = None, shift: float = 0.0) -> dict:
+    """A bf16 row of the split, prefix reuse and the float32 reference; `off_method`'s log-probs shifted."""
+    if off_method is not None:
+        step = bench.step
+        monkeypatch.setattr(
+            bench, "step", lambda *a: [lp + shift for lp in step(*a)] if a[3] == off_method else step(*a)
+        )
+    args = argparse.Namespace(**{**ARGS, "dtype": "bfloat16", "methods": ["split", "reuse", "reference"]})
+    return bench.measure("tiny", "smoke", args, save=lambda row: None, earlier={})
+
+
+def test_with_the_float32_reference_each_bf16_layout_is_judged_by_its_error_to_it(monkeypatch):
+    """`reference`: the bf16 layouts' log-probs against float32 (the GPU tests' rule, `harness.agreement`): both are
+    off float32 by bf16 rounding, prefix reuse within twice the split's error plus one rounding."""
+    row = _bf16_row(monkeypatch)
+    check = row["agreement"]
+    assert check["rule"] == "candidate <= 2 x baseline + u|exact|" and check["passed"], check
+    assert 0 < check["max_error"]["baseline"] < 0.5 and 0 < check["max_error"]["candidate"] < 0.5, check
+    assert row["methods"]["reference"]["dtype"] == "float32" and not row["paired"]["failed"]
+
+
+def test_with_the_float32_reference_a_reuse_step_that_is_off_fails(monkeypatch):
+    """A reuse step off by more than twice the split's bf16 error (measured in the same row unshifted) fails."""
+    error = _bf16_row(monkeypatch)["agreement"]["max_error"]["baseline"]
+    row = _bf16_row(monkeypatch, "reuse", shift=4 * error + 0.1)
+    assert not row["agreement"]["passed"] and row["paired"]["failed"], row["agreement"]
+
+
+def test_a_reference_run_in_its_own_process_judges_the_earlier_methods(tmp_path, monkeypatch):
+    """`--methods reference --resume` after the timed methods (no `--first-dir`): it reruns their first steps and
+    judges them against float32; the timed methods' steps are kept."""
+    import json
+
+    out = tmp_path / "out.json"
+    common = ["--models", "tiny", "--workloads", "smoke", "--device", "cpu", "--dtype", "bfloat16", "--warmup", "1",
+              "--out", str(out)]  # fmt: skip
+    for extra in (["--methods", "split", "reuse"], ["--methods", "reference", "--resume"]):
+        monkeypatch.setattr(sys, "argv", ["bench_prefix_reuse_gpu.py", *common, *extra])
+        bench.main()
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["methods"].keys() == {"split", "reuse", "reference"} and row["paired"]["steps"] == 8
+    assert sorted(row["agreement_steps_rerun"]) == ["reuse", "split"]
+    assert row["agreement"]["passed"] and "max_error" in row["agreement"], row["agreement"]
