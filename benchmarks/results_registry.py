@@ -483,8 +483,8 @@ NOTES = {
     "scored tokens (mean 0.016), gradient cosine 0.99848. At this model shape each bf16 side of the async rows was "
     "up to 0.12 to 0.17 from a float32 run (`async_grpo_h200_qwen3-1.7b_paired.json`), so the check cannot tell "
     "bf16 rounding from a fault here; no float32 run of this step was made yet (stage "
-    "`prefix-reuse-gpu-1.7b-reference` makes one and judges both layouts by their error to it). The fp32 exactness tests of prefix reuse "
-    "on the GPU pass (`h200_gpu_tests_prefix_reuse.log`).",
+    "`prefix-reuse-gpu-1.7b-reference` makes one and judges both layouts by their error to it). The fp32 exactness "
+    "tests of prefix reuse on the GPU pass (`h200_gpu_tests_prefix_reuse.log`).",
     "prefix_reuse_gpu_h200_qwen3-8b_trajectory.json": "the 96k-token trajectory with 8 branches at the Qwen3-8B "
     "shape, AdamW's states held (`--optimizer`), in chunks of 2,176 rows (the planner's least estimate): one H200 "
     "holds its step, 108.7 GiB at the peak against the planner's 133 GiB (43.7 GiB beside 89 GiB of weights, "
