@@ -13,9 +13,13 @@ For each of `--forests` forests of random shapes, new to every kernel (GRPO grou
 `grpo_mixed`: `--groups` prompts of U[1000, 6000] tokens with G=16 completions of U[64, 1024]; or its `tau2_like`
 agent: a 4,800-token system prompt, U[10, 20] turns of a U[40, 200]-token message and 2 sampled U[80, 400]-token
 responses, the first continuing the conversation), bf16, Qwen3-1.7B heads: one forward + backward through each
-kernel (`first_ms`), the same again (`repeat_ms`), wall time with the GPU synchronized; each kernel's output against
-FlexAttention's, and the host time to build the gather (`plan_ms`, once per forest, shared by every layer). TFLOP/s
-count each row's ancestor-or-self pairs (4 * pairs * heads * dim per forward, 2.5x that for the backward).
+kernel (`first_ms`), the same again (`repeat_ms`), wall time with the GPU synchronized; each kernel's output and
+its q / k / v gradients (for one random upstream gradient) against FlexAttention's, and the host time to build the
+gather (`plan_ms`, once per forest, shared by every layer). TFLOP/s count each row's ancestor-or-self pairs
+(4 * pairs * heads * dim per forward, 2.5x that for the backward).
+
+`--kernels flex flex_flash`: FlexAttention on its FlashAttention-4 backend instead (`kernel_options={"BACKEND":
+"FLASH"}`, the same block mask; needs `flash_attn.cute`, which benchmarks/fa4_wheels.sh packs for the H200).
 
     python benchmarks/attention_gathered_paths.py --workload tau2_like --out benchmarks/results/attention.json
     python benchmarks/attention_gathered_paths.py --device cpu --forests 2 --scale 0.05   # the gather checked on CPU
@@ -38,6 +42,9 @@ from hf_tree_attn.attention import _flex_attention
 
 HEADS, KV_HEADS, DIM = 16, 8, 128  # Qwen3-1.7B
 KERNELS = ("flex", "flash_gathered", "cudnn_gathered")
+# FlexAttention on FlashAttention-4's CuTeDSL kernels (`kernel_options={"BACKEND": "FLASH"}`, the same block mask;
+# needs the `flash_attn.cute` package: benchmarks/fa4_wheels.sh), only where `--kernels` names it.
+OPTIONAL_KERNELS = ("flex_flash",)
 
 
 def grpo_forest(rng: random.Random, groups: int, scale: float) -> list[list[int]]:
@@ -145,7 +152,12 @@ def main():
     parser.add_argument("--scale", type=float, default=1.0, help="scale every length (CPU checks)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", default="benchmarks/results/attention_gathered_paths.json")
+    parser.add_argument(
+        "--kernels", nargs="+", default=list(KERNELS), choices=KERNELS + OPTIONAL_KERNELS,
+        help="the kernels to run; FlexAttention's (flex) always runs, the others are checked against it",
+    )  # fmt: skip
     args = parser.parse_args()
+    chosen = ["flex", *(k for k in args.kernels if k != "flex")]
     device, rng = torch.device(args.device), random.Random(0)
     gen = torch.Generator(device=device).manual_seed(0)
     scale = DIM**-0.5
@@ -184,16 +196,24 @@ def main():
 
     def kernels(forest, q, k, v, plan):
         block_mask = forest.block_mask(device)
-        return {
-            "flex": lambda: _flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=True)[0],
+        flex = dict(block_mask=block_mask, scale=scale, enable_gqa=True)
+        every = {
+            "flex": lambda: _flex_attention(q, k, v, **flex)[0],
             "flash_gathered": lambda: flash_gathered(q, k, v, plan, scale),
             "cudnn_gathered": lambda: cudnn_gathered(q, k, v, plan, scale),
+            "flex_flash": lambda: _flex_attention(q, k, v, **flex, kernel_options={"BACKEND": "FLASH"})[0],
         }
+        return {name: every[name] for name in chosen}
 
     for _ in range(2):  # FlexAttention compiles for the first length and again, length-generic, at the second
         forest = forest_of()
         q, k, v = tensors(forest)
-        timed(kernels(forest, q, k, v, gather_plan(forest, device))["flex"])
+        for name, fn in kernels(forest, q, k, v, gather_plan(forest, device)).items():
+            if name.startswith("flex"):
+                try:
+                    timed(fn)
+                except Exception as error:  # noqa: BLE001 - recorded per forest below
+                    print(f"  {name} warm-up: {type(error).__name__}: {str(error)[:300]}", flush=True)
     rows = []
     for _ in range(args.forests):
         forest = forest_of()
@@ -207,27 +227,37 @@ def main():
         row = {"tree_tokens": real, "seq_len": forest.seq_len, "segments": forest.num_segments,
                "levels": forest.num_levels, "gathered_keys": int(plan["key_index"].numel()), "plan_ms": plan_ms,
                "forward_tflop": flops / 1e12}  # fmt: skip
-        outputs = {}
+        outputs, grads = {}, {}
+        upstream = torch.randn(1, HEADS, forest.seq_len, DIM, device=device, dtype=dtype, generator=gen)
+        upstream[:, :, real:] = 0  # padding rows' outputs are not the tree's
         for name, fn in kernels(forest, *qkv, plan).items():
             try:
                 first, repeat = timed(fn), timed(fn)
-                with torch.no_grad():
-                    outputs[name] = fn()[:, :, :real].float()
+                for x in qkv:
+                    x.grad = None
+                out = fn()
+                out.backward(upstream)
+                outputs[name] = out.detach()[:, :, :real].float()
+                grads[name] = [x.grad[:, :, :real].float() for x in qkv]
             except Exception as error:  # noqa: BLE001 - a kernel that refuses these inputs is a result
                 row[name] = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
                 continue
             row[name] = {"first_ms": first, "repeat_ms": repeat, "tflops": 3.5 * flops / repeat / 1e9}
             if name != "flex":
                 row[name]["max_abs_vs_flex"] = (outputs[name] - outputs["flex"]).abs().max().item()
+                row[name]["max_grad_abs_vs_flex"] = max(
+                    (a - b).abs().max().item() for a, b in zip(grads[name], grads["flex"])
+                )
         print(f"{real:>6} rows {row['segments']:>3} segments, gathered keys {row['gathered_keys']:>7}, plan "
               f"{plan_ms:.1f} ms", flush=True)  # fmt: skip
-        for name in KERNELS:
+        for name in chosen:
             r = row[name]
             print(f"  {name:<15} " + (r["error"] if "error" in r else
                   f"first {r['first_ms']:.1f} ms, repeat {r['repeat_ms']:.1f} ms ({r['tflops']:.0f} TFLOP/s), "
-                  f"max |out - flex| {r.get('max_abs_vs_flex', 0):.3g}"), flush=True)  # fmt: skip
+                  f"max |out - flex| {r.get('max_abs_vs_flex', 0):.3g}, "
+                  f"max |grad - flex| {r.get('max_grad_abs_vs_flex', 0):.3g}"), flush=True)  # fmt: skip
         rows.append(row)
-    ran = [n for n in KERNELS if all("error" not in r[n] for r in rows)]
+    ran = [n for n in chosen if all("error" not in r[n] for r in rows)]
     summary = {
         name: {when: statistics.median(r[name][when] for r in rows) for when in ("first_ms", "repeat_ms", "tflops")}
         for name in ran
@@ -242,6 +272,7 @@ def main():
         "heads": [HEADS, KV_HEADS, DIM],
         "workload": args.workload,
         "groups_per_forest": args.groups,
+        "kernels": chosen,
         "rows": rows,
         "median": summary,
     }

@@ -397,6 +397,27 @@ for stage in "$@"; do
       timeout 560 python3 benchmarks/bench_prefix_reuse_gpu.py --models qwen3-1.7b --workloads agent_4x20 \
         --methods reuse --resume --warmup 2 --steps 8 --first-dir /tmp/prefix_reuse_first \
         --out "$OUT/prefix_reuse_gpu_h200_qwen3-1.7b.json" 2>&1 | quiet 12 ;;
+    fa4-site-1)  # the first half of FlashAttention-4's packed site (benchmarks/fa4_wheels.sh; carry .fa4/1), kept
+      # in /tmp for `flex-flash-backend` on the same warm machine
+      mkdir -p /tmp/fa4parts && cp .fa4/1/* /tmp/fa4parts/ && ls -la /tmp/fa4parts ;;
+    flex-flash-backend)  # FlexAttention's FlashAttention-4 backend against its Triton one on the tree's block mask,
+      # forward + backward, new forests (carry .fa4/2 and .whl, right after `fa4-site-1`)
+      mkdir -p /tmp/fa4parts && cp .fa4/2/* /tmp/fa4parts/ 2>/dev/null
+      if [ ! -d /tmp/fa4site/flash_attn ]; then
+        python3 - /tmp/fa4site /tmp/fa4parts/fa4_site.tar.xz.part-* <<'PY' || { echo "no FA4 site: run fa4-site-1 first"; continue; }
+import io, sys, tarfile
+data = b"".join(open(part, "rb").read() for part in sorted(sys.argv[2:]))
+with tarfile.open(fileobj=io.BytesIO(data), mode="r:xz") as tar:
+    tar.extractall(sys.argv[1], filter="tar")
+PY
+      fi
+      PYTHONPATH=/tmp/fa4site:$PYTHONPATH python3 -c "import flash_attn.cute, torch; print('flash_attn.cute', torch.__version__)"
+      PYTHONPATH=/tmp/fa4site:$PYTHONPATH timeout 240 python3 benchmarks/attention_gathered_paths.py \
+        --workload grpo_mixed --kernels flex flex_flash --out "$OUT/attention_flex_flash_h200_grpo_mixed.json" 2>&1 \
+        | quiet 40
+      PYTHONPATH=/tmp/fa4site:$PYTHONPATH timeout 240 python3 benchmarks/attention_gathered_paths.py \
+        --workload tau2_like --kernels flex flex_flash --out "$OUT/attention_flex_flash_h200_tau2_like.json" 2>&1 \
+        | quiet 40 ;;
     prefix-reuse-gpu-1.7b-reference)  # the float32 reference for `prefix-reuse-gpu-1.7b`'s agreement check (its
       # direct bf16 bound failed there): the layouts' first steps judged by their error to float32, after the other
       # two stages (or on the committed file, rerunning one step of each layout)
