@@ -14,6 +14,8 @@ or with `--optimizer` an AdamW step at learning rate 0, which holds and updates 
 - `reuse_kept` (only where asked for): the same with every chunk's forward graph kept for the backward
   (`keep_graphs`), no chunk recomputed there; paired with `split` (`paired_kept`, `agreement_kept`) and with
   `reuse` (`paired_reuse_vs_kept`: reuse's seconds over reuse_kept's per step; `agreement_reuse_vs_kept`).
+- `--profile`: one more step per method under the torch profiler, not timed (`profile`: kernel time by kind, the top
+  kernels and host ops, as `profile_step.py` sorts them).
 - `reference` (only where asked for; not timed): the first step's log-probabilities in float32, the model's weights
   upcast (the same values the timed methods use), the step's sequences as unsplit forests without gradients
   (`sequence_logprobs`, exact in float32 against per-sequence forwards in the GPU tests). With it every agreement
@@ -153,7 +155,25 @@ def run_method(model, sequences, budget, method, weights, scored, args, progress
     }  # fmt: skip
     result["forwards" if method == "split" else "forests"] = len(forests)
     result["forwarded"] = forwarded
+    if args.profile:
+        result["profile"] = profiled_step(lambda: step(model, sequences, budget, method, weights, scored))
     return result, first
+
+
+def profiled_step(run) -> dict:
+    """One more step under the torch profiler, not timed: where its time goes (`profile_step.summarize`: kernel time
+    by kind, the top kernels and host ops)."""
+    from profile_step import summarize
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    _sync()
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        run()
+        _sync()
+        wall = time.perf_counter() - start
+    return summarize(prof, wall)
 
 
 def reference(model, sequences) -> tuple[dict, dict]:
@@ -323,6 +343,7 @@ def main() -> None:
         help="the model's own activation checkpointing of its decoder layers (none: prefix reuse recomputes each "
              "chunk once, not each layer again in the backward; every chunk's activations held in its backward)",
     )  # fmt: skip
+    parser.add_argument("--profile", action="store_true", help="one more step per method under the torch profiler")
     parser.add_argument("--out", default="benchmarks/results/prefix_reuse_gpu.json")
     parser.add_argument(
         "--resume", action="store_true",

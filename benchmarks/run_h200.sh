@@ -397,6 +397,11 @@ for stage in "$@"; do
       timeout 560 python3 benchmarks/bench_prefix_reuse_gpu.py --models qwen3-1.7b --workloads agent_4x20 \
         --methods reuse --resume --warmup 2 --steps 8 --first-dir /tmp/prefix_reuse_first \
         --out "$OUT/prefix_reuse_gpu_h200_qwen3-1.7b.json" 2>&1 | quiet 12 ;;
+    prefix-reuse-gpu-1.7b-profiled)  # where the time of `prefix-reuse-gpu-1.7b`'s steps goes: one warm step of each
+      # layout under the torch profiler (prefix reuse ran 0.86x the split there, ~25% over its FLOP count)
+      timeout 560 python3 benchmarks/bench_prefix_reuse_gpu.py --models qwen3-1.7b --workloads agent_4x20 \
+        --methods split reuse --warmup 1 --steps 1 --profile \
+        --out "$OUT/prefix_reuse_gpu_h200_qwen3-1.7b_profiled.json" 2>&1 | quiet 12 ;;
     fa4-site-1)  # the first half of FlashAttention-4's packed site (benchmarks/fa4_wheels.sh; carry .fa4/1), kept
       # in /tmp for `flex-flash-backend` on the same warm machine
       mkdir -p /tmp/fa4parts && cp .fa4/1/* /tmp/fa4parts/ && ls -la /tmp/fa4parts ;;

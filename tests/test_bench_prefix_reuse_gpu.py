@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench_prefix_reuse_gpu as bench  # noqa: E402
 
 ARGS = dict(device="cpu", dtype="float32", warmup=1, steps=8, budget=None, optimizer=True, methods=["split", "reuse"],
-            first_dir=None, checkpointing="all")  # fmt: skip
+            first_dir=None, checkpointing="all", profile=False)  # fmt: skip
 
 
 def _row() -> dict:
@@ -193,3 +193,16 @@ def test_a_reference_run_in_its_own_process_judges_the_earlier_methods(tmp_path,
     assert row["methods"].keys() == {"split", "reuse", "reference"} and row["paired"]["steps"] == 8
     assert sorted(row["agreement_steps_rerun"]) == ["reuse", "split"]
     assert row["agreement"]["passed"] and "max_error" in row["agreement"], row["agreement"]
+
+
+def test_profile_adds_one_untimed_step_per_method(monkeypatch):
+    """`--profile`: each method runs one step more, under the profiler, outside its timed steps."""
+    calls = []
+    step = bench.step
+    monkeypatch.setattr(bench, "step", lambda *a: calls.append(a[3]) or step(*a))
+    args = argparse.Namespace(**{**ARGS, "steps": 1, "profile": True, "optimizer": False})
+    row = bench.measure("tiny", "smoke", args, save=lambda row: None, earlier={})
+    for method in ("split", "reuse"):
+        run = row["methods"][method]
+        assert calls.count(method) == 3 and len(run["step_s"]) == 2, (method, calls)
+        assert run["profile"]["wall_profiled_s"] > 0 and run["profile"]["top_host_ops"], run["profile"]
