@@ -16,7 +16,10 @@ Each side runs in a process of its own (`harness.run_side`). Sides:
   decoder layers (`ACCELERATE_DYNAMO_BACKEND=INDUCTOR`, `..._USE_REGIONAL_COMPILATION=1`, `..._USE_DYNAMIC=1`);
 - `tree`: `TreeAsyncGRPOTrainer` at its defaults (on CUDA its decoder layers compiled, `tree_compile="auto"`);
 - `tree_eager`: the same with `tree_compile=False`;
-- `tree_budget`: the tree with `tree_activation_budget_gib=--activation-budget-gib` (fewer layers recompute).
+- `tree_budget`: the tree with `tree_activation_budget_gib=--activation-budget-gib` (fewer layers recompute);
+- `tree_reuse`: the tree with `tree_prefix_reuse=True`: the rows of an optimizer step (`--accumulation` of them)
+  scored as one forest in chunks of at most `token_budget` rows, each shared prefix forwarded once per step where
+  TRL's rows (and `tree`'s) each forward the prefixes their samples need.
 
 Models: random bf16 weights from configs shaped like Qwen3-1.7B / 8B and Qwen3.5-0.8B / 2B (no download; TRL
 refuses the Qwen3.5 hybrids, and its refusal is recorded). Workloads:
@@ -24,11 +27,15 @@ refuses the Qwen3.5 hybrids, and its refusal is recorded). Workloads:
 - `grpo_mixed`: groups of G=16 completions, prompts U[1000, 6000] tokens, completions U[64, 1024];
 - `grpo_P4096_C512`: G=16, 4,096-token prompts, 512-token completions;
 - `tau2_like`: conversations sharing a 4,800-token system prompt, U[10, 20] turns of a U[40, 200]-token message
-  and two U[80, 400]-token responses, each response a sample holding the whole history before it.
+  and two U[80, 400]-token responses, each response a sample holding the whole history before it;
+- `agent_2x20x4`: long agent conversations, 2 per replay cycle, sharing a 4,096-token system prompt, 20 turns of a
+  1,700-token tool + user message and 4 sampled 600-token answers (the first continues the conversation): a
+  conversation (up to ~50k tokens, ~86k unique) spans several rows (`--token-budget 65536 --accumulation 4`).
 
 Per side: the wall time of every optimizer step (CUDA-synchronized; planner, collator, forward, backward, optimizer
 and weight sync included; the first from `train()`'s start, so it holds the compile), trained tokens per second,
-MFU, peak memory after the warm-up. `mfu` counts the same model FLOPs for both sides: 3x the forward FLOPs of the
+MFU, peak memory after the warm-up, and the forwarded tokens against the step's unique tokens (its samples as one
+prefix forest). `mfu` counts the same model FLOPs for both sides: 3x the forward FLOPs of the
 step's samples as one prefix forest (`estimate_flops`' `tree_flops`; forward + backward, recompute not counted) per
 step second over 989 TFLOP/s. Per row, `paired[candidate vs reference]`: for each measured step, the reference
 side's seconds over the candidate's on the same step (the same samples), min / median / max (`harness.paired`), and
@@ -40,6 +47,8 @@ other's plus one bf16 rounding (`harness.agreement`; without a reference side, t
     python benchmarks/bench_async_grpo.py --models qwen3-1.7b --workloads grpo_mixed tau2_like \\
         --sides trl trl_compiled tree tree_eager --out benchmarks/results/async_grpo_h200_qwen3-1.7b.json
     python benchmarks/bench_async_grpo.py --models qwen3.5-0.8b --token-budget 16384 --sides tree
+    python benchmarks/bench_async_grpo.py --workloads agent_2x20x4 --token-budget 65536 --accumulation 4 \
+        --sides reference trl tree tree_reuse          # prefix reuse across a step's rows against TRL's packing
     python benchmarks/bench_async_grpo.py --models qwen3.5-2b --workloads tau2_like --sides tree --gdn-route fla_triton
     python benchmarks/bench_async_grpo.py --models tiny --scale 0.02 --token-budget 512 --warmup 1 --steps 8  # CPU
 """
@@ -65,6 +74,7 @@ sys.path[:0] = [str(REPO), str(REPO / "benchmarks"), str(REPO / "tests")]
 from bench_tree_vs_flat import CONFIG_CLASSES, MODELS, PEAK_FLOPS  # noqa: E402
 from trl_varlen import flash_varlen_attention, use_kernel, varlen_attention  # noqa: E402
 
+from hf_tree_attn import pack_forest  # noqa: E402
 from hf_tree_attn.metrics import estimate_flops  # noqa: E402
 from hf_tree_attn.trainer.replay import NoWeightTransfer, ReplayRolloutWorker, agent_samples, grpo_samples  # noqa: E402
 
@@ -90,6 +100,10 @@ def workload(name: str, scale: float, vocab: int, seed: int = 0) -> tuple[list, 
         spec = {"system": s(4800), "turns": "U[10,20]", "message": f"U[{s(40)},{s(200)}]",
                 "response": f"U[{s(80)},{s(400)}]", "branches": 2}  # fmt: skip
         return agent_samples(8, (10, 20), s(4800), (s(40), s(200)), (s(80), s(400)), vocab, seed=seed), spec
+    if name == "agent_2x20x4":
+        spec = {"system": s(4096), "turns": 20, "message": s(1700), "response": s(600), "branches": 4}
+        samples = agent_samples(2, (20, 20), s(4096), (s(1700), s(1700)), (s(600), s(600)), vocab, 4, seed)
+        return samples, spec
     raise ValueError(f"unknown workload {name!r}")
 
 
@@ -201,13 +215,14 @@ SIDES = {
     "tree": (True, {}, {}),
     "tree_eager": (True, {"tree_compile": False}, {}),
     "tree_budget": (True, {"tree_activation_budget_gib": None}, {}),
+    "tree_reuse": (True, {"tree_prefix_reuse": True}, {}),
     # TRL's trainer in float32 (weights, no autocast, plain-torch attention), one step: the exact per-token values the
     # agreement checks measure each side's error against.
     "reference": (False, {}, {}),
 }  # fmt: skip
 # (candidate, reference) pairs reported per row where both sides ran.
 PAIRS = [("tree", "trl"), ("tree", "trl_compiled"), ("tree_eager", "trl"), ("tree", "tree_eager"),
-         ("tree_budget", "trl")]  # fmt: skip
+         ("tree_budget", "trl"), ("tree_reuse", "trl"), ("tree_reuse", "tree")]  # fmt: skip
 
 
 class ScoresTaken(Exception):
@@ -240,20 +255,29 @@ class FirstScores:
             if tree:
                 from hf_tree_attn.trainer import async_grpo_trainer
 
-                forward_class = async_grpo_trainer._ForestForward
-                call = forward_class.__call__
-
-                def scored(forward, **kw):
-                    out = call(forward, **kw)
+                def scored(forward, **kw):  # one row's forest: TRL's token_index is its rows
+                    out = calls[type(forward)](forward, **kw)
                     self.targets = forward.forest.input_ids[0, forward.rows].tolist()
                     self.log_probs = out.log_probs[forward.rows].float().tolist()
                     return out
 
-                forward_class.__call__ = scored
+                def scored_step(forward, **kw):  # prefix reuse: the step forest's rows of micro-batch 0's tokens
+                    out = calls[type(forward)](forward, **kw)
+                    step = forward.step.step
+                    rows = step.token_index(forward.k, inputs["token_index"])[selected]
+                    self.targets = step.forest.input_ids[0, rows.cpu()].tolist()
+                    self.log_probs = out.log_probs[rows].float().tolist()
+                    return out
+
+                classes = {async_grpo_trainer._ForestForward: scored, async_grpo_trainer._StepForward: scored_step}
+                calls = {cls: cls.__call__ for cls in classes}
+                for cls, wrapper in classes.items():
+                    cls.__call__ = wrapper
                 try:
                     return compute_loss(model, inputs, *args, **kwargs)
                 finally:
-                    forward_class.__call__ = call
+                    for cls, call in calls.items():
+                        cls.__call__ = call
             mask = inputs["attention_mask"].bool()
             index = inputs["token_index"][selected]
 
@@ -299,6 +323,7 @@ def side_main(args) -> dict:
         options = dict(
             **fields, output_dir=str(Path(tmp) / trainer_class.__name__), dtype=args.dtype,
             max_steps=args.warmup + args.steps + (1 if profiled else 0), token_budget=args.token_budget,
+            gradient_accumulation_steps=args.accumulation,
             logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True, use_cpu=not cuda,
             bf16=cuda and not reference, seed=0,
         )  # fmt: skip
@@ -336,6 +361,10 @@ def side_main(args) -> dict:
         for k in range(args.warmup, args.warmup + len(times))
     ]
     trained = [entry["batch/trained_tokens_per_step"] for entry in measured]
+    unique = [
+        unique_tokens([s for call in rows.calls[k * accumulation : (k + 1) * accumulation] for s in call])
+        for k in range(args.warmup, args.warmup + len(times))
+    ]
     compile_decision = getattr(trainer, "tree_compile", None)
     return {
         **timing,
@@ -345,6 +374,9 @@ def side_main(args) -> dict:
         "trained_tokens_per_step": trained,
         "trained_tokens_per_s": statistics.mean(trained) / statistics.median(times),
         "forwarded_tokens_per_step": [entry["batch/forwarded_tokens_per_step"] for entry in measured],
+        # the step's samples as one prefix forest: what prefix reuse forwards (`tree_reuse`); TRL's rows forward more
+        # where a step's rows repeat a prefix
+        "unique_tokens_per_step": unique,
         "samples_per_step": [round(entry["batch/samples_per_step"]) for entry in measured],
         "packing_ratio": statistics.mean(entry["batch/packing_ratio"] for entry in measured),
         "mfu_per_step": [f / t / PEAK_FLOPS for f, t in zip(flops, times)],
@@ -362,6 +394,12 @@ def side_main(args) -> dict:
         "gdn_kernels": gdn_kernels.describe(probe.calls),
         "profile": callbacks[-1].summary if profiled else None,
     }  # fmt: skip
+
+
+def unique_tokens(samples: list[dict]) -> int:
+    """The tokens of `samples` as one prefix forest (each shared prefix counted once)."""
+    sequences = [[int(t) for t in sample["input_ids"]] for sample in samples]
+    return sum(forest.num_tree_tokens for forest in pack_forest(sequences, two_level=False))
 
 
 def _mean(entries: list[dict], key: str) -> float | None:
@@ -387,10 +425,11 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["qwen3-1.7b"], choices=[*MODELS, "tiny", "tiny-hybrid"])
     parser.add_argument("--workloads", nargs="+", default=["grpo_mixed"],
-                        choices=["grpo_mixed", "grpo_P4096_C512", "tau2_like"])  # fmt: skip
+                        choices=["grpo_mixed", "grpo_P4096_C512", "tau2_like", "agent_2x20x4"])  # fmt: skip
     parser.add_argument("--sides", nargs="+", default=["trl", "tree"], choices=list(SIDES))
     parser.add_argument("--activation-budget-gib", type=float, default=40.0)
     parser.add_argument("--token-budget", type=int, default=32768, help="TRL's token_budget: unique tokens per row")
+    parser.add_argument("--accumulation", type=int, default=1, help="gradient_accumulation_steps: rows per step")
     parser.add_argument(
         "--profile",
         action="store_true",
@@ -418,6 +457,7 @@ def main():
         "trl_kernel": TRL_KERNEL if cuda else "trl_varlen.varlen_attention (plain torch)",
         "trl_kernel_max_abs_error_vs_reference": kernel_check(),
         "token_budget": args.token_budget,
+        "gradient_accumulation_steps": args.accumulation,
         "dtype": args.dtype,
         "peak_flops": PEAK_FLOPS,
         "rows": [],
@@ -425,7 +465,7 @@ def main():
     rows = [(m, w) for m in args.models for w in args.workloads]
     out, earlier = result_file(args, results, rows)
     child = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-             if k in ("activation_budget_gib", "token_budget", "steps", "warmup", "scale", "dtype",
+             if k in ("activation_budget_gib", "token_budget", "accumulation", "steps", "warmup", "scale", "dtype",
                       "gdn_route")]  # fmt: skip
     child += ["--profile"] * args.profile
     run_rows(Path(__file__), out, results, rows, args.sides, {

@@ -1,0 +1,33 @@
+"""benchmarks/bench_async_grpo.py on the CPU (a tiny model, lengths scaled down): prefix reuse through
+`trainer.train()` against TRL's AsyncGRPOTrainer on conversations that span a step's rows."""
+
+import json
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCH))
+import bench_async_grpo as bench  # noqa: E402
+
+
+def test_prefix_reuse_forwards_each_step_s_unique_tokens_once_where_trl_repeats_them(tmp_path, monkeypatch):
+    """`tree_reuse` forwards the step's samples as one forest (its unique tokens), TRL's rows and the tree's without
+    reuse forward more (a conversation's history in several rows); all three score the same first tokens, within
+    the bound, and every pair is timed on the same steps."""
+    out = tmp_path / "out.json"
+    argv = ["bench_async_grpo.py", "--models", "tiny", "--scale", "0.02", "--token-budget", "512", "--accumulation",
+            "3", "--warmup", "1", "--steps", "8", "--workloads", "agent_2x20x4", "--sides", "trl", "tree",
+            "tree_reuse", "--out", str(out)]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", argv)
+    bench.main()
+    (row,) = json.loads(out.read_text())["rows"]
+    sides = row["sides"]
+    unique = sides["trl"]["unique_tokens_per_step"]
+    assert unique == sides["tree"]["unique_tokens_per_step"] == sides["tree_reuse"]["unique_tokens_per_step"]
+    assert sides["tree_reuse"]["forwarded_tokens_per_step"] == unique
+    for side in ("trl", "tree"):
+        assert all(f > u for f, u in zip(sides[side]["forwarded_tokens_per_step"], unique)), side
+    for key in ("tree_reuse vs trl", "tree_reuse vs tree"):
+        check, pair = row["agreement"][key], row["paired"][key]
+        assert check["passed"] and check["same_batches"] and check["tokens"] > 0, (key, check)
+        assert pair["steps"] == 8 and not pair["failed"], (key, pair)
