@@ -19,7 +19,9 @@ Each side runs in a process of its own (`harness.run_side`). Sides:
 - `tree_budget`: the tree with `tree_activation_budget_gib=--activation-budget-gib` (fewer layers recompute);
 - `tree_reuse`: the tree with `tree_prefix_reuse=True`: the rows of an optimizer step (`--accumulation` of them)
   scored as one forest in chunks of at most `token_budget` rows, each shared prefix forwarded once per step where
-  TRL's rows (and `tree`'s) each forward the prefixes their samples need.
+  TRL's rows (and `tree`'s) each forward the prefixes their samples need;
+- `tree_flash`: the tree with FlexAttention on FlashAttention-4's kernels (`HF_TREE_ATTN_FLEX_KERNEL_OPTIONS=
+  {"BACKEND": "FLASH"}`; needs `flash_attn.cute`, benchmarks/fa4_wheels.sh).
 
 Models: random bf16 weights from configs shaped like Qwen3-1.7B / 8B and Qwen3.5-0.8B / 2B (no download; TRL
 refuses the Qwen3.5 hybrids, and its refusal is recorded). Workloads:
@@ -216,13 +218,15 @@ SIDES = {
     "tree_eager": (True, {"tree_compile": False}, {}),
     "tree_budget": (True, {"tree_activation_budget_gib": None}, {}),
     "tree_reuse": (True, {"tree_prefix_reuse": True}, {}),
+    "tree_flash": (True, {}, {"HF_TREE_ATTN_FLEX_KERNEL_OPTIONS": '{"BACKEND": "FLASH"}'}),
     # TRL's trainer in float32 (weights, no autocast, plain-torch attention), one step: the exact per-token values the
     # agreement checks measure each side's error against.
     "reference": (False, {}, {}),
 }  # fmt: skip
 # (candidate, reference) pairs reported per row where both sides ran.
 PAIRS = [("tree", "trl"), ("tree", "trl_compiled"), ("tree_eager", "trl"), ("tree", "tree_eager"),
-         ("tree_budget", "trl"), ("tree_reuse", "trl"), ("tree_reuse", "tree")]  # fmt: skip
+         ("tree_budget", "trl"), ("tree_reuse", "trl"), ("tree_reuse", "tree"), ("tree_flash", "trl"),
+         ("tree_flash", "tree")]  # fmt: skip
 
 
 class ScoresTaken(Exception):

@@ -50,6 +50,21 @@ with_fla06() {
   fi
   export PYTHONPATH=/tmp/fla06:$PYTHONPATH TRITON_CACHE_DIR=/tmp/triton FLA_CACHE_RESULTS=1
 }
+# FlashAttention-4 for FlexAttention's FLASH backend: the two halves of benchmarks/fa4_wheels.sh's packed site (the
+# first kept in /tmp by stage `fa4-site-1`, the second carried as .fa4/2), unpacked once per machine.
+with_fa4() {
+  mkdir -p /tmp/fa4parts && cp .fa4/2/* /tmp/fa4parts/ 2>/dev/null
+  if [ ! -d /tmp/fa4site/flash_attn ]; then
+    python3 - /tmp/fa4site /tmp/fa4parts/fa4_site.tar.xz.part-* <<'PY' || { echo "no FA4 site: run fa4-site-1 first"; return 1; }
+import io, sys, tarfile
+data = b"".join(open(part, "rb").read() for part in sorted(sys.argv[2:]))
+with tarfile.open(fileobj=io.BytesIO(data), mode="r:xz") as tar:
+    tar.extractall(sys.argv[1], filter="tar")
+PY
+  fi
+  export PYTHONPATH=/tmp/fa4site:$PYTHONPATH
+  python3 -c "import flash_attn.cute, torch; print('flash_attn.cute with torch', torch.__version__)"
+}
 # The last lines of a pytest log that say what passed and what failed.
 summary() { grep -E "FAILED|ERROR|passed|failed" "$1" | tail -"${2:-20}"; }
 
@@ -419,22 +434,20 @@ for stage in "$@"; do
       mkdir -p /tmp/fa4parts && cp .fa4/1/* /tmp/fa4parts/ && ls -la /tmp/fa4parts ;;
     flex-flash-backend)  # FlexAttention's FlashAttention-4 backend against its Triton one on the tree's block mask,
       # forward + backward, new forests (carry .fa4/2 and .whl, right after `fa4-site-1`)
-      mkdir -p /tmp/fa4parts && cp .fa4/2/* /tmp/fa4parts/ 2>/dev/null
-      if [ ! -d /tmp/fa4site/flash_attn ]; then
-        python3 - /tmp/fa4site /tmp/fa4parts/fa4_site.tar.xz.part-* <<'PY' || { echo "no FA4 site: run fa4-site-1 first"; continue; }
-import io, sys, tarfile
-data = b"".join(open(part, "rb").read() for part in sorted(sys.argv[2:]))
-with tarfile.open(fileobj=io.BytesIO(data), mode="r:xz") as tar:
-    tar.extractall(sys.argv[1], filter="tar")
-PY
-      fi
-      PYTHONPATH=/tmp/fa4site:$PYTHONPATH python3 -c "import flash_attn.cute, torch; print('flash_attn.cute', torch.__version__)"
-      PYTHONPATH=/tmp/fa4site:$PYTHONPATH timeout 240 python3 benchmarks/attention_gathered_paths.py \
-        --workload grpo_mixed --kernels flex flex_flash --out "$OUT/attention_flex_flash_h200_grpo_mixed.json" 2>&1 \
-        | quiet 40
-      PYTHONPATH=/tmp/fa4site:$PYTHONPATH timeout 240 python3 benchmarks/attention_gathered_paths.py \
-        --workload tau2_like --kernels flex flex_flash --out "$OUT/attention_flex_flash_h200_tau2_like.json" 2>&1 \
-        | quiet 40 ;;
+      with_fa4 || continue
+      timeout 120 python3 -m pytest -q -rfEs -m gpu -p no:cacheprovider tests/test_gpu.py -k flash_backend 2>&1 \
+        | tail -5
+      timeout 200 python3 benchmarks/attention_gathered_paths.py --workload grpo_mixed --kernels flex flex_flash \
+        --out "$OUT/attention_flex_flash_h200_grpo_mixed.json" 2>&1 | quiet 40
+      timeout 200 python3 benchmarks/attention_gathered_paths.py --workload tau2_like --kernels flex flex_flash \
+        --out "$OUT/attention_flex_flash_h200_tau2_like.json" 2>&1 | quiet 40 ;;
+    async-grpo-flash-1.7b)  # TreeAsyncGRPOTrainer with FlexAttention on FlashAttention-4's kernels
+      # (HF_TREE_ATTN_FLEX_KERNEL_OPTIONS) against its default, through trainer.train() (carry .fa4/2 and .whl, after
+      # `fa4-site-1` or `flex-flash-backend` on the same machine)
+      with_fa4 || continue
+      timeout 560 python3 benchmarks/bench_async_grpo.py --warmup 2 --steps 8 --models qwen3-1.7b \
+        --workloads grpo_mixed --sides tree tree_flash --out "$OUT/async_grpo_h200_qwen3-1.7b_flash.json" 2>&1 \
+        | grep -E "^qwen|^  |rror:" ;;
     prefix-reuse-gpu-1.7b-reference)  # the float32 reference for `prefix-reuse-gpu-1.7b`'s agreement check (its
       # direct bf16 bound failed there): the layouts' first steps judged by their error to float32, after the other
       # two stages (or on the committed file, rerunning one step of each layout)

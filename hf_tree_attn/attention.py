@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import json
 import os
 from collections.abc import Callable
 
@@ -53,6 +54,35 @@ __all__ = [
 ATTN_IMPLEMENTATION = "tree_flex"
 # Set to 1 to let `register()` (which `import hf_tree_attn` runs) replace a `tree_flex` another package registered.
 FORCE_REGISTER_ENV = "HF_TREE_ATTN_FORCE_REGISTER"
+
+# FlexAttention `kernel_options` for tree_flex calls on CUDA that bring none of their own (the model kwarg
+# `kernel_options`), from the JSON of HF_TREE_ATTN_FLEX_KERNEL_OPTIONS at import; may be set at run time (a dict or
+# None). E.g. {"BACKEND": "FLASH"}: FlashAttention-4's kernels behind the same block mask (needs the `flash_attn.cute`
+# package), not yet measured on trees here, so off by default. Not applied with a softcap (FlashAttention-4's
+# backward takes no score modification).
+FLEX_KERNEL_OPTIONS_ENV = "HF_TREE_ATTN_FLEX_KERNEL_OPTIONS"
+
+
+def _kernel_options_from_env() -> dict | None:
+    text = os.environ.get(FLEX_KERNEL_OPTIONS_ENV, "").strip()
+    if not text:
+        return None
+    try:
+        options = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(
+            f"{FLEX_KERNEL_OPTIONS_ENV}={text!r} is not JSON ({error}): give FlexAttention's kernel_options as a JSON "
+            'object, e.g. {"BACKEND": "FLASH"}, or unset it.'
+        ) from None
+    if not isinstance(options, dict):
+        raise ValueError(
+            f"{FLEX_KERNEL_OPTIONS_ENV}={text!r} must be a JSON object of FlexAttention's kernel_options, e.g. "
+            '{"BACKEND": "FLASH"}, or unset.'
+        )
+    return options
+
+
+FLEX_KERNEL_OPTIONS: dict | None = _kernel_options_from_env()
 
 # Config fields that restrict which earlier positions a layer sees (a sliding window, a chunk): the forest's plain
 # ancestor-or-self mask handed to every layer would silently drop them.
@@ -105,6 +135,14 @@ def _flex_attention(query, key, value, return_lse: bool = False, **kwargs):
         out, aux = out
         return out, aux.lse
     return out, None
+
+
+def _kernel_options(given: dict | None, query: torch.Tensor, softcap) -> dict | None:
+    """The `kernel_options` of a tree_flex FlexAttention call: the caller's, else `FLEX_KERNEL_OPTIONS` on CUDA
+    without a softcap (a copy: FlexAttention fills in its defaults)."""
+    if given is not None or FLEX_KERNEL_OPTIONS is None or query.device.type != "cuda" or softcap is not None:
+        return given
+    return dict(FLEX_KERNEL_OPTIONS)
 
 
 @functools.cache
@@ -363,7 +401,7 @@ def tree_flex_attention(
             block_mask=attention_mask,
             scale=scaling,
             enable_gqa=enable_gqa,
-            kernel_options=kwargs.get("kernel_options"),
+            kernel_options=_kernel_options(kwargs.get("kernel_options"), query, softcap),
         )
         if sinks is not None:
             # Softmax over [scores, sink] = softmax over scores times exp(lse) / (exp(lse) + exp(sink)).

@@ -433,3 +433,29 @@ def test_lora_on_lm_head_raises():
         check_tree_model(lora)
     ok = peft.get_peft_model(tiny_model("llama"), peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
     check_tree_model(ok)
+
+
+def test_flex_kernel_options_from_the_environment(monkeypatch):
+    """`HF_TREE_ATTN_FLEX_KERNEL_OPTIONS`: a JSON object, else an error naming the variable and the form."""
+    read = hf_tree_attn.attention._kernel_options_from_env
+    monkeypatch.delenv("HF_TREE_ATTN_FLEX_KERNEL_OPTIONS", raising=False)
+    assert read() is None
+    monkeypatch.setenv("HF_TREE_ATTN_FLEX_KERNEL_OPTIONS", '{"BACKEND": "FLASH"}')
+    assert read() == {"BACKEND": "FLASH"}
+    for bad, match in (("BACKEND=FLASH", "is not JSON"), ('["FLASH"]', "must be a JSON object")):
+        monkeypatch.setenv("HF_TREE_ATTN_FLEX_KERNEL_OPTIONS", bad)
+        with pytest.raises(ValueError, match=rf"HF_TREE_ATTN_FLEX_KERNEL_OPTIONS=.*{match}"):
+            read()
+
+
+def test_flex_kernel_options_reach_cuda_calls_without_their_own(monkeypatch):
+    """The options apply on CUDA to calls that bring none and have no softcap; a caller's own win; a copy each time."""
+    options = hf_tree_attn.attention._kernel_options
+    cuda, cpu = types.SimpleNamespace(device=torch.device("cuda")), types.SimpleNamespace(device=torch.device("cpu"))
+    monkeypatch.setattr(hf_tree_attn.attention, "FLEX_KERNEL_OPTIONS", None)
+    assert options(None, cuda, None) is None
+    monkeypatch.setattr(hf_tree_attn.attention, "FLEX_KERNEL_OPTIONS", {"BACKEND": "FLASH"})
+    got = options(None, cuda, None)
+    assert got == {"BACKEND": "FLASH"} and got is not hf_tree_attn.attention.FLEX_KERNEL_OPTIONS
+    assert options({"BLOCK_M": 64}, cuda, None) == {"BLOCK_M": 64}
+    assert options(None, cpu, None) is None and options(None, cuda, 30.0) is None

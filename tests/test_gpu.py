@@ -9,6 +9,7 @@ shorter than the 100-500-token sequences, in fp32 and bf16, forward and backward
 """
 
 import copy
+import importlib.util
 import random
 
 import pytest
@@ -189,3 +190,32 @@ def test_layer_block_masks_equal_dense_token_level(kind):
     seq_len = forest.seq_len
     assert torch.equal(create_mask(block.mask_mod, 1, 1, seq_len, seq_len, device="cuda"), dense)
     assert block.sparsity() > forest.block_mask("cuda").sparsity()
+
+
+def _flash_attention_4_installed() -> bool:
+    try:
+        return importlib.util.find_spec("flash_attn.cute") is not None
+    except ModuleNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not _flash_attention_4_installed(), reason="FlashAttention-4 (flash_attn.cute) not installed")
+@pytest.mark.parametrize("name", ["qwen3", "llama"])
+def test_flash_backend_matches_flat_forward_and_backward(name, monkeypatch):
+    """`HF_TREE_ATTN_FLEX_KERNEL_OPTIONS={"BACKEND": "FLASH"}`: FlexAttention on FlashAttention-4's kernels behind
+    the same block masks, bf16, against the float32 per-sequence flat forward within the bf16 bounds."""
+    config = copy.deepcopy(CONFIGS[name])
+    config.head_dim, config.hidden_size = 64, 256  # FlashAttention-4's head sizes
+    monkeypatch.setitem(CONFIGS, name, config)
+    monkeypatch.setattr(hf_tree_attn.attention, "FLEX_KERNEL_OPTIONS", {"BACKEND": "FLASH"})
+    options = []
+    flex = hf_tree_attn.attention._flex_attention
+    monkeypatch.setattr(
+        hf_tree_attn.attention, "_flex_attention", lambda *a, **k: options.append(k["kernel_options"]) or flex(*a, **k)
+    )
+    torch._dynamo.reset()
+    try:
+        test_flex_tree_matches_flat_forward_and_backward(name, torch.bfloat16)
+    finally:
+        torch._dynamo.reset()
+    assert options and all(o == {"BACKEND": "FLASH"} for o in options), options
