@@ -21,7 +21,15 @@ from torch.utils.checkpoint import checkpoint
 
 from .compile import call_compiled
 from .model_inputs import check_forest_inputs, lm_head_weight_and_bias
-from .support import check_tree_model, config_field, fsdp2_sharded, logit_scale, rope_split_lengths, unwrap_model
+from .support import (
+    check_tree_model,
+    config_field,
+    fsdp2_sharded,
+    logit_scale,
+    ranks_max,
+    rope_split_lengths,
+    unwrap_model,
+)
 from .tree import PackedForest, TokenSequence, check_token_budget, pack_forest
 
 __all__ = [
@@ -441,11 +449,10 @@ def _same_forest_count_under_fsdp(model: torch.nn.Module, forests: int, device: 
     """Whether `model` is FSDP2-sharded; if so, refuse (on every rank alike) ranks with different forest counts."""
     if not fsdp2_sharded(model):
         return False
-    counts = torch.tensor([forests, -forests], device=device if device.type == "cuda" else "cpu")
-    torch.distributed.all_reduce(counts, op=torch.distributed.ReduceOp.MAX)
-    if int(counts[0]) != -int(counts[1]):
+    most, least = ranks_max([forests, -forests], device)
+    if most != -least:
         raise NotImplementedError(
-            f"Prefix reuse under FSDP: ranks laid their sequences out as {-int(counts[1])} to {int(counts[0])} "
+            f"Prefix reuse under FSDP: ranks laid their sequences out as {-least} to {most} "
             "forests (RoPE length classes), and every rank must run the same forwards. Give every rank sequences of "
             "the same length classes, or use prefix_reuse=False."
         )

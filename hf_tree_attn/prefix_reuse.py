@@ -78,14 +78,14 @@ from .fsdp2_compat import separate_backward
 from .logprobs import _final_hidden_states, lm_head_logprobs
 from .masks import ContextMaskSource
 from .model_inputs import check_forest_inputs
-from .support import check_tree_model, config_field, fsdp2_sharded, unwrap_model
+from .support import check_tree_model, config_field, fsdp2_sharded, ranks_max, unwrap_model
 from .tree import PackedForest
 
 __all__ = [
     "CUDA_PATH",
     "chunked_forest_logprobs",
-    "cuda_path_error",
     "chunked_forest_scores",
+    "cuda_path_error",
     "kept_kv_bytes",
     "kept_state_bytes",
     "kv_row_bytes",
@@ -946,10 +946,7 @@ def _fsdp_dummies(model: torch.nn.Module, chunks: int, device: torch.device, kee
     numbers of chunks, so the ones with fewer run dummy chunks (one row, keeping and scoring nothing, its gradient
     zero) until they match. A dummy keeps no key, value, state or convolution input: it reruns the forest's first row
     after every real chunk, and what it kept would replace what chunk 0 kept, which the backward's recomputes read."""
-    recomputed = chunks - min(keep_graphs, chunks)
-    counts = torch.tensor([chunks, recomputed], device=device if device.type == "cuda" else "cpu")
-    torch.distributed.all_reduce(counts, op=torch.distributed.ReduceOp.MAX)
-    total, recomputed = (int(c) for c in counts.tolist())
+    total, recomputed = ranks_max([chunks, chunks - min(keep_graphs, chunks)], device)
     return total - chunks, max(1, total - recomputed)
 
 

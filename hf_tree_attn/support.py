@@ -22,6 +22,7 @@ refused as unverified.
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 
 import torch
 import transformers
@@ -634,6 +635,14 @@ def check_tree_model(model: torch.nn.Module) -> None:
     error = tree_support_error(inner)
     if error is not None:
         raise NotImplementedError(error)
+
+
+def ranks_max(values: Sequence[int], device: torch.device) -> list[int]:
+    """The largest of each of `values` over the running process group's ranks, every rank calling it alike: one
+    all-reduce, on `device` where it is CUDA (NCCL), else on the CPU (gloo). The smallest: negate."""
+    values = torch.tensor(list(values), dtype=torch.int64, device=device if device.type == "cuda" else "cpu")
+    torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.MAX)
+    return [int(v) for v in values.tolist()]
 
 
 def fsdp2_sharded(model: torch.nn.Module) -> bool:

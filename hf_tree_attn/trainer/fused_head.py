@@ -42,7 +42,7 @@ import torch
 from ..compile import call_compiled
 from ..logprobs import _decoder, _lm_head_params, forest_forward_kwargs, tree_router_aux_loss
 from ..prefix_reuse import chunked_forest_scores
-from ..support import fsdp2_sharded, rope_length_limit, rope_split_lengths, unwrap_model
+from ..support import fsdp2_sharded, ranks_max, rope_length_limit, rope_split_lengths, unwrap_model
 from ..targets import TargetPlan, expanded_index
 from ..tree import PackedForest, pack_forest
 from .core import prefix_reuse_chunks
@@ -78,10 +78,8 @@ def _every_rank_plans(model: torch.nn.Module, planned: bool) -> bool:
     collectives TRL's one forward does not call: a process whose batch runs TRL's forward takes every process there."""
     if not fsdp2_sharded(model):
         return planned
-    device = next(model.parameters()).device
-    flag = torch.tensor([int(planned)], device=device if device.type == "cuda" else "cpu")
-    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
-    return bool(flag.item())
+    (not_planned_somewhere,) = ranks_max([int(not planned)], next(model.parameters()).device)
+    return not not_planned_somewhere
 
 
 def fused_head_settings(forward) -> dict:
