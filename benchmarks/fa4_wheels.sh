@@ -11,11 +11,8 @@ set -euo pipefail
 WHL=${WHL:-.fa4}
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
-PLATFORMS=()
-for tag in manylinux_2_17 manylinux2014 manylinux_2_24 manylinux_2_27 manylinux_2_28; do
-  PLATFORMS+=(--platform "${tag}_x86_64")
-done
-TARGET=(--only-binary=:all: --python-version 3.12 --implementation cp "${PLATFORMS[@]}")
+# shellcheck source=benchmarks/wheel_target.sh
+source "$(dirname "$0")/wheel_target.sh"
 mkdir -p "$WHL/1" "$WHL/2" "$TMP/wheels"
 python3 -m pip download -q --no-deps --pre "${TARGET[@]}" -d "$TMP/wheels" flash-attn-4==4.0.0b40 \
   nvidia-cutlass-dsl==4.8.1 nvidia-cutlass-dsl-libs-base==4.8.1 nvidia-cutlass-dsl-libs-core==4.8.1 \

@@ -8,11 +8,8 @@ set -euo pipefail
 WHL=${WHL:-.whl/hybrid}
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
-PLATFORMS=()
-for tag in manylinux_2_17 manylinux2014 manylinux_2_24 manylinux_2_27 manylinux_2_28; do
-  PLATFORMS+=(--platform "${tag}_x86_64")
-done
-TARGET=(--only-binary=:all: --python-version 3.12 --implementation cp "${PLATFORMS[@]}")
+# shellcheck source=benchmarks/wheel_target.sh
+source "$(dirname "$0")/wheel_target.sh"
 download() {  # download FOLDER REQUIREMENT...
   local folder=$1
   shift
