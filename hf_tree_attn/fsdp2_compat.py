@@ -17,6 +17,9 @@ gradients and resets every state when that backward ends); then it restores the 
 callback finds every gradient reduced already (FSDP2's `post_backward` is a no-op for a group without gradients).
 Outside such a pass (the chunks called outside the model's forward, as GRPO does) it changes nothing.
 
+`regather_outer_params(model)` gathers again, through FSDP2's public `unshard`, the parameters outside the decoder
+layers before the backward of a chunk graph kept from the forward (a previous chunk's pass resharded them).
+
 `FSDP2_INTERNALS` names every internal touched, with the torch versions it was read in; `tests/test_fsdp2_compat.py`
 pins them against the installed torch, and a torch without them is refused with the reason.
 """
@@ -27,7 +30,7 @@ import contextlib
 
 import torch
 
-__all__ = ["FSDP2_INTERNALS", "separate_backward"]
+__all__ = ["FSDP2_INTERNALS", "regather_outer_params", "separate_backward"]
 
 # Internal -> the torch versions its module and meaning were read in.
 FSDP2_INTERNALS = {
@@ -78,3 +81,17 @@ def separate_backward(model: torch.nn.Module):
         context.post_backward_final_callback_queued = True
         for state, training_state in saved:
             state._training_state = training_state
+
+
+def regather_outer_params(model: torch.nn.Module) -> None:
+    """Gather again, before the backward of a graph kept from the forward, the parameters of the FSDP2 modules other
+    than decoder layers (the embeddings, the final norm and LM head, the root), which the previous chunk's FSDP2 pass
+    resharded at its end: the graph saved them in its forward, and the LM head's are read before any pre-backward
+    hook of theirs runs. Each decoder layer's hook gathers its own. A collective every rank calls alike (the ranks
+    run as many chunks, and keep the graphs of as many)."""
+    from torch.distributed.fsdp import FSDPModule
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule) and not isinstance(module, GradientCheckpointingLayer):
+            module.unshard()

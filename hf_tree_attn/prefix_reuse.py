@@ -74,7 +74,7 @@ import torch
 
 from .chunked import ChunkPlan, plan_chunks
 from .compile import eager_layers
-from .fsdp2_compat import separate_backward
+from .fsdp2_compat import regather_outer_params, separate_backward
 from .logprobs import _final_hidden_states, lm_head_logprobs
 from .masks import ContextMaskSource
 from .model_inputs import check_forest_inputs
@@ -422,8 +422,9 @@ class _Step:
         self.fsdp = fsdp2_sharded(model)
         # The last chunks run with autograd in the forward, their graphs kept for the backward: position -> (context,
         # items, outputs). Under FSDP each kept graph's backward after the first gathers the parameters outside the
-        # decoder layers first (`_regather_outer_params`), and every rank recomputes as many chunks as the rank that
-        # recomputes the most (a kept chunk and a recomputed one call different collectives; dummies count as kept).
+        # decoder layers first (`fsdp2_compat.regather_outer_params`), and every rank recomputes as many chunks as the
+        # rank that recomputes the most (a kept chunk and a recomputed one call different collectives; dummies count
+        # as kept).
         self.keep_graphs = keep_graphs
         self.kept: dict[int, tuple] = {}
         self.order = np.flatnonzero(self.runs).tolist()
@@ -488,7 +489,7 @@ class _Step:
                 if kept:
                     context, items, values = self.kept.pop(k)
                     if self.fsdp and k < len(self.order) - 1:
-                        _regather_outer_params(self.model)
+                        regather_outer_params(self.model)
                 else:
                     context, items, values = self._run(c, backward=True)
                 # The outputs the loss reads: a zero gradient (an output only metrics read) adds nothing.
@@ -920,20 +921,6 @@ class ChunkContext:
         if store is None:
             store = self.step.rec[key] = values.new_zeros((total, *values.shape[1:]))
         store.index_copy_(0, slots, values.detach().to(store.dtype))
-
-
-def _regather_outer_params(model: torch.nn.Module) -> None:
-    """Gather again, before the backward of a graph kept from the forward, the parameters of the FSDP2 modules other
-    than decoder layers (the embeddings, the final norm and LM head, the root), which the previous chunk's FSDP2 pass
-    resharded at its end: the graph saved them in its forward, and the LM head's are read before any pre-backward
-    hook of theirs runs. Each decoder layer's hook gathers its own. A collective every rank calls alike (the ranks
-    run as many chunks, and keep the graphs of as many)."""
-    from torch.distributed.fsdp import FSDPModule
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
-    for module in model.modules():
-        if isinstance(module, FSDPModule) and not isinstance(module, GradientCheckpointingLayer):
-            module.unshard()
 
 
 def _fsdp_dummies(model: torch.nn.Module, chunks: int, device: torch.device, keep_graphs: int) -> tuple[int, int]:

@@ -37,7 +37,7 @@ from accelerate.utils import gather_object
 
 from ..compile import eager_layers
 from ..metrics import estimate_flops
-from ..support import rope_length_limit, rope_split_lengths, unwrap_model
+from ..support import ranks_max, rope_length_limit, rope_split_lengths, unwrap_model
 from ..targets import TargetPlan
 from ..tree import PackedForest, pack_forest
 from . import trl_compat
@@ -562,8 +562,7 @@ class TreeGroupTrainerMixin(TreeTrainerMixin):
 
     def _flat_on_any_rank(self, flat: bool) -> bool:
         """Whether some rank takes TRL's flat path for the current chunk (`flat`: whether this one does)."""
-        flags = self.accelerator.gather(torch.tensor([float(flat)], device=self.accelerator.device))
-        return bool(flags.any())
+        return ranks_max([int(flat)], self.accelerator.device)[0] > 0
 
     def _missing_forwards(self, num_forwards: int) -> int:
         """How many forwards this rank is short of the busiest rank for the current chunk.
@@ -574,8 +573,7 @@ class TreeGroupTrainerMixin(TreeTrainerMixin):
         """
         if self.accelerator.num_processes == 1 or self.args.max_tokens_per_mb is None:
             return 0
-        counts = self.accelerator.gather(torch.tensor([num_forwards], device=self.accelerator.device))
-        return int(counts.max()) - num_forwards
+        return ranks_max([num_forwards], self.accelerator.device)[0] - num_forwards
 
     def _idle_forwards(self, model, count: int) -> torch.Tensor:
         """`count` forwards of a 2-token forest whose result enters the graph with weight 0 (a scalar 0). With prefix
@@ -641,7 +639,7 @@ class TreeGroupTrainerMixin(TreeTrainerMixin):
         flat_tokens = sum(f.forest.num_original_tokens for f in packed)
         count, keep = recompute_plan(self, [f.forest for f in packed], flat_tokens)
         if count is not None and self._lockstep():  # the same layers recompute on every rank: the most any needs
-            count = int(self.accelerator.gather(torch.tensor([count], device=self.accelerator.device)).max())
+            (count,) = ranks_max([count], self.accelerator.device)
             layers = self.accelerator.unwrap_model(self.model).config.get_text_config().num_hidden_layers
             # What ran, not this rank's plan.
             trl_compat.metrics(self)["train"]["tree_checkpointed_layers"][-1] = count / layers
