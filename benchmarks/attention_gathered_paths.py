@@ -20,6 +20,10 @@ gather (`plan_ms`, once per forest, shared by every layer). TFLOP/s count each r
 
 `--kernels flex flex_flash`: FlexAttention on its FlashAttention-4 backend instead (`kernel_options={"BACKEND":
 "FLASH"}`, the same block mask; needs `flash_attn.cute`, which benchmarks/fa4_wheels.sh packs for the H200).
+`prefix_fa4` / `prefix_cudnn`: the library's shared-prefix attention (`hf_tree_attn.prefix_attention`, GRPO forests
+only: two-level) on FlashAttention-4's varlen kernels (two calls per forest, `hf_tree_attn.prefix_varlen`) / on
+cuDNN (three calls per tree; its first call on a new shape builds cuDNN's graph). q, k and v are laid out as a
+model's projections lay them out, `(1, S, heads, dim)` seen as `(1, heads, S, dim)`.
 
     python benchmarks/attention_gathered_paths.py --workload tau2_like --out benchmarks/results/attention.json
     python benchmarks/attention_gathered_paths.py --device cpu --forests 2 --scale 0.05   # the gather checked on CPU
@@ -28,6 +32,7 @@ gather (`plan_ms`, once per forest, shared by every layer). TFLOP/s count each r
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import statistics
@@ -38,13 +43,14 @@ from harness import provenance
 from prefix_attention_new_shapes import timed
 
 import hf_tree_attn
+from hf_tree_attn import prefix_attention
 from hf_tree_attn.attention import _flex_attention
 
 HEADS, KV_HEADS, DIM = 16, 8, 128  # Qwen3-1.7B
 KERNELS = ("flex", "flash_gathered", "cudnn_gathered")
 # FlexAttention on FlashAttention-4's CuTeDSL kernels (`kernel_options={"BACKEND": "FLASH"}`, the same block mask;
 # needs the `flash_attn.cute` package: benchmarks/fa4_wheels.sh), only where `--kernels` names it.
-OPTIONAL_KERNELS = ("flex_flash",)
+OPTIONAL_KERNELS = ("flex_flash", "prefix_fa4", "prefix_cudnn")
 
 
 def grpo_forest(rng: random.Random, groups: int, scale: float) -> list[list[int]]:
@@ -144,6 +150,25 @@ def reference_gathered(q, k, v, plan, scale):
     return out
 
 
+@contextlib.contextmanager
+def kernel_setting(name: str):
+    """`prefix_attention.KERNEL` for kernel `name` (`prefix_fa4`, `prefix_cudnn`) while its forward and backward run:
+    the op reads it in both."""
+    saved = prefix_attention.KERNEL
+    prefix_attention.KERNEL = {"prefix_fa4": "fa4", "prefix_cudnn": "cudnn"}.get(name, saved)
+    try:
+        yield
+    finally:
+        prefix_attention.KERNEL = saved
+
+
+def shared_prefix(q, k, v, forest, scale):
+    """The library's shared-prefix attention op on a two-level forest (the kernel `kernel_setting` chose)."""
+    if forest.prefix_plan is None:
+        raise ValueError(f"a forest of {forest.num_levels} levels is not two-level: no shared-prefix kernels")
+    return prefix_attention.prefix_attention(q, k, v, forest.prefix_plan, scale)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workload", choices=["grpo_mixed", "tau2_like"], default="grpo_mixed")
@@ -172,11 +197,11 @@ def main():
         (forest,) = hf_tree_attn.pack_forest(seqs)
         return forest.to(device)
 
-    def tensors(forest):
-        q = torch.randn(1, HEADS, forest.seq_len, DIM, device=device, dtype=dtype, generator=gen)
-        k, v = (torch.randn(1, KV_HEADS, forest.seq_len, DIM, device=device, dtype=dtype, generator=gen)
+    def tensors(forest):  # laid out as the projections: (1, S, heads, dim) seen as (1, heads, S, dim)
+        q = torch.randn(1, forest.seq_len, HEADS, DIM, device=device, dtype=dtype, generator=gen)
+        k, v = (torch.randn(1, forest.seq_len, KV_HEADS, DIM, device=device, dtype=dtype, generator=gen)
                 for _ in "kv")  # fmt: skip
-        return [x.requires_grad_() for x in (q, k, v)]
+        return [x.transpose(1, 2).requires_grad_() for x in (q, k, v)]
 
     if device.type == "cpu":  # check the plan: gathered paths == the tree's dense mask
         for _ in range(args.forests):
@@ -202,6 +227,8 @@ def main():
             "flash_gathered": lambda: flash_gathered(q, k, v, plan, scale),
             "cudnn_gathered": lambda: cudnn_gathered(q, k, v, plan, scale),
             "flex_flash": lambda: _flex_attention(q, k, v, **flex, kernel_options={"BACKEND": "FLASH"})[0],
+            "prefix_fa4": lambda: shared_prefix(q, k, v, forest, scale),
+            "prefix_cudnn": lambda: shared_prefix(q, k, v, forest, scale),
         }
         return {name: every[name] for name in chosen}
 
@@ -209,9 +236,10 @@ def main():
         forest = forest_of()
         q, k, v = tensors(forest)
         for name, fn in kernels(forest, q, k, v, gather_plan(forest, device)).items():
-            if name.startswith("flex"):
+            if name.startswith(("flex", "prefix_fa4")):  # FlashAttention-4 compiles its kernels at the first call
                 try:
-                    timed(fn)
+                    with kernel_setting(name):
+                        timed(fn)
                 except Exception as error:  # noqa: BLE001 - recorded per forest below
                     print(f"  {name} warm-up: {type(error).__name__}: {str(error)[:300]}", flush=True)
     rows = []
@@ -232,13 +260,11 @@ def main():
         upstream[:, :, real:] = 0  # padding rows' outputs are not the tree's
         for name, fn in kernels(forest, *qkv, plan).items():
             try:
-                first, repeat = timed(fn), timed(fn)
-                for x in qkv:
-                    x.grad = None
-                out = fn()
-                out.backward(upstream)
+                with kernel_setting(name):
+                    first, repeat = timed(fn), timed(fn)
+                    grads[name] = torch.autograd.grad(out := fn(), qkv, upstream)
                 outputs[name] = out.detach()[:, :, :real].float()
-                grads[name] = [x.grad[:, :, :real].float() for x in qkv]
+                grads[name] = [g[:, :, :real].float() for g in grads[name]]
             except Exception as error:  # noqa: BLE001 - a kernel that refuses these inputs is a result
                 row[name] = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
                 continue

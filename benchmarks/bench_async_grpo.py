@@ -21,7 +21,9 @@ Each side runs in a process of its own (`harness.run_side`). Sides:
   scored as one forest in chunks of at most `token_budget` rows, each shared prefix forwarded once per step where
   TRL's rows (and `tree`'s) each forward the prefixes their samples need;
 - `tree_flash`: the tree with FlexAttention on FlashAttention-4's kernels (`HF_TREE_ATTN_FLEX_KERNEL_OPTIONS=
-  {"BACKEND": "FLASH"}`; needs `flash_attn.cute`, benchmarks/fa4_wheels.sh).
+  {"BACKEND": "FLASH"}`; needs `flash_attn.cute`, benchmarks/fa4_wheels.sh);
+- `tree_fa4`: the tree with its shared-prefix attention on FlashAttention-4's varlen kernels for every two-level
+  forest (`HF_TREE_ATTN_PREFIX_KERNEL=fa4`; the same package).
 
 Models: random bf16 weights from configs shaped like Qwen3-1.7B / 8B and Qwen3.5-0.8B / 2B (no download; TRL
 refuses the Qwen3.5 hybrids, and its refusal is recorded). Workloads:
@@ -219,6 +221,7 @@ SIDES = {
     "tree_budget": (True, {"tree_activation_budget_gib": None}, {}),
     "tree_reuse": (True, {"tree_prefix_reuse": True}, {}),
     "tree_flash": (True, {}, {"HF_TREE_ATTN_FLEX_KERNEL_OPTIONS": '{"BACKEND": "FLASH"}'}),
+    "tree_fa4": (True, {}, {"HF_TREE_ATTN_PREFIX_KERNEL": "fa4"}),
     # TRL's trainer in float32 (weights, no autocast, plain-torch attention), one step: the exact per-token values the
     # agreement checks measure each side's error against.
     "reference": (False, {}, {}),
@@ -226,7 +229,7 @@ SIDES = {
 # (candidate, reference) pairs reported per row where both sides ran.
 PAIRS = [("tree", "trl"), ("tree", "trl_compiled"), ("tree_eager", "trl"), ("tree", "tree_eager"),
          ("tree_budget", "trl"), ("tree_reuse", "trl"), ("tree_reuse", "tree"), ("tree_flash", "trl"),
-         ("tree_flash", "tree")]  # fmt: skip
+         ("tree_flash", "tree"), ("tree_fa4", "trl"), ("tree_fa4", "tree")]  # fmt: skip
 
 
 class ScoresTaken(Exception):

@@ -433,21 +433,24 @@ for stage in "$@"; do
       # in /tmp for `flex-flash-backend` on the same warm machine
       mkdir -p /tmp/fa4parts && cp .fa4/1/* /tmp/fa4parts/ && ls -la /tmp/fa4parts ;;
     flex-flash-backend)  # FlexAttention's FlashAttention-4 backend against its Triton one on the tree's block mask,
-      # forward + backward, new forests (carry .fa4/2 and .whl, right after `fa4-site-1`)
+      # and the shared-prefix attention on FlashAttention-4's varlen kernels (GRPO forests) against cuDNN's, forward +
+      # backward, new forests (carry .fa4/2 and .whl, right after `fa4-site-1`)
       with_fa4 || continue
-      timeout 120 python3 -m pytest -q -rfEs -m gpu -p no:cacheprovider tests/test_gpu.py -k flash_backend 2>&1 \
-        | tail -5
-      timeout 200 python3 benchmarks/attention_gathered_paths.py --workload grpo_mixed --kernels flex flex_flash \
-        --out "$OUT/attention_flex_flash_h200_grpo_mixed.json" 2>&1 | quiet 40
+      timeout 150 python3 -m pytest -q -rfEs -m gpu -p no:cacheprovider tests/test_gpu.py tests/test_prefix_varlen.py \
+        -k "flash_backend or fa4" 2>&1 | tail -5 | tee "$OUT/h200_gpu_tests_fa4.log"
+      timeout 240 python3 benchmarks/attention_gathered_paths.py --workload grpo_mixed \
+        --kernels flex flex_flash prefix_fa4 prefix_cudnn --out "$OUT/attention_flex_flash_h200_grpo_mixed.json" 2>&1 \
+        | quiet 40
       timeout 200 python3 benchmarks/attention_gathered_paths.py --workload tau2_like --kernels flex flex_flash \
         --out "$OUT/attention_flex_flash_h200_tau2_like.json" 2>&1 | quiet 40 ;;
     async-grpo-flash-1.7b)  # TreeAsyncGRPOTrainer with FlexAttention on FlashAttention-4's kernels
-      # (HF_TREE_ATTN_FLEX_KERNEL_OPTIONS) against its default, through trainer.train() (carry .fa4/2 and .whl, after
-      # `fa4-site-1` or `flex-flash-backend` on the same machine)
+      # (HF_TREE_ATTN_FLEX_KERNEL_OPTIONS) and with the shared-prefix attention on them (HF_TREE_ATTN_PREFIX_KERNEL)
+      # against its default, through trainer.train() (carry .fa4/2 and .whl, after `fa4-site-1` or
+      # `flex-flash-backend` on the same machine)
       with_fa4 || continue
-      timeout 560 python3 benchmarks/bench_async_grpo.py --warmup 2 --steps 8 --models qwen3-1.7b \
-        --workloads grpo_mixed --sides tree tree_flash --out "$OUT/async_grpo_h200_qwen3-1.7b_flash.json" 2>&1 \
-        | grep -E "^qwen|^  |rror:" ;;
+      timeout 580 python3 benchmarks/bench_async_grpo.py --warmup 2 --steps 8 --models qwen3-1.7b \
+        --workloads grpo_mixed --sides tree tree_flash tree_fa4 --out "$OUT/async_grpo_h200_qwen3-1.7b_flash.json" \
+        2>&1 | grep -E "^qwen|^  |rror:" ;;
     prefix-reuse-gpu-1.7b-reference)  # the float32 reference for `prefix-reuse-gpu-1.7b`'s agreement check (its
       # direct bf16 bound failed there): the layouts' first steps judged by their error to float32, after the other
       # two stages (or on the committed file, rerunning one step of each layout)

@@ -28,6 +28,8 @@ tokens), and on CUDA where `fast_on_cuda` says the kernels beat FlexAttention (l
 the forest's call shapes recur (`warm_on_cuda`: cuDNN builds a graph per new shape).
 FlexAttention serves every other case (deeper trees, windows, softcap, sinks, latent attention, fp32 on CUDA).
 `HF_TREE_ATTN_PREFIX_ATTENTION=never` (or `MODE`) turns it off, `always` uses it for every two-level forest.
+`HF_TREE_ATTN_PREFIX_KERNEL=fa4` (or `KERNEL`) runs the CUDA calls on FlashAttention-4's varlen kernels instead, two
+per forest whatever its lengths (`hf_tree_attn.prefix_varlen`), for every two-level forest on CUDA.
 """
 
 from __future__ import annotations
@@ -66,6 +68,17 @@ MODE = _MODES.get(os.environ.get("HF_TREE_ATTN_PREFIX_ATTENTION", "auto").strip(
 if MODE is None:
     raise ValueError(
         f"HF_TREE_ATTN_PREFIX_ATTENTION={os.environ['HF_TREE_ATTN_PREFIX_ATTENTION']!r}: use auto, always or never."
+    )
+
+_KERNELS = ("cudnn", "fa4")
+# The CUDA kernels: "cudnn" (three calls per tree, `_forward`), or "fa4": FlashAttention-4's varlen kernels, two calls
+# per forest whatever its lengths (`hf_tree_attn.prefix_varlen`), taking every two-level forest on CUDA. From
+# HF_TREE_ATTN_PREFIX_KERNEL at import; may be set at run time.
+KERNEL = os.environ.get("HF_TREE_ATTN_PREFIX_KERNEL", "cudnn").strip().lower()
+if KERNEL not in _KERNELS:
+    raise ValueError(
+        f"HF_TREE_ATTN_PREFIX_KERNEL={os.environ['HF_TREE_ATTN_PREFIX_KERNEL']!r}: use cudnn (the default) or fa4 "
+        "(FlashAttention-4's varlen kernels, `pip install flash-attn-4`)."
     )
 
 # `fast_on_cuda`'s rule, from `benchmarks/results/prefix_attention_h200.json` and `..._repeat.json` (two runs; H200,
@@ -211,9 +224,29 @@ def serves(forest, device_type: str) -> bool:
 def _serves(forest, device_type: str) -> bool:
     if MODE == "never" or forest.prefix_plan is None:
         return False
+    if device_type == "cuda" and KERNEL == "fa4":
+        from .prefix_varlen import fa4_error
+
+        error = fa4_error(torch.cuda.current_device())
+        if error is not None:
+            raise RuntimeError(
+                f"HF_TREE_ATTN_PREFIX_KERNEL=fa4 asks for FlashAttention-4's kernels, but {error}. Unset it (cuDNN "
+                "and FlexAttention then serve the forests) or install FlashAttention-4 on a GPU it supports."
+            )
+        return True  # a varlen call takes every length: no shape to wait for
     if device_type != "cuda" or MODE == "always":
         return True
     return forest.prefix_fast_on_cuda and warm_on_cuda(forest)
+
+
+def _varlen_kernel(query: torch.Tensor):
+    """The varlen kernel `prefix_attention` runs `query`'s forest through (`hf_tree_attn.prefix_varlen`), or None
+    for the per-tree calls of `_forward`: FlashAttention-4 on CUDA where `KERNEL` is "fa4"."""
+    if KERNEL != "fa4" or not query.is_cuda:
+        return None
+    from .prefix_varlen import FA4
+
+    return FA4
 
 
 def supports(query: torch.Tensor) -> bool:
@@ -413,6 +446,11 @@ def _prefix_forward(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, plan: torch.Tensor, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`(out, lse)` of `prefix_attention` (an opaque op for torch.compile: its loops and shapes follow the plan)."""
+    kernel = _varlen_kernel(query)
+    if kernel is not None:
+        from .prefix_varlen import varlen_forward
+
+        return varlen_forward(query, key, value, plan, scale, kernel)
     num_tokens, trees = decode_plan(plan)
     out = _empty_output(query)
     lse = torch.empty(query.shape[:3], dtype=_accumulate(query.dtype), device=query.device)
@@ -453,10 +491,15 @@ def _prefix_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`(dq, dk, dv)` of `prefix_attention`, from the forward's merged `out` and `lse`; laid out as `(B, S, H, D)`
     (`_empty_output`), as the projections' gradients flow back."""
-    num_tokens, trees = decode_plan(plan)
-    acc = _accumulate(query.dtype)
     if dout.stride() != out.stride():  # the kernels' backward expects `out`'s layout
         dout = _empty_output(dout).copy_(dout)
+    kernel = _varlen_kernel(query)
+    if kernel is not None:
+        from .prefix_varlen import varlen_backward
+
+        return varlen_backward(dout, query, key, value, out, lse, plan, scale, kernel)
+    num_tokens, trees = decode_plan(plan)
+    acc = _accumulate(query.dtype)
     dq, dk, dv = (_empty_output(x) for x in (query, key, value))
     for number, tree in enumerate(trees):
         prompt, first, last = slice(tree.start, tree.stop), tree.bounds[0], tree.bounds[-1]

@@ -578,7 +578,8 @@ def _two_level_if_faster(
 ) -> PackedForest:
     """`forest` laid out two-level (`_two_level_lcp`) where that repeats at most `_MAX_REPEATED_SHARE` of its
     tokens, stays within the token budget, and gives a forest the shared-prefix kernels run faster than
-    FlexAttention on CUDA (`prefix_fast_on_cuda`, the kernels not switched off); else `forest` itself."""
+    FlexAttention on CUDA (`prefix_fast_on_cuda`, or any with FlashAttention-4's kernels; the kernels not switched
+    off); else `forest` itself."""
     from . import prefix_attention
 
     capped = _two_level_lcp(lcp)
@@ -587,7 +588,8 @@ def _two_level_if_faster(
         return forest  # checked before laying it out: deep trees (agents) repeat far more
     flat = _layout(arrays, members, capped, pad_multiple)
     fits = max_tokens_per_mb is None or flat.seq_len <= max_tokens_per_mb
-    return flat if fits and flat.prefix_fast_on_cuda else forest
+    faster = flat.prefix_fast_on_cuda or prefix_attention.KERNEL == "fa4"  # FA4 takes every two-level forest
+    return flat if fits and faster else forest
 
 
 def tree_token_ratio(sequences: Sequence[TokenSequence]) -> float:
