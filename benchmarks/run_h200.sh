@@ -437,7 +437,7 @@ for stage in "$@"; do
       # backward, new forests (carry .fa4/2 and .whl, right after `fa4-site-1`)
       with_fa4 || continue
       timeout 150 python3 -m pytest -q -rfEs -m gpu -p no:cacheprovider tests/test_gpu.py tests/test_prefix_varlen.py \
-        -k "flash_backend or fa4" 2>&1 | tail -5 | tee "$OUT/h200_gpu_tests_fa4.log"
+        tests/test_prefix_attention.py -k "flash_backend or fa4" 2>&1 | tail -5 | tee "$OUT/h200_gpu_tests_fa4.log"
       timeout 240 python3 benchmarks/attention_gathered_paths.py --workload grpo_mixed \
         --kernels flex flex_flash prefix_fa4 prefix_cudnn --out "$OUT/attention_flex_flash_h200_grpo_mixed.json" 2>&1 \
         | quiet 40

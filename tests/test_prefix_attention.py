@@ -423,13 +423,20 @@ def test_regional_compile_with_block_masks_takes_it():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kernel", ["cudnn", "fa4"])
 @pytest.mark.parametrize("heads, dim", [((16, 8), 128), ((32, 8), 128), ((4, 4), 64), ((6, 2), 32)])
-def test_cudnn_kernel_as_close_as_flex_attention(heads, dim):
-    """bf16 on CUDA (cuDNN): output and q / k / v gradients as close to the float32 dense-mask reference as
-    FlexAttention's with the forest's `BlockMask` are (bf16 rounding of inputs, probabilities and outputs: both
-    within 2% of the largest entry)."""
+def test_cuda_kernels_as_close_as_flex_attention(heads, dim, kernel, monkeypatch):
+    """bf16 on CUDA (cuDNN per tree, or FlashAttention-4's varlen calls per forest, `KERNEL`): output and q / k / v
+    gradients as close to the float32 dense-mask reference as FlexAttention's with the forest's `BlockMask` are
+    (bf16 rounding of inputs, probabilities and outputs: both within 2% of the largest entry), on trees of varied
+    lengths, a 1-token prompt and completion, padding rows."""
+    from hf_tree_attn import prefix_attention as module
     from hf_tree_attn.attention import _flex_attention
+    from hf_tree_attn.prefix_varlen import fa4_error
 
+    if kernel == "fa4" and fa4_error(torch.cuda.current_device()) is not None:
+        pytest.skip(fa4_error(torch.cuda.current_device()))
+    monkeypatch.setattr(module, "KERNEL", kernel)
     rng = random.Random(0)
     seqs = _two_level_groups(rng, 3, prompt=700, completion=300) + [[5], [5, 6]]
     (forest,) = pack_forest(seqs)
