@@ -20,6 +20,7 @@ gather (`plan_ms`, once per forest, shared by every layer). TFLOP/s count each r
 
 `--kernels flex flex_flash`: FlexAttention on its FlashAttention-4 backend instead (`kernel_options={"BACKEND":
 "FLASH"}`, the same block mask; needs `flash_attn.cute`, which benchmarks/fa4_wheels.sh packs for the H200).
+`fa4_gathered`: the gathered paths through FlashAttention-4's varlen function instead of FlashAttention-2's.
 `prefix_fa4` / `prefix_cudnn`: the library's shared-prefix attention (`hf_tree_attn.prefix_attention`, GRPO forests
 only: two-level) on FlashAttention-4's varlen kernels (two calls per forest, `hf_tree_attn.prefix_varlen`) / on
 cuDNN (three calls per tree; its first call on a new shape builds cuDNN's graph). q, k and v are laid out as a
@@ -50,7 +51,7 @@ HEADS, KV_HEADS, DIM = 16, 8, 128  # Qwen3-1.7B
 KERNELS = ("flex", "flash_gathered", "cudnn_gathered")
 # FlexAttention on FlashAttention-4's CuTeDSL kernels (`kernel_options={"BACKEND": "FLASH"}`, the same block mask;
 # needs the `flash_attn.cute` package: benchmarks/fa4_wheels.sh), only where `--kernels` names it.
-OPTIONAL_KERNELS = ("flex_flash", "prefix_fa4", "prefix_cudnn")
+OPTIONAL_KERNELS = ("flex_flash", "fa4_gathered", "prefix_fa4", "prefix_cudnn")
 
 
 def grpo_forest(rng: random.Random, groups: int, scale: float) -> list[list[int]]:
@@ -119,6 +120,19 @@ def flash_gathered(q, k, v, plan, scale):
     out = torch.ops.aten._flash_attention_forward(
         qs, ks, vs, plan["cu_q"], plan["cu_k"], plan["max_q"], plan["max_k"], 0.0, True, False, scale=scale
     )[0]
+    return out.transpose(0, 1).unsqueeze(0)
+
+
+def fa4_gathered(q, k, v, plan, scale):
+    """The same through FlashAttention-4's varlen function (`flash_attn.cute`; bottom-right causal, GQA native)."""
+    from flash_attn.cute.interface import flash_attn_varlen_func
+
+    qs = q[0].transpose(0, 1)
+    ks, vs = (x[0].transpose(0, 1).index_select(0, plan["key_index"]) for x in (k, v))
+    out, _ = flash_attn_varlen_func(
+        qs, ks, vs, cu_seqlens_q=plan["cu_q"], cu_seqlens_k=plan["cu_k"], max_seqlen_q=plan["max_q"],
+        max_seqlen_k=plan["max_k"], softmax_scale=scale, causal=True,
+    )  # fmt: skip
     return out.transpose(0, 1).unsqueeze(0)
 
 
@@ -227,6 +241,7 @@ def main():
             "flash_gathered": lambda: flash_gathered(q, k, v, plan, scale),
             "cudnn_gathered": lambda: cudnn_gathered(q, k, v, plan, scale),
             "flex_flash": lambda: _flex_attention(q, k, v, **flex, kernel_options={"BACKEND": "FLASH"})[0],
+            "fa4_gathered": lambda: fa4_gathered(q, k, v, plan, scale),
             "prefix_fa4": lambda: shared_prefix(q, k, v, forest, scale),
             "prefix_cudnn": lambda: shared_prefix(q, k, v, forest, scale),
         }
@@ -236,7 +251,7 @@ def main():
         forest = forest_of()
         q, k, v = tensors(forest)
         for name, fn in kernels(forest, q, k, v, gather_plan(forest, device)).items():
-            if name.startswith(("flex", "prefix_fa4")):  # FlashAttention-4 compiles its kernels at the first call
+            if name.startswith(("flex", "fa4", "prefix_fa4")):  # FlashAttention-4 compiles its kernels at first
                 try:
                     with kernel_setting(name):
                         timed(fn)

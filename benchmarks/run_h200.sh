@@ -439,10 +439,13 @@ for stage in "$@"; do
       timeout 150 python3 -m pytest -q -rfEs -m gpu -p no:cacheprovider tests/test_gpu.py tests/test_prefix_varlen.py \
         tests/test_prefix_attention.py -k "flash_backend or fa4" 2>&1 | tail -5 | tee "$OUT/h200_gpu_tests_fa4.log"
       timeout 240 python3 benchmarks/attention_gathered_paths.py --workload grpo_mixed \
-        --kernels flex flex_flash prefix_fa4 prefix_cudnn --out "$OUT/attention_flex_flash_h200_grpo_mixed.json" 2>&1 \
-        | quiet 40
-      timeout 200 python3 benchmarks/attention_gathered_paths.py --workload tau2_like --kernels flex flex_flash \
-        --out "$OUT/attention_flex_flash_h200_tau2_like.json" 2>&1 | quiet 40 ;;
+        --kernels flex flex_flash fa4_gathered prefix_fa4 prefix_cudnn \
+        --out "$OUT/attention_flex_flash_h200_grpo_mixed.json" 2>&1 | quiet 40 ;;
+    fa4-agent-trees)  # the same kernels on τ²-like agent trees (not two-level: no shared-prefix kernels), after
+      # `flex-flash-backend` on the same machine (carry .fa4/2)
+      with_fa4 || continue
+      timeout 400 python3 benchmarks/attention_gathered_paths.py --workload tau2_like \
+        --kernels flex flex_flash fa4_gathered --out "$OUT/attention_flex_flash_h200_tau2_like.json" 2>&1 | quiet 40 ;;
     async-grpo-flash-1.7b)  # TreeAsyncGRPOTrainer with FlexAttention on FlashAttention-4's kernels
       # (HF_TREE_ATTN_FLEX_KERNEL_OPTIONS) and with the shared-prefix attention on them (HF_TREE_ATTN_PREFIX_KERNEL)
       # against its default, through trainer.train() (carry .fa4/2 and .whl, after `fa4-site-1` or
