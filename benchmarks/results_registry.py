@@ -236,12 +236,8 @@ MFU_ROWS = [
     ("tree_vs_flat_h200_gemma3-1b.json", None, "tree"),
 ]
 
-# TreeAsyncGRPOTrainer vs TRL's AsyncGRPOTrainer (bench_async_grpo.py): (file, workload).
-ASYNC_ROWS = [
-    ("async_grpo_h200_qwen3-8b.json", "grpo_mixed"),
-    ("async_grpo_h200_qwen3-8b_tau2.json", "tau2_like"),
-]
-# The same, each side in its own process, paired per step (bench_async_grpo.py with the harness): (file, workload).
+# TreeAsyncGRPOTrainer vs TRL's AsyncGRPOTrainer, each side in its own process, paired per step (bench_async_grpo.py
+# with the harness): (file, workload).
 ASYNC_PAIRED = [
     ("async_grpo_h200_qwen3-1.7b_profiled.json", "grpo_mixed"),
     ("async_grpo_h200_qwen3-1.7b_profiled.json", "tau2_like"),
@@ -254,9 +250,9 @@ ASYNC_PAIRED = [
 ASYNC_TREE_ONLY = ["async_grpo_h200_qwen3.5-0.8b.json"]
 # The same trainer on fla's Triton kernels (the two-call delta rule on deep forests), 2 warm-up and 8 measured steps.
 ASYNC_TREE_ONLY_FLA = ["async_grpo_h200_qwen3.5-0.8b_fla_triton.json", "async_grpo_h200_qwen3.5-2b_fla_triton.json"]
-# The same Qwen3-1.7B grpo_mixed rows, tree side, per attention path: the shared-prefix kernels on every two-level
-# forest (the size rule alone), FlexAttention alone, the CUDA rule's default (the first ASYNC_ROWS file); and what a
-# forest of new shapes costs each kernel by itself.
+# Qwen3-1.7B grpo_mixed, tree side (older code: eager layers), per attention path: the shared-prefix kernels on every
+# two-level forest (the size rule alone), FlexAttention alone, the CUDA rule's default; and what a forest of new
+# shapes costs each kernel by itself.
 ASYNC_ATTENTION_PATHS = {
     "shared-prefix kernels on every forest (cuDNN)": "async_grpo_h200_qwen3-1.7b_prefix_kernels.json",
     "FlexAttention alone (`HF_TREE_ATTN_PREFIX_ATTENTION=never`)": "async_grpo_h200_qwen3-1.7b_flex_only.json",
@@ -265,10 +261,7 @@ ASYNC_ATTENTION_PATHS = {
 PREFIX_NEW_SHAPES = "prefix_attention_new_shapes_h200.json"
 # SFT / DPO / reward models on trees against TRL's trainers (bench_trees_beyond_grpo.py); a failed workload's row is
 # left out (its file's note says why).
-BEYOND_GRPO = [
-    "trees_beyond_grpo_h200_more.json",
-    "trees_beyond_grpo_h200_reward_model.json",
-]
+BEYOND_GRPO = ["trees_beyond_grpo_h200_reward_model.json"]
 # Forwarded over unique tokens, micro-batches vs prefix reuse, and the reuse planner's estimates (CPU, layouts only).
 PREFIX_REUSE_PLAN = "prefix_reuse_plan_cpu.json"
 # bench_prefix_reuse_gpu.py on the H200: split vs prefix reuse, each in its own process.
@@ -279,9 +272,29 @@ PREFIX_REUSE_GPU = [
 ]
 # bench_prefix_reuse_gpu.py --methods reuse reuse_kept: every chunk's forward graph kept against recomputing them.
 PREFIX_REUSE_KEPT = ["prefix_reuse_kept_cpu_qwen3-0.6b.json"]
-# The same on the harness (each side in its own process, paired per step, agreement checked): its rows supersede
-# the older files' rows of the same workloads.
+# The same on the harness (each side in its own process, paired per step, agreement checked).
 BEYOND_PAIRED = ["trees_beyond_grpo_h200_paired.json"]
+# Files whose rows a later measurement of the same model and workload replaced (kept for their history, their numbers
+# shown nowhere): file -> (the file that replaced it, what it held).
+SUPERSEDED = {
+    "async_grpo_h200_qwen3-8b.json": (
+        "async_grpo_h200_qwen3-8b_paired.json",
+        "Qwen3-8B `grpo_mixed` through trainer.train(), older code: eager layers, both sides in one process, a ratio "
+        "of the median steps of four",
+    ),
+    "async_grpo_h200_qwen3-8b_tau2.json": (
+        "async_grpo_h200_qwen3-8b_paired_tau2.json",
+        "Qwen3-8B `tau2_like` through trainer.train(), older code: eager layers, both sides in one process, two "
+        "measured steps",
+    ),
+    "trees_beyond_grpo_h200_more.json": (
+        "trees_beyond_grpo_h200_paired.json",
+        "`sft_agent_turns`, both sides in one process, a ratio of the median steps (its `grpo_reward_model` row "
+        "stopped at TRL's first step on a NaN gradient from cuDNN's attention backward, "
+        "`trees_beyond_grpo_h200_cudnn_nan.log`, and ran again with that backend off: "
+        "`trees_beyond_grpo_h200_reward_model.json`)",
+    ),
+}
 # DeepSpeed ZeRO on one H200 (gpu_deepspeed.sh): the tests' per-stage measurements and the main job's log.
 DEEPSPEED_RUNS = ["deepspeed_zero2_bf16_h200.json", "deepspeed_zero3_bf16_h200.json"]
 DEEPSPEED_MAIN_JOB = "deepspeed_main_job_zero3_h200.log"
@@ -531,21 +544,13 @@ NOTES = {
     "process, still held its weights and optimizer state: the tree's peak includes them. The tree alone on these "
     "rows (`async_grpo_h200_qwen3-1.7b_flex_only.json`, same forests and recompute) peaked at 18.1 GiB against "
     "TRL's 18.6. `bench_async_grpo.py` now counts each side's peak above what was allocated when it started.",
-    "async_grpo_h200_qwen3-8b.json": "peak memory counted as in the Qwen3-1.7B file: the tree's includes TRL's "
-    "trainer, still allocated (an 8B model's bf16 weights and AdamW state are about 45 GiB).",
     "async_grpo_h200_qwen3-1.7b_prefix_kernels.json": "ran before the CUDA rule waited for recurring shapes: the "
     "kernels took every forest the size rule (`fast_on_cuda`) picked, here every profiled one; its stage runs them "
     "on every two-level forest (`HF_TREE_ATTN_PREFIX_ATTENTION=always`). Peak memory counted as in the Qwen3-1.7B "
     "file.",
-    "async_grpo_h200_qwen3-8b_tau2.json": "two measured steps after two warm-up steps (the call's time limit); peak "
-    "memory counted as in the Qwen3-1.7B file.",
     "h200_gpu_tests_precision.log": "its 70 s limit stopped it in the 9th test: Qwen3 with fp32 weights under bf16 "
     "autocast in every recompute mode and under fp16 autocast without recompute passed; the rest (fp16 autocast "
     "with recompute, bf16 weights, Gemma 2, GPT-OSS) did not run.",
-    "trees_beyond_grpo_h200_more.json": "its GRPO row stopped at TRL's first step: a NaN gradient from PyTorch's "
-    "cuDNN attention backward (`ScaledDotProductCudnnAttentionBackward0`, named by autograd's anomaly mode in "
-    "`trees_beyond_grpo_h200_cudnn_nan.log`); the row ran again with that backend off "
-    "(`trees_beyond_grpo_h200_reward_model.json`).",
     "trees_beyond_grpo_h200_reward_model.json": "SDPA's cuDNN backend off on both sides (`--no-cudnn-sdpa`, see "
     "[trees_beyond_grpo_h200_cudnn_nan.log](trees_beyond_grpo_h200_cudnn_nan.log)); the policy in float32 weights "
     "under bf16 autocast. Its step is generation, scoring and the update; the token ceiling is the reward model's "

@@ -22,7 +22,6 @@ from pathlib import Path
 from results_registry import (
     ASYNC_ATTENTION_PATHS,
     ASYNC_PAIRED,
-    ASYNC_ROWS,
     ASYNC_TREE_ONLY,
     ASYNC_TREE_ONLY_FLA,
     BEYOND_GRPO,
@@ -55,6 +54,7 @@ from results_registry import (
     PROFILES,
     README_ROWS,
     SOURCES,
+    SUPERSEDED,
     SYNC_PAIRED,
     THROUGH_TRAINER,
     THROUGH_TRAINER_PAIRED,
@@ -937,28 +937,8 @@ def peers_paired(notes: Notes) -> list[str]:
 
 
 def peers() -> list[str]:
-    notes, rows, uneven = Notes(), [], []
+    notes = Notes()
     paired_rows = peers_paired(notes)
-    for name, wl in ASYNC_ROWS:
-        row = trainer_row(name, wl)
-        trl, tree = row["sides"]["trl"], row["sides"]["tree"]
-        forwarded = [statistics.mean(side["forwarded_tokens_per_step"]) for side in (tree, trl)]
-        rows.append([
-            MODELS[row["model"]], rollout_workload(row), " / ".join(f"{n:,.0f}" for n in forwarded),
-            steps(trl["step_s"]), steps(tree["step_s"]), faster(row["speedup_tree_vs_trl"]),
-            f"{pct(tree['mfu'], 1)} / {pct(trl['mfu'], 1)}", f"{tree['tree_checkpointed_layers']:.0%}",
-            f"{tree['peak_gib']:.1f} / {trl['peak_gib']:.1f}", notes.source(name),
-        ])  # fmt: skip
-        if max(tree["step_s"]) > 2 * min(tree["step_s"]):
-            uneven.append(
-                f"`{wl}` at {MODELS[row['model']]}: the tree's steps took {steps(tree['step_s'])}, TRL's "
-                f"{steps(trl['step_s'])}. With two measured steps the median is their mean, so the tree's first-step "
-                f"cost weighs half of the ratio. The tree's last step alone vs TRL's median step: "
-                f"{x(trl['median_step_s'] / tree['step_s'][-1])}. What the first step spent is not broken down."
-            )
-    headers = ["model", "workload", "tokens forwarded per step, tree / TRL", "step, TRL (each measured step)",
-               "step, tree", "tree vs TRL (median step)", "MFU tree / TRL", "tree layers recomputed",
-               "peak GiB tree / TRL", "source"]  # fmt: skip
     alone = []
     for name in ASYNC_TREE_ONLY:
         (row,) = load(name)["rows"]
@@ -989,15 +969,6 @@ def peers() -> list[str]:
     flex_first, flex_repeat = (secs(medians["flex"][when] / 1e3) for when in ("first_ms", "repeat_ms"))
     return (
         paired_rows
-        + [
-            "Earlier rows (older code: eager layers, one process for both sides, a ratio of the median steps of two "
-            "to four steps):",
-            "",
-        ]
-        + table(headers, rows)
-        + [line + "  " for line in uneven[:-1]]
-        + uneven[-1:]
-        + [""] * bool(uneven)
         + [
             "Where TRL's async trainer refuses the model (the tree alone, Gated DeltaNet on transformers' torch "
             "kernels):",
@@ -1244,6 +1215,11 @@ def other_runs() -> list[str]:
     return table(["measurement", "result", "source"], rows)
 
 
+def superseded() -> list[str]:
+    rows = [[f"[{name}]({name})", what, f"[{by}]({by})"] for name, (by, what) in SUPERSEDED.items()]
+    return table(["file", "what it held", "replaced by"], rows)
+
+
 def result_files() -> list[str]:
     rows = []
     for name, stage in SOURCES.items():
@@ -1369,6 +1345,9 @@ SECTIONS = [  # (heading level, title, section, what it measures)
      "bf16 against bf16 (the float32 equality is tested on CPU)."),
     (2, "Correctness on the GPU", correctness, None),
     (2, "Other runs", other_runs, None),
+    (2, "Superseded results", superseded,
+     "Files a later measurement of the same model and workload replaced (paired per step, each side in its own "
+     "process, the current code). Their numbers are shown nowhere; the files stay for their history."),
     (2, "Result files", result_files,
      f"Each GPU file is made by `bash {SCRIPT} STAGE` on one H200 (`fsdp2-main-job`: two), which runs the command "
      "the file records."),
