@@ -28,6 +28,13 @@ model's projections lay them out, `(1, S, heads, dim)` seen as `(1, heads, S, di
 
     python benchmarks/attention_gathered_paths.py --workload tau2_like --out benchmarks/results/attention.json
     python benchmarks/attention_gathered_paths.py --device cpu --forests 2 --scale 0.05   # the gather checked on CPU
+
+Every row also records how much of FlexAttention's work on the tree mask is wasted (`tiles`): the 128 x 128 blocks
+it computes (`full` ones without a mask, `partial` ones masked inside) and the share of their pairs that are
+ancestor-or-self pairs (`useful`), from the forest's DFS intervals. `--tiles` counts only that, on CPU, for the same
+seeded forests of both workloads as the GPU runs (`--forests` of each after the two warm-up ones):
+
+    python benchmarks/attention_gathered_paths.py --tiles --out benchmarks/results/attention_tiles_cpu.json
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ import random
 import statistics
 import time
 
+import numpy as np
 import torch
 from harness import provenance
 from prefix_attention_new_shapes import timed
@@ -83,6 +91,26 @@ def agent_forest(rng: random.Random, scale: float, budget: int = 32768) -> list[
         side_branches += len(responses[1])
         history = history + responses[0]
     return seqs
+
+
+def tile_use(forest, block: int = 128) -> dict:
+    """The blocks FlexAttention computes on `forest`'s tree mask: `full` (every pair attends), `partial` (some do),
+    and `useful`, the share of their pairs that attend. Row `k` is an ancestor-or-self of row `q` iff `k <= q <
+    subtree_end[k]` (DFS intervals), so a block's count is a sum over its keys."""
+    rows = forest.num_tree_tokens
+    end = forest.subtree_end.reshape(-1)[:rows].cpu().numpy()
+    full = partial = useful = 0
+    for q0 in range(0, rows, block):
+        q1 = min(rows, q0 + block)
+        for k0 in range(0, q1, block):
+            k1 = min(rows, k0 + block)
+            keys = np.arange(k0, k1)
+            count = int(np.clip(np.minimum(end[k0:k1], q1) - np.maximum(keys, q0), 0, None).sum())
+            if count:
+                useful += count
+                full += count == (q1 - q0) * (k1 - k0)
+                partial += count < (q1 - q0) * (k1 - k0)
+    return {"block": block, "full": full, "partial": partial, "useful": useful / ((full + partial) * block * block)}
 
 
 def gather_plan(forest, device) -> dict:
@@ -190,12 +218,15 @@ def main():
     parser.add_argument("--groups", type=int, default=2)
     parser.add_argument("--scale", type=float, default=1.0, help="scale every length (CPU checks)")
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--tiles", action="store_true", help="only FlexAttention's tile use, both workloads, on CPU")
     parser.add_argument("--out", default="benchmarks/results/attention_gathered_paths.json")
     parser.add_argument(
         "--kernels", nargs="+", default=list(KERNELS), choices=KERNELS + OPTIONAL_KERNELS,
         help="the kernels to run; FlexAttention's (flex) always runs, the others are checked against it",
     )  # fmt: skip
     args = parser.parse_args()
+    if args.tiles:
+        args.device = "cpu"
     chosen = ["flex", *(k for k in args.kernels if k != "flex")]
     device, rng = torch.device(args.device), random.Random(0)
     gen = torch.Generator(device=device).manual_seed(0)
@@ -216,6 +247,18 @@ def main():
         k, v = (torch.randn(1, forest.seq_len, KV_HEADS, DIM, device=device, dtype=dtype, generator=gen)
                 for _ in "kv")  # fmt: skip
         return [x.transpose(1, 2).requires_grad_() for x in (q, k, v)]
+
+    if args.tiles:
+        runs = {}
+        for workload in ("grpo_mixed", "tau2_like"):
+            args.workload, rng = workload, random.Random(0)  # the GPU runs' forests: two warm-up ones, then the rest
+            forests = [forest_of() for _ in range(2 + args.forests)][2:]
+            runs[workload] = [{"tree_tokens": f.num_tree_tokens, "tiles": tile_use(f)} for f in forests]
+            shares = [r["tiles"]["useful"] for r in runs[workload]]
+            print(f"{workload}: useful share of FlexAttention's blocks {min(shares):.3f} to {max(shares):.3f}")
+        with open(args.out, "w") as fh:
+            json.dump({**provenance(), "groups_per_forest": args.groups, "workloads": runs}, fh, indent=1)
+        return
 
     if device.type == "cpu":  # check the plan: gathered paths == the tree's dense mask
         for _ in range(args.forests):
@@ -269,7 +312,7 @@ def main():
         flops = 4 * pairs * HEADS * DIM
         row = {"tree_tokens": real, "seq_len": forest.seq_len, "segments": forest.num_segments,
                "levels": forest.num_levels, "gathered_keys": int(plan["key_index"].numel()), "plan_ms": plan_ms,
-               "forward_tflop": flops / 1e12}  # fmt: skip
+               "forward_tflop": flops / 1e12, "tiles": tile_use(forest)}  # fmt: skip
         outputs, grads = {}, {}
         upstream = torch.randn(1, HEADS, forest.seq_len, DIM, device=device, dtype=dtype, generator=gen)
         upstream[:, :, real:] = 0  # padding rows' outputs are not the tree's

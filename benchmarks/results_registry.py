@@ -78,6 +78,7 @@ SOURCES = {
     "async_grpo_h200_qwen3.5-0.8b_fla_triton.json": "hybrid-async-fla",
     "async_grpo_h200_qwen3.5-2b_fla_triton.json": "hybrid-async-fla",
     "prefix_attention_new_shapes_h200.json": "async-grpo",
+    "attention_tiles_cpu.json": None,
     "h200_gpu_async.log": "async-grpo",
     "h200_gpu_tests_prefix_rule.log": "async-grpo-more",
     "trees_beyond_grpo_h200.log": "trees-beyond-grpo",
@@ -332,6 +333,8 @@ PREFIX_RUNS = ["prefix_attention_h200.json", "prefix_attention_h200_repeat.json"
 PREFIX_PARTS = "prefix_attention_parts_h200.json"
 # Tree attention as one varlen flash call over gathered paths vs FlexAttention (attention_gathered_paths.py).
 GATHERED_PATHS = ["attention_gathered_paths_h200_grpo_mixed.json", "attention_gathered_paths_h200_tau2_like.json"]
+# FlexAttention's tile use on the same seeded forests (attention_gathered_paths.py --tiles, CPU).
+TILES = "attention_tiles_cpu.json"
 GRAD_CHECKS = [name for name in SOURCES if name.startswith("grad_check_")]
 GPU_TEST_LOGS = {  # log: the tests it ran
     "h200_gpu_tests_all.log": "every `gpu`-marked test but `test_gpu_recurrent.py` (the hybrid kernels, their own "
@@ -468,10 +471,11 @@ NOTES = {
     "step against the FLOPs `estimate_flops` counts for a step of this workload (~32k forest rows: 68% of the forward "
     "FLOPs in the layers' linear maps, 22% in attention over ancestor pairs, the rest the LM head): the matmuls, "
     "every layer's forward twice (the recompute) and its backward, run at roughly 790 TFLOP/s, the H200's attainable "
-    "bf16 rate; FlexAttention at roughly 290 TFLOP/s forward and 230 backward on the tree mask (its 128-row blocks "
-    "straddle branch ends, and those blocks are computed whole). So the step is at the matmul roofline but for "
-    "attention and the recompute: 50% MFU (a 0.73 s step) needs both attention about twice as fast and no recompute "
-    "forward (~0.25 s), which the memory bound (TRL's own peak) does not allow here.",
+    "bf16 rate; FlexAttention at roughly 290 TFLOP/s forward and 230 backward on the tree mask, not for want of "
+    "block sparsity (of the pairs in the 128 x 128 blocks it computes on such forests, 87-96% attend on GRPO groups "
+    "and 97-98% on the agent trees, `attention_tiles_cpu.json`): the rest is its kernel's rate. So the step is at "
+    "the matmul roofline but for attention and the recompute: 50% MFU (a 0.73 s step) needs both attention about "
+    "twice as fast and no recompute forward (~0.25 s), which the memory bound (TRL's own peak) does not allow here.",
     "sync_grpo_h200_qwen3-1.7b_paired.json": "two calls on two machines (the reference and TRL sides at commit "
     "3498ab0, `earlier_runs`; the tree side at the file's commit, the same library code): the tree's first step, "
     "114.1 s, compiled its layers on a fresh machine (dynamo 110.0 s, of which inductor's forward graph 78.2 s and "
