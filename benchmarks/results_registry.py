@@ -608,6 +608,11 @@ PENDING = {
         "AReaL's tree-training code, same workloads",
         "TRL's own tree packing on its FlashAttention-3 kernel from the Hub (the rows above ran FlashAttention-2)",
         "Qwen3-8B against TRL with accelerate's regional compile",
+        "FlashAttention-4 on the H200: FlexAttention's FLASH backend and the shared-prefix attention's varlen kernels "
+        "(`HF_TREE_ATTN_PREFIX_KERNEL=fa4`), attention alone (stages `flex-flash-backend`, `fa4-agent-trees`) and "
+        "through trainer.train() against the default (`async-grpo-flash-1.7b`)",
+        "prefix reuse through trainer.train() against TRL's packing, conversations spanning several rows "
+        "(`agent_2x20x4`; stages `async-prefix-reuse-1.7b-trl`, `async-prefix-reuse-1.7b-tree`)",
     ],
     "gpu_tests": [
         "`test_gpu_recurrent.py` and `test_gpu_deepspeed.py` on the present code (their last logs are below)",
