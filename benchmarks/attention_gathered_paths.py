@@ -20,9 +20,11 @@ gather (`plan_ms`, once per forest, shared by every layer). TFLOP/s count each r
 
 `--kernels flex flex_flash`: FlexAttention on its FlashAttention-4 backend instead (`kernel_options={"BACKEND":
 "FLASH"}`, the same block mask; needs `flash_attn.cute`, which benchmarks/fa4_wheels.sh packs for the H200).
-`fa4_gathered`: the gathered paths through FlashAttention-4's varlen function instead of FlashAttention-2's.
+`fa4_gathered`: the library's gathered paths on FlashAttention-4's varlen kernels
+(`hf_tree_attn.varlen_attention.path_attention`, what `HF_TREE_ATTN_PREFIX_KERNEL=fa4` runs for forests that are not
+two-level), its own plan and gather.
 `prefix_fa4` / `prefix_cudnn`: the library's shared-prefix attention (`hf_tree_attn.prefix_attention`, GRPO forests
-only: two-level) on FlashAttention-4's varlen kernels (two calls per forest, `hf_tree_attn.prefix_varlen`) / on
+only: two-level) on FlashAttention-4's varlen kernels (two calls per forest, `hf_tree_attn.varlen_attention`) / on
 cuDNN (three calls per tree; its first call on a new shape builds cuDNN's graph). q, k and v are laid out as a
 model's projections lay them out, `(1, S, heads, dim)` seen as `(1, heads, S, dim)`.
 
@@ -54,6 +56,7 @@ from prefix_attention_new_shapes import timed
 import hf_tree_attn
 from hf_tree_attn import prefix_attention
 from hf_tree_attn.attention import _flex_attention
+from hf_tree_attn.varlen_attention import path_attention
 
 HEADS, KV_HEADS, DIM = 16, 8, 128  # Qwen3-1.7B
 KERNELS = ("flex", "flash_gathered", "cudnn_gathered")
@@ -148,19 +151,6 @@ def flash_gathered(q, k, v, plan, scale):
     out = torch.ops.aten._flash_attention_forward(
         qs, ks, vs, plan["cu_q"], plan["cu_k"], plan["max_q"], plan["max_k"], 0.0, True, False, scale=scale
     )[0]
-    return out.transpose(0, 1).unsqueeze(0)
-
-
-def fa4_gathered(q, k, v, plan, scale):
-    """The same through FlashAttention-4's varlen function (`flash_attn.cute`; bottom-right causal, GQA native)."""
-    from flash_attn.cute.interface import flash_attn_varlen_func
-
-    qs = q[0].transpose(0, 1)
-    ks, vs = (x[0].transpose(0, 1).index_select(0, plan["key_index"]) for x in (k, v))
-    out, _ = flash_attn_varlen_func(
-        qs, ks, vs, cu_seqlens_q=plan["cu_q"], cu_seqlens_k=plan["cu_k"], max_seqlen_q=plan["max_q"],
-        max_seqlen_k=plan["max_k"], softmax_scale=scale, causal=True,
-    )  # fmt: skip
     return out.transpose(0, 1).unsqueeze(0)
 
 
@@ -284,7 +274,7 @@ def main():
             "flash_gathered": lambda: flash_gathered(q, k, v, plan, scale),
             "cudnn_gathered": lambda: cudnn_gathered(q, k, v, plan, scale),
             "flex_flash": lambda: _flex_attention(q, k, v, **flex, kernel_options={"BACKEND": "FLASH"})[0],
-            "fa4_gathered": lambda: fa4_gathered(q, k, v, plan, scale),
+            "fa4_gathered": lambda: path_attention(q, k, v, forest.path_plan, scale),
             "prefix_fa4": lambda: shared_prefix(q, k, v, forest, scale),
             "prefix_cudnn": lambda: shared_prefix(q, k, v, forest, scale),
         }

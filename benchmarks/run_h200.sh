@@ -436,7 +436,7 @@ for stage in "$@"; do
       # and the shared-prefix attention on FlashAttention-4's varlen kernels (GRPO forests) against cuDNN's, forward +
       # backward, new forests (carry .fa4/2 and .whl, right after `fa4-site-1`)
       with_fa4 || continue
-      timeout 150 python3 -m pytest -q -rfEs -m gpu -p no:cacheprovider tests/test_gpu.py tests/test_prefix_varlen.py \
+      timeout 150 python3 -m pytest -q -rfEs -m gpu -p no:cacheprovider tests/test_gpu.py tests/test_varlen_attention.py \
         tests/test_prefix_attention.py -k "flash_backend or fa4" 2>&1 | tail -5 | tee "$OUT/h200_gpu_tests_fa4.log"
       timeout 240 python3 benchmarks/attention_gathered_paths.py --workload grpo_mixed \
         --kernels flex flex_flash fa4_gathered prefix_fa4 prefix_cudnn \

@@ -40,6 +40,7 @@ from .masks import ContextMaskSource, is_tree_mask_mod, mask_tag
 from .prefix_attention import prefix_attention
 from .prefix_attention import serves as prefix_serves
 from .prefix_attention import supports as prefix_supports
+from .varlen_attention import path_attention, path_serves
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -293,16 +294,22 @@ def _plain_tree_mask(attention_mask, forest) -> bool:
 
 
 def _prefix_attention(query, key, value, attention_mask, forest, scaling: float) -> torch.Tensor | None:
-    """`hf_tree_attn.prefix_attention` `(1, q_heads, S, head_dim)` for a layer whose mask is `forest`'s plain tree
-    mask, when the forest is two-level and the kernels serve these tensors; else None (FlexAttention / SDPA)."""
+    """`(1, q_heads, S, head_dim)` for a layer whose mask is `forest`'s plain tree mask, through dense kernels where
+    they serve these tensors: `hf_tree_attn.prefix_attention` for a two-level forest, or on CUDA with
+    FlashAttention-4 (`HF_TREE_ATTN_PREFIX_KERNEL=fa4`) `hf_tree_attn.varlen_attention.path_attention` for any
+    other; else None (FlexAttention / SDPA)."""
     if not prefix_supports(query) or query.shape[1] % key.shape[1] or not _plain_tree_mask(attention_mask, forest):
         return None
     if key.shape[-1] != query.shape[-1] or value.shape[-1] != query.shape[-1]:  # MLA's wider q / k: FlexAttention
         return None
     size = forest.input_ids.shape[1]
-    if query.shape[2] != size or key.shape[2] != size or not prefix_serves(forest, query.device.type):
-        return None  # not two-level, or on CUDA a forest FlexAttention runs faster
-    return prefix_attention(query, key, value, forest.prefix_plan, scaling)
+    if query.shape[2] != size or key.shape[2] != size:
+        return None
+    if prefix_serves(forest, query.device.type):
+        return prefix_attention(query, key, value, forest.prefix_plan, scaling)
+    if path_serves(forest, query.device.type):
+        return path_attention(query, key, value, forest.path_plan, scaling)
+    return None  # not two-level, or on CUDA a forest FlexAttention runs faster
 
 
 def tree_flex_attention(

@@ -29,7 +29,8 @@ the forest's call shapes recur (`warm_on_cuda`: cuDNN builds a graph per new sha
 FlexAttention serves every other case (deeper trees, windows, softcap, sinks, latent attention, fp32 on CUDA).
 `HF_TREE_ATTN_PREFIX_ATTENTION=never` (or `MODE`) turns it off, `always` uses it for every two-level forest.
 `HF_TREE_ATTN_PREFIX_KERNEL=fa4` (or `KERNEL`) runs the CUDA calls on FlashAttention-4's varlen kernels instead, two
-per forest whatever its lengths (`hf_tree_attn.prefix_varlen`), for every two-level forest on CUDA.
+per forest whatever its lengths (`hf_tree_attn.varlen_attention`), for every two-level forest on CUDA (and every
+deeper forest through its gathered paths, there).
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ if MODE is None:
 
 _KERNELS = ("cudnn", "fa4")
 # The CUDA kernels: "cudnn" (three calls per tree, `_forward`), or "fa4": FlashAttention-4's varlen kernels, two calls
-# per forest whatever its lengths (`hf_tree_attn.prefix_varlen`), taking every two-level forest on CUDA. From
+# per forest whatever its lengths (`hf_tree_attn.varlen_attention`), taking every forest on CUDA. From
 # HF_TREE_ATTN_PREFIX_KERNEL at import; may be set at run time.
 KERNEL = os.environ.get("HF_TREE_ATTN_PREFIX_KERNEL", "cudnn").strip().lower()
 if KERNEL not in _KERNELS:
@@ -225,26 +226,31 @@ def _serves(forest, device_type: str) -> bool:
     if MODE == "never" or forest.prefix_plan is None:
         return False
     if device_type == "cuda" and KERNEL == "fa4":
-        from .prefix_varlen import fa4_error
-
-        error = fa4_error(torch.cuda.current_device())
-        if error is not None:
-            raise RuntimeError(
-                f"HF_TREE_ATTN_PREFIX_KERNEL=fa4 asks for FlashAttention-4's kernels, but {error}. Unset it (cuDNN "
-                "and FlexAttention then serve the forests) or install FlashAttention-4 on a GPU it supports."
-            )
+        require_fa4()
         return True  # a varlen call takes every length: no shape to wait for
     if device_type != "cuda" or MODE == "always":
         return True
     return forest.prefix_fast_on_cuda and warm_on_cuda(forest)
 
 
+def require_fa4() -> None:
+    """Raise unless FlashAttention-4's kernels run on the current CUDA device (`KERNEL` "fa4" asked for them)."""
+    from .varlen_attention import fa4_error
+
+    error = fa4_error(torch.cuda.current_device())
+    if error is not None:
+        raise RuntimeError(
+            f"HF_TREE_ATTN_PREFIX_KERNEL=fa4 asks for FlashAttention-4's kernels, but {error}. Unset it (cuDNN and "
+            "FlexAttention then serve the forests) or install FlashAttention-4 on a GPU it supports."
+        )
+
+
 def _varlen_kernel(query: torch.Tensor):
-    """The varlen kernel `prefix_attention` runs `query`'s forest through (`hf_tree_attn.prefix_varlen`), or None
-    for the per-tree calls of `_forward`: FlashAttention-4 on CUDA where `KERNEL` is "fa4"."""
+    """The varlen kernel `prefix_attention` runs `query`'s forest through (`hf_tree_attn.varlen_attention`), or
+    None for the per-tree calls of `_forward`: FlashAttention-4 on CUDA where `KERNEL` is "fa4"."""
     if KERNEL != "fa4" or not query.is_cuda:
         return None
-    from .prefix_varlen import FA4
+    from .varlen_attention import FA4
 
     return FA4
 
@@ -448,7 +454,7 @@ def _prefix_forward(
     """`(out, lse)` of `prefix_attention` (an opaque op for torch.compile: its loops and shapes follow the plan)."""
     kernel = _varlen_kernel(query)
     if kernel is not None:
-        from .prefix_varlen import varlen_forward
+        from .varlen_attention import varlen_forward
 
         return varlen_forward(query, key, value, plan, scale, kernel)
     num_tokens, trees = decode_plan(plan)
@@ -495,7 +501,7 @@ def _prefix_backward(
         dout = _empty_output(dout).copy_(dout)
     kernel = _varlen_kernel(query)
     if kernel is not None:
-        from .prefix_varlen import varlen_backward
+        from .varlen_attention import varlen_backward
 
         return varlen_backward(dout, query, key, value, out, lse, plan, scale, kernel)
     num_tokens, trees = decode_plan(plan)

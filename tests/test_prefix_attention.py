@@ -432,7 +432,7 @@ def test_cuda_kernels_as_close_as_flex_attention(heads, dim, kernel, monkeypatch
     lengths, a 1-token prompt and completion, padding rows."""
     from hf_tree_attn import prefix_attention as module
     from hf_tree_attn.attention import _flex_attention
-    from hf_tree_attn.prefix_varlen import fa4_error
+    from hf_tree_attn.varlen_attention import fa4_error
 
     if kernel == "fa4" and fa4_error(torch.cuda.current_device()) is not None:
         pytest.skip(fa4_error(torch.cuda.current_device()))
