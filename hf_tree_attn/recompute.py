@@ -20,13 +20,14 @@ Per token, bytes kept until the backward (bf16 activations `b = 2`, RMSNorm's fl
 plus, while the backward recomputes a checkpointed layer, one whole layer. Fused kernels (Liger, inductor) keep
 less than "whole", so the estimate errs toward recomputing more, never toward using more memory than flat.
 
-Attention kept (`keep_attention`): where the shared-prefix kernels (`prefix_attention.py`) serve a forest, a
-checkpointed layer also keeps their output and log-sum-exp (selective activation checkpointing: `torch.utils.
-checkpoint`'s `context_fn` with the kernels' op marked must-save), so its recompute runs the projections, norms and
-MLP again but not the attention, the costliest part of a long prompt's layer. Per token it keeps
-`b * q + 4 * heads` more, which the rule prices. It needs transformers' non-reentrant checkpoint (TRL's default,
-`use_reentrant=False`); with any other checkpoint function the layers recompute whole. FlexAttention's compiled
-kernel is opaque to `context_fn` in eager layers, so forests it serves recompute their attention as before.
+Attention kept (`keep_attention`): where the shared-prefix kernels (`prefix_attention.py`) or the gathered paths
+(`varlen_attention.py`) serve a forest, a checkpointed layer also keeps their output and log-sum-exp (selective
+activation checkpointing: `torch.utils.checkpoint`'s `context_fn` with the kernels' op marked must-save), so its
+recompute runs the projections, norms and MLP again but not the attention, the costliest part of a long prompt's
+layer. Per token it keeps `b * q + 4 * heads` more, which the rule prices. It needs transformers' non-reentrant
+checkpoint (TRL's default, `use_reentrant=False`); with any other checkpoint function the layers recompute whole.
+FlexAttention's compiled kernel is opaque to `context_fn` in eager layers, so forests it serves recompute their
+attention as before.
 
 The formula prices one kind of layer: attention (any mask kind) with at most two layer norms (plus q / k norms)
 and one MLP of `intermediate_size`. Other layers keep more, up to several times more: mixture-of-experts layers
@@ -199,7 +200,7 @@ def _checkpointed_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def _keep_kernel_outputs(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    if op is torch.ops.hf_tree_attn.prefix_attention.default:
+    if op is torch.ops.hf_tree_attn.prefix_attention.default or op is torch.ops.hf_tree_attn.path_attention.default:
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
 

@@ -164,12 +164,36 @@ def _kernel_calls(monkeypatch) -> list[int]:
     return calls
 
 
+def _path_calls(monkeypatch) -> list[int]:
+    """Every forest's plain causal layers through the gathered paths (`varlen_attention.path_attention`, on its CPU
+    stand-in kernel): returns the count of its kernel's forward calls."""
+    import hf_tree_attn.attention
+    from hf_tree_attn import varlen_attention
+
+    calls = [0]
+
+    class Counting:
+        def forward(self, *args):
+            calls[0] += 1
+            return varlen_attention.REFERENCE.forward(*args)
+
+        def backward(self, *args):
+            return varlen_attention.REFERENCE.backward(*args)
+
+    monkeypatch.setattr(varlen_attention, "_path_kernel", lambda query: Counting())
+    monkeypatch.setattr(hf_tree_attn.attention, "prefix_serves", lambda forest, device_type: False)
+    monkeypatch.setattr(hf_tree_attn.attention, "path_serves", lambda forest, device_type: True)
+    return calls
+
+
+@pytest.mark.parametrize("route", ["shared_prefix", "gathered_paths"])
 @pytest.mark.parametrize("compiled", [False, True])
-def test_keep_attention_is_exact_and_runs_no_attention_twice(compiled, monkeypatch):
-    """Checkpointed layers that keep the shared-prefix kernels' outputs give the gradients of no checkpointing, bit
-    for bit (what they keep is what the forward computed), and their backward runs no attention again; recomputed
-    whole, each checkpointed layer's attention runs twice. Compiled: regional compile (aot_eager) with `BlockMask`s,
-    as CUDA builds them, where the checkpoint and its `context_fn` are traced into the layer's graph, unbroken."""
+def test_keep_attention_is_exact_and_runs_no_attention_twice(compiled, route, monkeypatch):
+    """Checkpointed layers that keep the kernels' outputs (the shared-prefix kernels', or the gathered paths') give
+    the gradients of no checkpointing, bit for bit (what they keep is what the forward computed), and their backward
+    runs no attention again; recomputed whole, each checkpointed layer's attention runs twice. Compiled: regional
+    compile (aot_eager) with `BlockMask`s, as CUDA builds them, where the checkpoint and its `context_fn` are traced
+    into the layer's graph, unbroken."""
     from accelerate.utils import compile_regions
     from torch._dynamo.utils import counters
 
@@ -177,12 +201,14 @@ def test_keep_attention_is_exact_and_runs_no_attention_twice(compiled, monkeypat
     counters.clear()
 
     sequences = [[3 + i % 120 for i in range(60)] + [7, 8, 9, i] for i in range(4)]
+    if route == "gathered_paths":  # a deeper forest: the two-level kernels do not take it
+        sequences += [[3 + i % 120 for i in range(60)] + [7, 8, 10, 11, i] for i in range(2)]
     (forest,) = hf_tree_attn.pack_forest(sequences)
-    assert forest.prefix_plan is not None
+    assert (forest.prefix_plan is not None) == (route == "shared_prefix")
     kwargs = forest_forward_kwargs(forest, "cpu")
     if compiled:
         kwargs["attention_mask"] = forest.attention_mask("cpu", dense=False)
-    calls = _kernel_calls(monkeypatch)
+    calls = _kernel_calls(monkeypatch) if route == "shared_prefix" else _path_calls(monkeypatch)
     weights = torch.linspace(-1, 1, forest.seq_len)[None, :, None]
 
     def run(model, count, keep):
@@ -293,6 +319,24 @@ def test_trainer_auto_recompute_matches_all(tiny, tmp_path):  # noqa: F811
     torch.testing.assert_close(results["auto"][0], results["all"][0], rtol=0, atol=0)
     for name, grad in results["all"][1].items():
         torch.testing.assert_close(results["auto"][1][name], grad, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("served", [False, True])
+def test_the_policy_forward_keeps_attention_where_the_gathered_paths_serve(served, monkeypatch):
+    """The trainers' recompute plan keeps attention for a forest the two-level kernels do not take (a deeper one) just
+    where the gathered paths serve it (FlashAttention-4 on CUDA: `varlen_attention.path_serves`)."""
+    from types import SimpleNamespace
+
+    from hf_tree_attn.trainer import forest_step
+
+    model = _qwen3(2)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    (forest,) = hf_tree_attn.pack_forest([[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 6]])
+    assert forest.prefix_plan is None
+    monkeypatch.setattr(forest_step, "path_serves", lambda forest, device_type: served)
+    args = SimpleNamespace(tree_recompute="auto", tree_activation_budget_gib=None, gradient_checkpointing=True)
+    _, keep, metrics = forest_step.plan_recompute(args, model, "cuda", [forest], 4 * forest.seq_len, unpriced="")
+    assert keep is served and metrics["tree_kept_attention"] == float(served)
 
 
 def test_trainer_keeps_attention_exactly(tiny, tmp_path, monkeypatch):  # noqa: F811

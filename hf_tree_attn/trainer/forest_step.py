@@ -29,6 +29,7 @@ from ..recompute import (
     unpriced_reason,
 )
 from ..tree import PackedForest
+from ..varlen_attention import path_serves
 from . import trl_compat
 from .core import ReuseChunks
 
@@ -142,7 +143,8 @@ def plan_recompute(
     if unpriced:
         return None, False, {"tree_checkpointed_layers": 1.0}
     config = model.config.get_text_config()
-    keep = any(serves(forest, device_type) for forest in forests) and keeps_attention(model)
+    served = (serves(forest, device_type) or path_serves(forest, device_type) for forest in forests)
+    keep = any(served) and keeps_attention(model)
     # The residual stream and the checkpoints' inputs keep the weights' dtype; autocast lowers only the matmuls'
     # outputs (fp32 weights with TRL's bf16=True: 4 bytes, an upper bound for the bf16 parts).
     weights = next((p for p in model.parameters() if p.is_floating_point()), None)
