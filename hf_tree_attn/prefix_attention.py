@@ -541,19 +541,24 @@ def _(dout, query, key, value, out, lse, plan, scale):
     return _empty_output(query), _empty_output(key), _empty_output(value)
 
 
-def _setup_context(ctx, inputs, output):
-    query, key, value, plan, scale = inputs
-    ctx.save_for_backward(query, key, value, *output, plan)  # what FlexAttention saves, and the plan
-    ctx.scale = scale
+def register_plan_autograd(forward_op, backward_op) -> None:
+    """The autograd of an attention op `forward_op(query, key, value, plan, scale) -> (out, lse)` whose gradients
+    `backward_op(dout, query, key, value, out, lse, plan, scale) -> (dq, dk, dv)` computes: it saves what
+    FlexAttention saves, and the plan. Its `lse` never leaves the module that calls the op, so its gradient is None."""
+
+    def setup_context(ctx, inputs, output):
+        query, key, value, plan, scale = inputs
+        ctx.save_for_backward(query, key, value, *output, plan)
+        ctx.scale = scale
+
+    def grad(ctx, dout, dlse):
+        query, key, value, out, lse, plan = ctx.saved_tensors
+        return (*backward_op(dout, query, key, value, out, lse, plan, ctx.scale), None, None)
+
+    forward_op.register_autograd(grad, setup_context=setup_context)
 
 
-def _grad(ctx, dout, dlse):
-    # `lse` never leaves this module (`prefix_attention` returns `out` only), so `dlse` is always None.
-    query, key, value, out, lse, plan = ctx.saved_tensors
-    return (*_prefix_backward(dout, query, key, value, out, lse, plan, ctx.scale), None, None)
-
-
-_prefix_forward.register_autograd(_grad, setup_context=_setup_context)
+register_plan_autograd(_prefix_forward, _prefix_backward)
 
 
 def prefix_attention(

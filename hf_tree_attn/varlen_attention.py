@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from . import prefix_attention
-from .prefix_attention import _accumulate, _empty_output, _merge, decode_plan
+from .prefix_attention import _accumulate, _empty_output, _merge, decode_plan, register_plan_autograd
 
 __all__ = [
     "FA4",
@@ -316,19 +316,7 @@ def _(dout, query, key, value, out, lse, plan, scale):
     return _empty_output(query), _empty_output(key), _empty_output(value)
 
 
-def _path_setup_context(ctx, inputs, output):
-    query, key, value, plan, scale = inputs
-    ctx.save_for_backward(query, key, value, *output, plan)  # the gathered copies are made again in the backward
-    ctx.scale = scale
-
-
-def _path_grad(ctx, dout, dlse):
-    # `lse` never leaves this module (`path_attention` returns `out` only), so `dlse` is always None.
-    query, key, value, out, lse, plan = ctx.saved_tensors
-    return (*_path_backward(dout, query, key, value, out, lse, plan, ctx.scale), None, None)
-
-
-_path_forward.register_autograd(_path_grad, setup_context=_path_setup_context)
+register_plan_autograd(_path_forward, _path_backward)  # the gathered copies are made again in the backward
 
 
 def path_attention(

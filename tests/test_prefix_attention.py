@@ -112,10 +112,12 @@ ATOL = {torch.float64: 1e-12, torch.float32: 1e-5}
 
 
 def _heads_view(heads: int, size: int, dim: int, dtype, generator, layout: str) -> torch.Tensor:
-    """`(1, heads, size, dim)` leaf, laid out as such ("bhsd") or as a model's projections lay it out ("bshd")."""
+    """`(1, heads, size, dim)` leaf on `generator`'s device, laid out as such ("bhsd") or as a model's projections
+    lay it out ("bshd")."""
+    options = dict(dtype=dtype, generator=generator, device=generator.device)
     if layout == "bhsd":
-        return torch.randn(1, heads, size, dim, dtype=dtype, generator=generator).requires_grad_()
-    return torch.randn(1, size, heads, dim, dtype=dtype, generator=generator).requires_grad_().transpose(1, 2)
+        return torch.randn(1, heads, size, dim, **options).requires_grad_()
+    return torch.randn(1, size, heads, dim, **options).requires_grad_().transpose(1, 2)
 
 
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
@@ -381,10 +383,9 @@ def test_cuda_decision_waits_for_a_recurring_call_signature(monkeypatch):
     assert serves(fresh(large + [large[0] + [7]]), "cuda")
 
 
-def test_regional_compile_with_block_masks_takes_it():
-    """With `BlockMask`s (what CUDA builds), compiled decoder layers call the kernel as one opaque op: the same
-    log-probs and gradients as eager, no graph break, no new graph for new forests once warm. On CPU FlexAttention
-    has no backward, so a training forward that missed this path would raise."""
+def compiled_layers_match_eager(forests) -> list[int]:
+    """Each forest through a model and its regionally compiled twin (aot_eager) with `BlockMask`s, as CUDA builds
+    them: the same logits and gradients, no graph break; returns dynamo's graph count after each forest."""
     from accelerate.utils import compile_regions
     from torch._dynamo.utils import counters
 
@@ -396,10 +397,8 @@ def test_regional_compile_with_block_masks_takes_it():
         return AutoModelForCausalLM.from_config(copy.deepcopy(CONFIG), attn_implementation="tree_flex").train()
 
     eager, compiled = build(), compile_regions(build(), backend="aot_eager")
-    rng = random.Random(0)
     graphs = []
-    for _ in range(5):
-        (forest,) = pack_forest(_two_level_groups(rng, rng.randint(1, 3)))
+    for forest in forests:
         results = []
         for model in (eager, compiled):
             model.zero_grad(set_to_none=True)
@@ -415,6 +414,16 @@ def test_regional_compile_with_block_masks_takes_it():
             torch.testing.assert_close(results[1][1][name], grad, atol=1e-5, rtol=1e-5, msg=name)
         graphs.append(counters["stats"]["unique_graphs"])
     assert not counters["graph_break"], dict(counters["graph_break"])
+    return graphs
+
+
+def test_regional_compile_with_block_masks_takes_it():
+    """With `BlockMask`s (what CUDA builds), compiled decoder layers call the kernel as one opaque op: the same
+    log-probs and gradients as eager, no graph break, no new graph for new forests once warm. On CPU FlexAttention
+    has no backward, so a training forward that missed this path would raise."""
+    rng = random.Random(0)
+    forests = [pack_forest(_two_level_groups(rng, rng.randint(1, 3)))[0] for _ in range(5)]
+    graphs = compiled_layers_match_eager(forests)
     assert graphs[0] > 0 and graphs[-1] == graphs[2], graphs
 
 
@@ -431,28 +440,36 @@ def test_cuda_kernels_as_close_as_flex_attention(heads, dim, kernel, monkeypatch
     (bf16 rounding of inputs, probabilities and outputs: both within 2% of the largest entry), on trees of varied
     lengths, a 1-token prompt and completion, padding rows."""
     from hf_tree_attn import prefix_attention as module
-    from hf_tree_attn.attention import _flex_attention
     from hf_tree_attn.varlen_attention import fa4_error
 
     if kernel == "fa4" and fa4_error(torch.cuda.current_device()) is not None:
         pytest.skip(fa4_error(torch.cuda.current_device()))
     monkeypatch.setattr(module, "KERNEL", kernel)
     rng = random.Random(0)
-    seqs = _two_level_groups(rng, 3, prompt=700, completion=300) + [[5], [5, 6]]
-    (forest,) = pack_forest(seqs)
-    forest = forest.to("cuda")
+    (forest,) = pack_forest(_two_level_groups(rng, 3, prompt=700, completion=300) + [[5], [5, 6]])
+    assert_as_close_as_flex_attention(forest.to("cuda"), heads, dim, lambda *x: prefix_attention(*x, dim**-0.5))
+
+
+def assert_as_close_as_flex_attention(forest, heads, dim, attention, layout: str = "bhsd") -> None:
+    """`attention(q, k, v, plan)` in bf16 on CUDA (`forest.prefix_plan`, else `forest.path_plan`): its output and q /
+    k / v gradients as close to the float32 dense-mask reference as FlexAttention's with the forest's `BlockMask`
+    (bf16 rounding of inputs, probabilities and outputs: both within 2% of the largest entry). "bshd": the inputs
+    laid out as a model's projections."""
+    from hf_tree_attn.attention import _flex_attention
+
     g = torch.Generator(device="cuda").manual_seed(0)
-    shape = (1, heads[0], forest.seq_len, dim), (1, heads[1], forest.seq_len, dim)
-    q, k, v = (torch.randn(s, device="cuda", generator=g) for s in (shape[0], shape[1], shape[1]))
-    dout = torch.randn(shape[0], device="cuda", generator=g)
+    size = forest.seq_len
+    q, k, v = (_heads_view(h, size, dim, torch.float32, g, layout).detach() for h in (heads[0], heads[1], heads[1]))
+    dout = torch.randn(q.shape, device="cuda", generator=g)
     ref_inputs = [x.bfloat16().float().requires_grad_() for x in (q, k, v)]
     ref = _dense_reference(*ref_inputs, forest.dense_mask("cuda"), dim**-0.5)
     ref_grads = torch.autograd.grad(ref, ref_inputs, dout)
+    plan = forest.prefix_plan if forest.prefix_plan is not None else forest.path_plan
     results = {}
-    for name in ("prefix", "flex"):
+    for name in ("kernel", "flex"):
         inputs = [x.bfloat16().requires_grad_() for x in (q, k, v)]
-        if name == "prefix":
-            out = prefix_attention(*inputs, forest.prefix_plan, dim**-0.5)
+        if name == "kernel":
+            out = attention(*inputs, plan)
         else:
             out = _flex_attention(*inputs, block_mask=forest.block_mask("cuda"), scale=dim**-0.5, enable_gqa=True)[0]
         grads = torch.autograd.grad(out, inputs, dout.bfloat16())

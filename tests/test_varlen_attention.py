@@ -26,7 +26,16 @@ import sys
 import pytest
 import torch
 from helpers import TOLERANCES, flat_logprobs, forest_case
-from test_prefix_attention import ATOL, CASES, CONFIG, _dense_reference, _heads_view, _two_level_groups
+from test_prefix_attention import (
+    ATOL,
+    CASES,
+    CONFIG,
+    _dense_reference,
+    _heads_view,
+    _two_level_groups,
+    assert_as_close_as_flex_attention,
+    compiled_layers_match_eager,
+)
 from transformers import AutoModelForCausalLM
 
 import hf_tree_attn
@@ -172,6 +181,25 @@ def test_route_matches_the_dense_tree_mask(case, heads, dtype, layout, varlen):
         torch.testing.assert_close(a, b, atol=ATOL[dtype], rtol=0, msg=f"d{name}")
 
 
+def _step(model, forest) -> tuple[torch.Tensor, dict]:
+    """`(log-prob table, parameter gradients)` of one forward of `forest` and the backward of a weighted sum."""
+    model.zero_grad(set_to_none=True)
+    table, _ = forest_logprobs(model, forest)
+    (table * torch.linspace(-1, 1, table.numel()).view(table.shape)).sum().backward()
+    return table.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _assert_exact(model, forest, seqs, got: tuple, other_route: tuple) -> None:
+    """`got` (a `_step`): the per-sequence forwards' log-probs (fp32, 1e-5), another route's gradients."""
+    with torch.no_grad():
+        for k, logps in enumerate(gather_sequences(forest, got[0])):
+            want = flat_logprobs(model, seqs[forest.seq_ids[k]])[0]
+            torch.testing.assert_close(logps, want, atol=TOLERANCES["logps_atol"], rtol=0)
+    for name, grad in other_route[1].items():
+        bound = TOLERANCES["grad_max_rel"] * float(grad.abs().max())
+        torch.testing.assert_close(got[1][name], grad, atol=bound, rtol=0, msg=name)
+
+
 @pytest.mark.parametrize("case", ["grpo", "identical", "prefix", "single_token"])
 def test_model_through_the_route_is_the_per_sequence_forward(case, monkeypatch):
     """A model's every layer through the varlen route: the per-sequence forwards' log-probs (fp32, 1e-5) and the
@@ -185,18 +213,9 @@ def test_model_through_the_route_is_the_per_sequence_forward(case, monkeypatch):
     for route in ("varlen", "per_tree"):
         kernel = _Counting() if route == "varlen" else None
         monkeypatch.setattr(pa, "_varlen_kernel", lambda query, kernel=kernel: kernel)
-        model.zero_grad(set_to_none=True)
-        table, _ = forest_logprobs(model, forest)
-        (table * torch.linspace(-1, 1, table.numel()).view(table.shape)).sum().backward()
-        results.append((table.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+        results.append(_step(model, forest))
         assert kernel is None or kernel.forwards == 2 * CONFIG.num_hidden_layers
-    with torch.no_grad():
-        for k, got in enumerate(gather_sequences(forest, results[0][0])):
-            want = flat_logprobs(model, seqs[forest.seq_ids[k]])[0]
-            torch.testing.assert_close(got, want, atol=TOLERANCES["logps_atol"], rtol=0)
-    for name, grad in results[1][1].items():
-        bound = TOLERANCES["grad_max_rel"] * float(grad.abs().max())
-        torch.testing.assert_close(results[0][1][name], grad, atol=bound, rtol=0, msg=name)
+    _assert_exact(model, forest, seqs, *results)
 
 
 # ------------------------------------------------------------------------------------------ gathered paths
@@ -290,56 +309,17 @@ def test_model_through_the_paths_is_the_per_sequence_forward(case, monkeypatch):
             calls = _force_paths(monkeypatch)
         else:
             monkeypatch.undo()
-        model.zero_grad(set_to_none=True)
-        table, _ = forest_logprobs(model, forest)
-        (table * torch.linspace(-1, 1, table.numel()).view(table.shape)).sum().backward()
-        results.append((table.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+        results.append(_step(model, forest))
     assert calls[0] == CONFIG.num_hidden_layers
-    with torch.no_grad():
-        for k, got in enumerate(gather_sequences(forest, results[0][0])):
-            want = flat_logprobs(model, seqs[forest.seq_ids[k]])[0]
-            torch.testing.assert_close(got, want, atol=TOLERANCES["logps_atol"], rtol=0)
-    for name, grad in results[1][1].items():
-        bound = TOLERANCES["grad_max_rel"] * float(grad.abs().max())
-        torch.testing.assert_close(results[0][1][name], grad, atol=bound, rtol=0, msg=name)
+    _assert_exact(model, forest, seqs, *results)
 
 
 def test_compiled_layers_take_the_paths_as_one_op(monkeypatch):
     """With `BlockMask`s (what CUDA builds), regionally compiled decoder layers call `path_attention` as one opaque
     op: eager's log-probs and gradients, no graph break, no new graph for new forests once warm. On CPU FlexAttention
     has no backward, so a layer that missed the op would raise."""
-    from accelerate.utils import compile_regions
-    from torch._dynamo.utils import counters
-
-    from hf_tree_attn.logprobs import forest_forward_kwargs
-
-    torch._dynamo.reset()
-    counters.clear()
     _force_paths(monkeypatch, count=False)
-
-    def build():
-        torch.manual_seed(0)
-        return AutoModelForCausalLM.from_config(copy.deepcopy(CONFIG), attn_implementation="tree_flex").train()
-
-    eager, compiled = build(), compile_regions(build(), backend="aot_eager")
-    graphs = []
-    for seed in range(4):
-        (forest,) = pack_forest(forest_case("mixed", seed))
-        results = []
-        for model in (eager, compiled):
-            model.zero_grad(set_to_none=True)
-            kwargs = forest_forward_kwargs(forest, "cpu") | {
-                "attention_mask": forest.attention_mask("cpu", dense=False)
-            }
-            logits = model(**kwargs).logits.float()
-            (logits * torch.linspace(-1, 1, logits.shape[1])[None, :, None]).sum().backward()
-            results.append((logits.detach(), {n.replace("._orig_mod", ""): p.grad.clone()
-                                              for n, p in model.named_parameters()}))  # fmt: skip
-        torch.testing.assert_close(results[1][0], results[0][0], atol=1e-5, rtol=1e-5)
-        for name, grad in results[0][1].items():
-            torch.testing.assert_close(results[1][1][name], grad, atol=1e-5, rtol=1e-5, msg=name)
-        graphs.append(counters["stats"]["unique_graphs"])
-    assert not counters["graph_break"], dict(counters["graph_break"])
+    graphs = compiled_layers_match_eager([pack_forest(forest_case("mixed", seed))[0] for seed in range(4)])
     assert graphs[0] > 0 and graphs[-1] == graphs[1], graphs
 
 
@@ -457,26 +437,7 @@ def test_fa4_paths_as_close_as_flex_attention(heads, dim):
     """bf16 on CUDA, the gathered paths of a deep forest (multi-turn conversations, padding rows) through
     FlashAttention-4: output and q / k / v gradients as close to the float32 dense-mask reference as FlexAttention's
     with the forest's `BlockMask` (both within 2% of the largest entry)."""
-    from hf_tree_attn.attention import _flex_attention
-
     (forest,) = pack_forest(forest_case("multiturn", 0) + forest_case("mixed", 1))
-    forest = forest.to("cuda")
     assert forest.prefix_plan is None and forest.num_tree_tokens < forest.seq_len
-    g = torch.Generator(device="cuda").manual_seed(0)
-    shape = (1, forest.seq_len, heads[0], dim), (1, forest.seq_len, heads[1], dim)
-    q, k, v = (torch.randn(s, device="cuda", generator=g).transpose(1, 2) for s in (shape[0], shape[1], shape[1]))
-    dout = torch.randn(q.shape, device="cuda", generator=g)
-    ref_inputs = [x.bfloat16().float().requires_grad_() for x in (q, k, v)]
-    ref = _dense_reference(*ref_inputs, forest.dense_mask("cuda"), dim**-0.5)
-    ref_grads = torch.autograd.grad(ref, ref_inputs, dout)
-    results = {}
-    for name in ("fa4", "flex"):
-        inputs = [x.bfloat16().requires_grad_() for x in (q, k, v)]
-        if name == "fa4":
-            out = pv.path_attention(*inputs, forest.path_plan, dim**-0.5)
-        else:
-            out = _flex_attention(*inputs, block_mask=forest.block_mask("cuda"), scale=dim**-0.5, enable_gqa=True)[0]
-        grads = torch.autograd.grad(out, inputs, dout.bfloat16())
-        results[name] = [(a.float() - b).abs().max() / b.abs().max() for a, b in zip((out, *grads), (ref, *ref_grads))]
-    for name, errors in results.items():
-        assert max(errors) < 2e-2, (name, [f"{e:.2e}" for e in errors])
+    attention = lambda q, k, v, plan: pv.path_attention(q, k, v, plan, dim**-0.5)  # noqa: E731
+    assert_as_close_as_flex_attention(forest.to("cuda"), heads, dim, attention, layout="bshd")
