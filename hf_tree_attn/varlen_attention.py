@@ -246,14 +246,15 @@ def path_serves(forest, device_type: str) -> bool:
     if key not in cache:
         if torch.compiler.is_compiling():
             return False
-        cache[key] = (
+        serving = (
             device_type == "cuda"
             and prefix_attention.KERNEL == "fa4"
             and prefix_attention.MODE != "never"
             and forest.prefix_plan is None
         )
-        if cache[key]:
+        if serving:
             prefix_attention.require_fa4()
+        cache[key] = serving
     return cache[key]
 
 

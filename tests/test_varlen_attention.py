@@ -363,8 +363,10 @@ def test_fa4_on_cuda_takes_every_forest_or_is_refused(monkeypatch):
     assert not pv.path_serves(fresh(small), "cuda")  # two-level: the shared-prefix route
     assert not pv.path_serves(fresh(deep), "cpu")
     monkeypatch.setattr(pv, "fa4_error", lambda index: "no FlashAttention-4 here")
-    with pytest.raises(RuntimeError, match="HF_TREE_ATTN_PREFIX_KERNEL=fa4 .* but no FlashAttention-4 here"):
-        pv.path_serves(fresh(deep), "cuda")
+    refused = fresh(deep)
+    for _ in range(2):  # refused again, not decided by the first refusal
+        with pytest.raises(RuntimeError, match="HF_TREE_ATTN_PREFIX_KERNEL=fa4 .* but no FlashAttention-4 here"):
+            pv.path_serves(refused, "cuda")
     monkeypatch.setattr(pv, "fa4_error", lambda index: None)
     decided = fresh(deep)
     with pytest.raises((AssertionError, RuntimeError)):  # no CUDA here: the masks fail, after the eager decision
