@@ -56,7 +56,7 @@ from prefix_attention_new_shapes import timed
 import hf_tree_attn
 from hf_tree_attn import prefix_attention
 from hf_tree_attn.attention import _flex_attention
-from hf_tree_attn.varlen_attention import path_attention
+from hf_tree_attn.varlen_attention import path_attention, path_calls
 
 HEADS, KV_HEADS, DIM = 16, 8, 128  # Qwen3-1.7B
 KERNELS = ("flex", "flash_gathered", "cudnn_gathered")
@@ -117,30 +117,12 @@ def tile_use(forest, block: int = 128) -> dict:
 
 
 def gather_plan(forest, device) -> dict:
-    """The forest's rows as segments with their paths: `cu_q` `(N + 1,)` int32 (segment row offsets, the padding
-    tail one more segment attending to itself), `key_index` `(T_k,)` int64 (each segment's path rows, root first),
-    `cu_k` `(N + 1,)` int32, `max_q`, `max_k`."""
-    starts = forest.segment_starts.tolist()  # (segments + 1,) with the real rows' end last
-    parent = forest.segment_parent.tolist()
-    path_rows, pieces, cu_k, max_k = [], [], [0], 0
-    for seg, par in enumerate(parent):
-        own = list(range(starts[seg], starts[seg + 1]))
-        rows = (path_rows[par] if par >= 0 else []) + own
-        path_rows.append(rows)
-        pieces.append(rows)
-        cu_k.append(cu_k[-1] + len(rows))
-        max_k = max(max_k, len(rows))
-    cu_q = list(starts)
-    if forest.seq_len > forest.num_tree_tokens:  # padding rows attend to themselves only: one row per "segment"
-        for row in range(forest.num_tree_tokens, forest.seq_len):
-            pieces.append([row])
-            cu_k.append(cu_k[-1] + 1)
-            cu_q.append(row + 1)
-        max_k = max(max_k, 1)
-    max_q = max(b - a for a, b in zip(cu_q, cu_q[1:]))
-    index = torch.tensor([r for p in pieces for r in p], dtype=torch.int64, device=device)
-    as32 = lambda xs: torch.tensor(xs, dtype=torch.int32, device=device)  # noqa: E731
-    return {"cu_q": as32(cu_q), "cu_k": as32(cu_k), "key_index": index, "max_q": max_q, "max_k": max_k}
+    """The forest's rows as segments with their paths (`hf_tree_attn.varlen_attention.path_calls`, the padding rows
+    one segment each, attending to themselves): `cu_q` `(N + 1,)` int32 (segment row offsets), `key_index` `(T_k,)`
+    int64 (each segment's path rows, root first), `cu_k` `(N + 1,)` int32, `max_q`, `max_k`."""
+    calls = path_calls(forest.path_plan, forest.seq_len, device)
+    return {"cu_q": calls.cu_q, "cu_k": calls.cu_k, "key_index": calls.keys, "max_q": calls.longest_q,
+            "max_k": calls.longest_k}  # fmt: skip
 
 
 def flash_gathered(q, k, v, plan, scale):

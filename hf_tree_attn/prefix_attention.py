@@ -282,9 +282,13 @@ def _math_inputs(q, k, v):
 
 
 def _scores(q, k, causal: bool, scale: float) -> torch.Tensor:
+    """Scaled scores `(..., L_q, L_k)`; causal aligned to the bottom right (query `a` sees keys up to `L_k - L_q +
+    a`: FlashAttention's varlen rule, which `varlen_attention`'s reference kernel keeps; the calls here that are
+    causal have as many queries as keys, where it is the plain causal mask)."""
     scores = (q @ k.transpose(-1, -2)) * scale
     if causal:
-        keep = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+        rows, cols = scores.shape[-2:]
+        keep = torch.ones(rows, cols, dtype=torch.bool, device=q.device).tril(diagonal=cols - rows)
         scores = scores.masked_fill(~keep, float("-inf"))
     return scores
 

@@ -82,8 +82,6 @@ class PackedForest:
             ranges `hf_tree_attn.prefix_attention` computes such a forest's attention from.
         prefix_fast_on_cuda: (set likewise) whether those kernels beat FlexAttention on CUDA for this forest
             (`hf_tree_attn.prefix_attention.fast_on_cuda`).
-        path_plan: (set likewise) `(2 + 2 * num_segments + 1,)` int64 on the CPU: the segments, from which
-            `hf_tree_attn.varlen_attention.path_attention` gathers each segment's path (FlashAttention-4 on CUDA).
     """
 
     input_ids: torch.Tensor
@@ -120,11 +118,15 @@ class PackedForest:
                 (None, False) if trees is None else (prefix_plan(self.num_tree_tokens, trees), fast_on_cuda(trees))
             )
         self.prefix_plan, self.prefix_fast_on_cuda = self._mask_cache["prefix_plan"]
-        if "path_plan" not in self._mask_cache:
-            from .varlen_attention import path_plan
 
-            self._mask_cache["path_plan"] = path_plan(self.segment_starts, self.segment_parent, self.num_tree_tokens)
-        self.path_plan = self._mask_cache["path_plan"]
+    @cached_property
+    def path_plan(self) -> torch.Tensor:
+        """`(2 + 2 * num_segments + 1,)` int64 on the CPU: the segments, from which
+        `hf_tree_attn.varlen_attention.path_attention` gathers each segment's path (FlashAttention-4 on CUDA; built
+        where that route serves the forest, before the layers run)."""
+        from .varlen_attention import path_plan
+
+        return path_plan(self.segment_starts, self.segment_parent, self.num_tree_tokens)
 
     @property
     def seq_len(self) -> int:

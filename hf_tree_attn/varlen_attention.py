@@ -47,7 +47,15 @@ import numpy as np
 import torch
 
 from . import prefix_attention
-from .prefix_attention import _accumulate, _empty_output, _merge, decode_plan, register_plan_autograd
+from .prefix_attention import (
+    _accumulate,
+    _empty_output,
+    _math_backward,
+    _math_forward,
+    _merge,
+    decode_plan,
+    register_plan_autograd,
+)
 
 __all__ = [
     "FA4",
@@ -190,9 +198,9 @@ def varlen_backward(dout, query, key, value, out, lse, plan: torch.Tensor, scale
 
 
 def path_plan(segment_starts: torch.Tensor, segment_parent: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """A forest's segments for `path_attention`: `(2 + 2 N + 1,)` int64 on the CPU, `[num_tokens, N, starts[0..N],
-    parent[0..N-1]]` (see `PackedForest`). A tensor, so that a compiled layer takes each forest's as an input instead
-    of recompiling for it."""
+    """A forest's segments for `path_attention` (`PackedForest.path_plan`): `(2 + 2 N + 1,)` int64 on the CPU,
+    `[num_tokens, N, starts[0..N], parent[0..N-1]]`. A tensor, so that a compiled layer takes each forest's as an
+    input instead of recompiling for it."""
     starts, parent = segment_starts.cpu().long(), segment_parent.cpu().long()
     plan = torch.cat([torch.tensor([num_tokens, parent.numel()]), starts, parent])
     torch._dynamo.maybe_mark_dynamic(plan, 0)
@@ -254,6 +262,7 @@ def path_serves(forest, device_type: str) -> bool:
         )
         if serving:
             prefix_attention.require_fa4()
+            forest.path_plan  # noqa: B018 - built eagerly: a compiled layer only reads it
         cache[key] = serving
     return cache[key]
 
@@ -345,8 +354,9 @@ class _Reference:
 
     Sequence `b` is query rows `[cu_q[b], cu_q[b] + n_q)` and key rows `[cu_k[b], cu_k[b] + n_k)` of `(T, heads,
     dim)` tensors, `n` from `used` where given, else `cu[b + 1] - cu[b]`; causal aligned to the bottom right (query
-    `a` sees keys up to `n_k - n_q + a`); GQA heads. `lse` `(heads, T_q)` in the accumulation dtype; the backward
-    takes the output and log-sum-exp it is given. Rows no sequence covers stay NaN."""
+    `a` sees keys up to `n_k - n_q + a`); GQA heads; by `prefix_attention`'s plain-matmul kernels. `lse` `(heads,
+    T_q)` in the accumulation dtype; the backward takes the output and log-sum-exp it is given. Rows no sequence
+    covers stay NaN."""
 
     @staticmethod
     def _spans(cu_q, cu_k, used_q, used_k):
@@ -359,43 +369,24 @@ class _Reference:
             yield slice(cu_q[b], cu_q[b] + n_q), slice(cu_k[b], cu_k[b] + n_k)
 
     @staticmethod
-    def _scores(q, k, causal: bool, scale: float):
-        """`(q, k, scores)`: `(heads, L, dim)` in the accumulation dtype, k repeated for GQA; `(heads, L_q, L_k)`."""
-        acc = _accumulate(q.dtype)
-        q, k = q.transpose(0, 1).to(acc), k.transpose(0, 1).to(acc).repeat_interleave(q.shape[1] // k.shape[1], 0)
-        scores = (q @ k.transpose(-1, -2)) * scale
-        if causal:
-            n_q, n_k = scores.shape[-2:]
-            allowed = torch.arange(n_k)[None, :] <= torch.arange(n_q)[:, None] + (n_k - n_q)
-            scores = scores.masked_fill(~allowed, float("-inf"))
-        return q, k, scores
+    def _heads(x):  # (L, heads, dim) → (1, heads, L, dim)
+        return x.transpose(0, 1)[None]
 
     def forward(self, q, k, v, cu_q, cu_k, used_q, used_k, max_q, max_k, causal, scale):
         out = torch.full_like(q, float("nan"))
         lse = torch.full(q.shape[1::-1], float("nan"), dtype=_accumulate(q.dtype), device=q.device)
         for rows, keys in self._spans(cu_q, cu_k, used_q, used_k):
-            _, _, scores = self._scores(q[rows], k[keys], causal, scale)
-            values = v[keys].transpose(0, 1).to(scores.dtype).repeat_interleave(q.shape[1] // k.shape[1], 0)
-            lse[:, rows] = scores.logsumexp(-1)
-            out[rows] = (torch.exp(scores - lse[:, rows, None]) @ values).transpose(0, 1).to(q.dtype)
+            part = _math_forward(self._heads(q[rows]), self._heads(k[keys]), self._heads(v[keys]), causal, scale)
+            out[rows], lse[:, rows] = part[0][0].transpose(0, 1), part[1][0]
         return out, lse
 
     def backward(self, dout, q, k, v, out, lse, cu_q, cu_k, used_q, used_k, max_q, max_k, causal, scale):
         grads = [torch.full_like(x, float("nan")) for x in (q, k, v)]
-        groups = q.shape[1] // k.shape[1]
         for rows, keys in self._spans(cu_q, cu_k, used_q, used_k):
-            qq, kk, scores = self._scores(q[rows], k[keys], causal, scale)
-            acc = scores.dtype
-            vv = v[keys].transpose(0, 1).to(acc).repeat_interleave(groups, 0)
-            do, o = (x[rows].transpose(0, 1).to(acc) for x in (dout, out))
-            probs = torch.exp(scores - lse[:, rows, None].to(acc))
-            dscores = probs * (do @ vv.transpose(-1, -2) - (do * o).sum(-1, keepdim=True))
-            dq = (dscores @ kk) * scale
-            dk = (dscores.transpose(-1, -2) @ qq) * scale
-            dv = probs.transpose(-1, -2) @ do
-            dk, dv = (x.unflatten(0, (k.shape[1], groups)).sum(1) for x in (dk, dv))  # per kv head
-            for grad, part, span in zip(grads, (dq, dk, dv), (rows, keys, keys)):
-                grad[span] = part.transpose(0, 1).to(grad.dtype)
+            parts = [self._heads(x[rows]) for x in (dout, q)] + [self._heads(x[keys]) for x in (k, v)]
+            got = _math_backward(*parts, self._heads(out[rows]), lse[None, :, rows], causal, scale)
+            for grad, part, span in zip(grads, got, (rows, keys, keys)):
+                grad[span] = part[0].transpose(0, 1)
         return tuple(grads)
 
 

@@ -205,6 +205,7 @@ def test_keep_attention_is_exact_and_runs_no_attention_twice(compiled, route, mo
         sequences += [[3 + i % 120 for i in range(60)] + [7, 8, 10, 11, i] for i in range(2)]
     (forest,) = hf_tree_attn.pack_forest(sequences)
     assert (forest.prefix_plan is not None) == (route == "shared_prefix")
+    assert forest.path_plan is not None  # built before the layers, as `path_serves` does where the route serves
     kwargs = forest_forward_kwargs(forest, "cpu")
     if compiled:
         kwargs["attention_mask"] = forest.attention_mask("cpu", dense=False)

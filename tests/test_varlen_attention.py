@@ -280,8 +280,10 @@ def test_path_route_matches_the_dense_tree_mask(case, heads, dtype, layout, path
 
 
 def _force_paths(monkeypatch, count: bool = True):
-    """Every forest's plain causal layers through `path_attention` on CPU (the route serves CUDA only); with `count`,
-    the calls counted (a Python-side count: not inside compiled layers, where it would guard on its value)."""
+    """Every forest's plain causal layers through `path_attention` on CPU (the route serves CUDA only; a forest's
+    `path_plan`, which `path_serves` builds before the layers where it serves, is built by its first eager forward
+    here); with `count`, the calls counted (a Python-side count: not inside compiled layers, where it would guard
+    on its value)."""
     import hf_tree_attn.attention
 
     monkeypatch.setattr(pv, "_path_kernel", lambda query: pv.REFERENCE)
@@ -372,6 +374,7 @@ def test_fa4_on_cuda_takes_every_forest_or_is_refused(monkeypatch):
     with pytest.raises((AssertionError, RuntimeError)):  # no CUDA here: the masks fail, after the eager decision
         decided.attention_mask("cuda")
     assert decided._mask_cache[("path_serves", "cuda", "fa4", pa.MODE)] is True  # what a compiled layer reads
+    assert "path_plan" in vars(decided)  # built with the decision, not inside a compiled layer
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     assert pv.path_serves(decided, "cuda") and not pv.path_serves(fresh(deep), "cuda")  # never decided: Flex
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
