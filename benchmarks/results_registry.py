@@ -126,6 +126,7 @@ SOURCES = {
     "prefix_reuse_gpu_h200_qwen3-1.7b.json": "prefix-reuse-gpu-1.7b",
     "prefix_reuse_gpu_h200_qwen3-8b_trajectory.json": "prefix-reuse-gpu-8b-trajectory",
     "prefix_reuse_kept_cpu_qwen3-0.6b.json": None,
+    "prefix_reuse_work_cpu.json": None,
 }
 
 # Through trainer.train(), generation a `rollout_func`, each side in its own process, paired per step
@@ -271,6 +272,8 @@ PREFIX_REUSE_GPU = [
     "prefix_reuse_gpu_h200_qwen3-1.7b.json",
     "prefix_reuse_gpu_h200_qwen3-8b_trajectory.json",
 ]
+# prefix_reuse_work.py over PREFIX_REUSE_GPU's files: each layout's executed FLOPs, predicted vs measured speed (CPU).
+PREFIX_REUSE_WORK = "prefix_reuse_work_cpu.json"
 # bench_prefix_reuse_gpu.py --methods reuse reuse_kept: every chunk's forward graph kept against recomputing them.
 PREFIX_REUSE_KEPT = ["prefix_reuse_kept_cpu_qwen3-0.6b.json"]
 # The same on the harness (each side in its own process, paired per step, agreement checked).

@@ -49,6 +49,7 @@ from results_registry import (
     PREFIX_REUSE_GPU,
     PREFIX_REUSE_KEPT,
     PREFIX_REUSE_PLAN,
+    PREFIX_REUSE_WORK,
     PREFIX_RUNS,
     PROBES_ON_GPU,
     PROFILES,
@@ -446,7 +447,7 @@ def prefix_reuse_plan() -> list[str]:
                "forwarded / unique, prefix reuse", "model shape",
                "reuse peak estimate GiB (activations / context / kept K/V + grads)", "least estimate GiB",
                "source"]  # fmt: skip
-    return table(headers, rows) + notes.lines() + prefix_reuse_gpu() + prefix_reuse_kept()
+    return table(headers, rows) + notes.lines() + prefix_reuse_gpu() + prefix_reuse_work() + prefix_reuse_kept()
 
 
 def prefix_reuse_gpu() -> list[str]:
@@ -478,6 +479,34 @@ def prefix_reuse_gpu() -> list[str]:
                "prefix reuse: the same", "prefix reuse, every chunk's graph kept: the same",
                "split over reuse, per step", "split over reuse with graphs kept, per step", "source"]  # fmt: skip
     return table(headers, rows) + notes.lines()
+
+
+def prefix_reuse_work() -> list[str]:
+    """prefix_reuse_work.py: the FLOPs each timed layout executed, the speed they predict against the split's and the
+    speed measured, and the rate each layout ran its FLOPs at."""
+    notes, rows = Notes(), []
+    for row in load(PREFIX_REUSE_WORK)["rows"]:
+        split = row["methods"]["split"]
+        for method in ("reuse", "reuse_kept"):
+            entry = row["methods"].get(method)
+            if entry is None:
+                continue
+            measured = x(entry["measured"]) if "measured" in entry else "—"
+            rows.append([
+                MODELS[row["model"]], f"`{row['workload']}`",
+                "prefix reuse" + (", every graph kept" * (method != "reuse")),
+                f"{split['executed_pflop']:.2f} → {entry['executed_pflop']:.2f}", x(entry["predicted"]), measured,
+                f"{pct(split['rate'], 1)} → {pct(entry['rate'], 1)}", notes.source(row["source"]),
+            ])  # fmt: skip
+    headers = ["model shape", "workload", "layout", "executed PFLOP per step, split → layout",
+               "speed vs split its FLOPs predict", "measured, per step (median)",
+               "executed FLOPs per second / 989 TFLOP/s, split → layout", "timed in"]  # fmt: skip
+    return ["", f"The work each layout executed ([{PREFIX_REUSE_WORK}]({PREFIX_REUSE_WORK}), `prefix_reuse_work.py`, "
+            "CPU: the FLOP model on the rows each forward ran, the split's repeated rows and prefix reuse's "
+            "recomputed chunks included; forward and backward, every layer recomputed once in the backward) against "
+            "the speed measured above. Where the measured speed falls short of the predicted one, the layout ran its "
+            "FLOPs more slowly than the split ran its own (last column):", "",
+            *table(headers, rows), *notes.lines()]  # fmt: skip
 
 
 def agreed(check: dict) -> str:

@@ -17,7 +17,7 @@ import numpy as np
 from .support import config_field
 from .tree import TokenSequence, _as_array, _check_not_tensor, _sorted_with_lcp
 
-__all__ = ["estimate_flops"]
+__all__ = ["estimate_flops", "estimate_row_flops"]
 
 
 _GDN_CHUNK = (
@@ -102,10 +102,6 @@ def estimate_flops(config, sequences: Sequence[TokenSequence], prompt_lengths: S
     Returns:
         `{"flat_flops", "tree_flops", "flops_ratio" (tree / flat), "flops_saved" (1 - ratio), "token_ratio"}`.
     """
-    linear, pair_costs = _layer_costs(config)
-    head = 2 * config.hidden_size * config.vocab_size
-    spans = _attention_spans(config)
-
     _check_not_tensor(sequences)
     arrays = [_as_array(s, i) for i, s in enumerate(sequences)]
     if not arrays:
@@ -136,8 +132,8 @@ def estimate_flops(config, sequences: Sequence[TokenSequence], prompt_lengths: S
         tree_scored += int((~scored_path[first:length]).sum())
         scored_path[first:length] = True
 
-    flat = flat_tokens * linear + _pairs(flat_depths, spans, pair_costs) + flat_scored * head
-    tree = tree_tokens * linear + _pairs(tree_depths, spans, pair_costs) + tree_scored * head
+    flat = sum(estimate_row_flops(config, flat_depths, flat_scored))
+    tree = sum(estimate_row_flops(config, tree_depths, tree_scored))
     return {
         "flat_flops": float(flat),
         "tree_flops": float(tree),
@@ -145,6 +141,22 @@ def estimate_flops(config, sequences: Sequence[TokenSequence], prompt_lengths: S
         "flops_saved": 1.0 - tree / flat,
         "token_ratio": tree_tokens / flat_tokens,
     }
+
+
+def estimate_row_flops(config, depths: np.ndarray, scored: int | None = None) -> tuple[float, float]:
+    """Forward FLOPs of rows of a packed forest, `(decoder layers, LM head)`.
+
+    Args:
+        config: as `estimate_flops`'.
+        depths: `(R,)` the rows' depths (position ids): a row at depth `t` attends to its `t + 1`
+            ancestors-or-self, wherever they were computed (a chunk's context rows count for the chunk's queries).
+        scored: rows the LM head runs on; default every row.
+    """
+    depths = np.asarray(depths, dtype=np.int64)
+    linear, pair_costs = _layer_costs(config)
+    head = 2 * config.hidden_size * config.vocab_size
+    layers = len(depths) * linear + _pairs(depths, _attention_spans(config), pair_costs)
+    return float(layers), float((len(depths) if scored is None else scored) * head)
 
 
 _ATTENTION_KINDS = ("full_attention", "sliding_attention", "chunked_attention", "attention", "hybrid")
