@@ -614,6 +614,8 @@ PENDING = {
         "FlashAttention-4 on the H200: FlexAttention's FLASH backend and the shared-prefix attention's varlen kernels "
         "(`HF_TREE_ATTN_PREFIX_KERNEL=fa4`), attention alone (stages `flex-flash-backend`, `fa4-agent-trees`) and "
         "through trainer.train() against the default (`async-grpo-flash-1.7b`)",
+        "prefix reuse with every chunk's graph kept at the Qwen3-1.7B shape, which its FLOPs predict 1.17x the "
+        "split's speed (stage `prefix-reuse-gpu-1.7b-kept`)",
         "prefix reuse through trainer.train() against TRL's packing, conversations spanning several rows "
         "(`agent_2x20x4`; stages `async-prefix-reuse-1.7b-trl`, `async-prefix-reuse-1.7b-tree`)",
     ],

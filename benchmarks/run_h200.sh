@@ -412,6 +412,11 @@ for stage in "$@"; do
       timeout 560 python3 benchmarks/bench_prefix_reuse_gpu.py --models qwen3-1.7b --workloads agent_4x20 \
         --methods reuse --resume --warmup 2 --steps 8 --first-dir /tmp/prefix_reuse_first \
         --out "$OUT/prefix_reuse_gpu_h200_qwen3-1.7b.json" 2>&1 | quiet 12 ;;
+    prefix-reuse-gpu-1.7b-kept)  # the split and prefix reuse with every chunk's forward graph kept, one call, the
+      # Qwen3-1.7B step of `prefix-reuse-gpu-1.7b` (its FLOPs predict 1.17x: benchmarks/prefix_reuse_work.py); ~9 min
+      timeout 590 python3 benchmarks/bench_prefix_reuse_gpu.py --models qwen3-1.7b --workloads agent_4x20 \
+        --methods split reuse_kept --warmup 1 --steps 8 \
+        --out "$OUT/prefix_reuse_gpu_h200_qwen3-1.7b_kept.json" 2>&1 | quiet 12 ;;
     prefix-reuse-gpu-1.7b-profiled)  # where the time of `prefix-reuse-gpu-1.7b`'s steps goes: one warm step of each
       # layout under the torch profiler (prefix reuse ran 0.86x the split there, ~25% over its FLOP count)
       timeout 560 python3 benchmarks/bench_prefix_reuse_gpu.py --models qwen3-1.7b --workloads agent_4x20 \
