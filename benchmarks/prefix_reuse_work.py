@@ -47,34 +47,27 @@ from hf_tree_attn.support import rope_split_lengths  # noqa: E402
 METHODS = ("split", "reuse", "reuse_kept")
 
 
-def _rows_flops(config, forest, start: int = 0, stop: int | None = None) -> tuple[float, float]:
-    """`(decoder layers, LM head)` forward FLOPs of `forest`'s real rows `[start, stop)`."""
-    stop = forest.num_tree_tokens if stop is None else stop
-    return estimate_row_flops(config, forest.position_ids[0, start:stop].numpy())
-
-
 def executed_flops(config, sequences, budget: int, checkpointing: str = "all") -> dict:
     """Forward + backward FLOPs each layout executes on one step of `sequences` (module docstring), with the rows each
     forwards: `{method: {"flops", "forwarded_rows"}}`."""
     recompute = 1 if checkpointing == "all" else 0
     split_flops = split_rows = 0
     for forest in pack_forest(sequences, max_tokens_per_mb=budget, split_lengths=rope_split_lengths(config)):
-        layers, head = _rows_flops(config, forest)
+        layers, head = estimate_row_flops(config, forest.position_ids[0, : forest.num_tree_tokens].numpy())
         split_flops += layers * (3 + recompute) + head * 3
         split_rows += forest.num_tree_tokens
     (forest,) = pack_forest(sequences, two_level=False)
     plan = plan_chunks(forest, budget)
-    chunks = [
-        _rows_flops(config, forest, int(a), int(b))
-        for a, b, needed in zip(plan.bounds[:-1], plan.bounds[1:], plan.needed)
-        if needed
-    ]
+    depths = forest.position_ids[0].numpy()
+    run = [(int(a), int(b)) for a, b, needed in zip(plan.bounds[:-1], plan.bounds[1:], plan.needed) if needed]
+    chunks = [estimate_row_flops(config, depths[a:b]) for a, b in run]  # a chunk scoring nothing is not forwarded
     kept = [(layers * (3 + recompute) + head * 3) for layers, head in chunks]
     recomputed = [(layers * (4 + recompute) + head * 4) for layers, head in chunks]
+    rows = sum(b - a for a, b in run)
     return {
         "split": {"flops": split_flops, "forwarded_rows": split_rows},
-        "reuse": {"flops": sum(recomputed[:-1]) + kept[-1], "forwarded_rows": plan.num_rows},
-        "reuse_kept": {"flops": sum(kept), "forwarded_rows": plan.num_rows},
+        "reuse": {"flops": sum(recomputed[:-1]) + kept[-1], "forwarded_rows": rows},
+        "reuse_kept": {"flops": sum(kept), "forwarded_rows": rows},
     }
 
 
