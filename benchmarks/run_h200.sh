@@ -62,7 +62,9 @@ with tarfile.open(fileobj=io.BytesIO(data), mode="r:xz") as tar:
     tar.extractall(sys.argv[1], filter="tar")
 PY
   fi
-  export PYTHONPATH=/tmp/fa4site:$PYTHONPATH
+  # The site's nvidia_cutlass_dsl_packages.pth puts `cutlass` on the path only in a site directory, not through
+  # PYTHONPATH: its folder is added here.
+  export PYTHONPATH=/tmp/fa4site:/tmp/fa4site/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH
   python3 -c "import flash_attn.cute, torch; print('flash_attn.cute with torch', torch.__version__)"
 }
 # The last lines of a pytest log that say what passed and what failed.
