@@ -102,6 +102,8 @@ SOURCES = {
     "h200_gpu_tests_two_pass_side_by_side.log": "hybrid-two-pass-side-by-side",
     "attention_gathered_paths_h200_grpo_mixed.json": "attention-gathered-paths",
     "attention_gathered_paths_h200_tau2_like.json": "attention-gathered-paths",
+    "attention_flex_flash_h100_grpo_mixed.json": "flex-flash-backend",
+    "async_grpo_h100_qwen3-1.7b_flash.json": "async-grpo-flash-1.7b",
     "async_grpo_h200_qwen3-8b_paired.json": "compile-async-8b",
     "async_grpo_h200_qwen3-8b_paired_tau2.json": "compile-async-8b",
     "tree_vs_flat_h200_qwen3.5-0.8b_agent20_fla_triton.json": "hybrid-two-pass-rows",
@@ -124,6 +126,7 @@ SOURCES = {
     "prefix_reuse_plan_cpu.json": None,
     "prefix_reuse_gpu_h200_qwen3-0.6b.json": "prefix-reuse-gpu-kept",
     "prefix_reuse_gpu_h200_qwen3-1.7b.json": "prefix-reuse-gpu-1.7b",
+    "prefix_reuse_gpu_h100_qwen3-1.7b_profiled.json": "prefix-reuse-gpu-1.7b-profiled",
     "prefix_reuse_gpu_h200_qwen3-8b_trajectory.json": "prefix-reuse-gpu-8b-trajectory",
     "prefix_reuse_kept_cpu_qwen3-0.6b.json": None,
     "prefix_reuse_work_cpu.json": None,
@@ -336,6 +339,12 @@ PREFIX_RUNS = ["prefix_attention_h200.json", "prefix_attention_h200_repeat.json"
 PREFIX_PARTS = "prefix_attention_parts_h200.json"
 # Tree attention as one varlen flash call over gathered paths vs FlexAttention (attention_gathered_paths.py).
 GATHERED_PATHS = ["attention_gathered_paths_h200_grpo_mixed.json", "attention_gathered_paths_h200_tau2_like.json"]
+# FlexAttention on FlashAttention-4's kernels (its FLASH backend) and the shared-prefix attention on them, attention
+# alone (attention_gathered_paths.py), then through trainer.train() (bench_async_grpo.py, sides tree_flash, tree_fa4).
+FLASH_ATTENTION = ["attention_flex_flash_h100_grpo_mixed.json"]
+FLASH_ASYNC = ["async_grpo_h100_qwen3-1.7b_flash.json"]
+# One warm step of each prefix-reuse layout under the torch profiler (bench_prefix_reuse_gpu.py --profile).
+PREFIX_REUSE_PROFILED = ["prefix_reuse_gpu_h100_qwen3-1.7b_profiled.json"]
 # FlexAttention's tile use on the same seeded forests (attention_gathered_paths.py --tiles, CPU).
 TILES = "attention_tiles_cpu.json"
 GRAD_CHECKS = [name for name in SOURCES if name.startswith("grad_check_")]
@@ -414,6 +423,24 @@ MERGE = (
     "ran with the shared-prefix kernels merging their two attention calls in five PyTorch ops (the library's merge "
 )
 NOTES = {
+    "prefix_reuse_gpu_h100_qwen3-1.7b_profiled.json": "on one H100 80GB (the same step unprofiled on the H200: 24.3 s "
+    "split, 28.3 s prefix reuse, `prefix_reuse_gpu_h200_qwen3-1.7b.json`). Attention takes 62% of the split's kernel "
+    "time and 69% of prefix reuse's on these 50k-token conversations, and it is where prefix reuse loses: its "
+    "attention forward takes 3.3 s more (9.2 s against 5.9 s), its backward 1.1 s more, while its matmuls take 0.35 s "
+    "less. It runs every attention forward on FlexAttention, 224 calls at 41 ms, one more forward of each chunk but "
+    "the last in the backward and each over the chunk's context keys too; the split runs 168 FlexAttention calls at "
+    "30 ms and its two-level micro-batches' other 56 on the shared-prefix cuDNN kernels (0.9 s), which take no chunk "
+    "with context keys. That is the slower FLOP rate `prefix_reuse_work.py` finds.",
+    "attention_flex_flash_h100_grpo_mixed.json": "on one H100 80GB. The FlashAttention-4 GPU tests the same call "
+    "started did not run: collecting `test_varlen_attention.py` and `test_prefix_attention.py` failed there (the "
+    "message was not kept; the stage keeps the whole log now) and stopped pytest before any test ran.",
+    "async_grpo_h100_qwen3-1.7b_flash.json": "on one H100 80GB. `tree_flash` stopped in its first backward: torch's "
+    "non-reentrant checkpoint counted 66 tensors saved by a layer's forward and 59 by its recompute, with "
+    "FlashAttention-4 behind FlexAttention inside the compiled, checkpointed layer (FlexAttention's Triton kernels "
+    "in the same layers do not); the attention-alone rows above ran without checkpointing. `tree_fa4`'s agreement "
+    "check compares the two bf16 runs directly within a fixed 0.12 and failed at 0.131 (mean 0.025 over 18,823 "
+    "tokens); no float32 run was made in this call to judge each side by its own error (the `reference` side), so "
+    "its 1.12x is not a measured speed-up.",
     "async_grpo_h200_qwen3-8b_paired.json": "on a machine whose inductor cache earlier calls of other shapes had "
     "filled: the tree's first step 29.1 s. Its stage then ran on the image's transformers 5.17 (the agent row's "
     "file on 5.24, the version of the other paired rows); the stage now keeps 5.24 from `.whl/common`.",
@@ -611,9 +638,10 @@ PENDING = {
         "AReaL's tree-training code, same workloads",
         "TRL's own tree packing on its FlashAttention-3 kernel from the Hub (the rows above ran FlashAttention-2)",
         "Qwen3-8B against TRL with accelerate's regional compile",
-        "FlashAttention-4 on the H200: FlexAttention's FLASH backend and the shared-prefix attention's varlen kernels "
-        "(`HF_TREE_ATTN_PREFIX_KERNEL=fa4`), attention alone (stages `flex-flash-backend`, `fa4-agent-trees`) and "
-        "through trainer.train() against the default (`async-grpo-flash-1.7b`)",
+        "FlashAttention-4 through trainer.train(): FlexAttention's FLASH backend in checkpointed, compiled layers "
+        "(stopped by a checkpoint mismatch, above) and the shared-prefix attention on FlashAttention-4 judged "
+        "against a float32 run (`async-grpo-flash-1.7b`); attention alone on τ²-like agent trees "
+        "(`fa4-agent-trees`); the FlashAttention-4 GPU tests",
         "prefix reuse with every chunk's graph kept at the Qwen3-1.7B shape, which its FLOPs predict 1.17x the "
         "split's speed (stage `prefix-reuse-gpu-1.7b-kept`)",
         "prefix reuse through trainer.train() against TRL's packing, conversations spanning several rows "

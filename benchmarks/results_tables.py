@@ -28,6 +28,8 @@ from results_registry import (
     BEYOND_PAIRED,
     DEEPSPEED_MAIN_JOB,
     DEEPSPEED_RUNS,
+    FLASH_ASYNC,
+    FLASH_ATTENTION,
     FLEX_OPTIONS,
     GATHERED_PATHS,
     GPU_TEST_LOGS,
@@ -49,6 +51,7 @@ from results_registry import (
     PREFIX_REUSE_GPU,
     PREFIX_REUSE_KEPT,
     PREFIX_REUSE_PLAN,
+    PREFIX_REUSE_PROFILED,
     PREFIX_REUSE_WORK,
     PREFIX_RUNS,
     PROBES_ON_GPU,
@@ -447,7 +450,14 @@ def prefix_reuse_plan() -> list[str]:
                "forwarded / unique, prefix reuse", "model shape",
                "reuse peak estimate GiB (activations / context / kept K/V + grads)", "least estimate GiB",
                "source"]  # fmt: skip
-    return table(headers, rows) + notes.lines() + prefix_reuse_gpu() + prefix_reuse_work() + prefix_reuse_kept()
+    return (
+        table(headers, rows)
+        + notes.lines()
+        + prefix_reuse_gpu()
+        + prefix_reuse_work()
+        + prefix_reuse_profiled()
+        + prefix_reuse_kept()
+    )
 
 
 def prefix_reuse_gpu() -> list[str]:
@@ -507,6 +517,33 @@ def prefix_reuse_work() -> list[str]:
             "the speed measured above. Where the measured speed falls short of the predicted one, the layout ran its "
             "FLOPs more slowly than the split ran its own (last column):", "",
             *table(headers, rows), *notes.lines()]  # fmt: skip
+
+
+def prefix_reuse_profiled() -> list[str]:
+    """bench_prefix_reuse_gpu.py --profile: one warm step of each layout, its kernel time by kind."""
+    notes, rows = Notes(), []
+    for name in PREFIX_REUSE_PROFILED:
+        data = load(name)
+        for row in data["rows"]:
+            for method, run in row["methods"].items():
+                profile, kinds = run["profile"], run["profile"]["by_kind"]
+                flex = [k for k in profile["top_kernels"] if k["name"].startswith("triton_tem_fused_flex_attention_")]
+                calls = sum(k["calls"] for k in flex if k["kind"] == "attention_forward")
+                each = sum(k["s"] for k in flex if k["kind"] == "attention_forward") / calls
+                rows.append([
+                    f"{MODELS[row['model']]}, {data['gpu']}", f"`{row['workload']}`", method,
+                    secs(profile["wall_profiled_s"]), secs(profile["kernel_s"]),
+                    *(f"{secs(kinds[k]['s'])} ({pct(kinds[k]['share'])})"
+                      for k in ("attention_forward", "attention_backward", "matmul")),
+                    f"{secs(kinds['elementwise_reduce']['s'] + kinds['copy_fill']['s'])}",
+                    f"{calls:,}, {1e3 * each:.1f} ms each",
+                    notes.source(name),
+                ])  # fmt: skip
+    headers = ["model shape, device", "workload", "layout", "profiled step", "kernel time", "attention fwd",
+               "attention bwd", "matmul", "elementwise + copies", "FlexAttention forward: calls, time each",
+               "source"]  # fmt: skip
+    return ["", "Where each layout's step goes: one warm step under the torch profiler (`bench_prefix_reuse_gpu.py "
+            "--profile`), GPU seconds by kernel kind:", "", *table(headers, rows), *notes.lines()]  # fmt: skip
 
 
 def agreed(check: dict) -> str:
@@ -831,6 +868,7 @@ def prefix_kernels() -> list[str]:
         + table(part_headers, part_rows)
         + [f"Source: {Notes().source(PREFIX_PARTS)}.", ""]
         + gathered_paths()
+        + flash_attention()
     )
 
 
@@ -871,6 +909,77 @@ def gathered_paths() -> list[str]:
         f"over the same seeded forests, counted on CPU: {Notes().source(TILES)}):",
         "",
     ] + table(headers, rows)
+
+
+def flash_attention() -> list[str]:
+    """FlexAttention on FlashAttention-4's kernels against its Triton kernels: attention alone, then through
+    trainer.train()."""
+    notes, rows = Notes(), []
+    for name in FLASH_ATTENTION:
+        run = load(name)
+        forests = run["rows"]
+        for kernel in run["kernels"]:
+            good = [r[kernel] for r in forests if "error" not in r[kernel]]
+            if not good:
+                rows.append([f"`{kernel}`", "refused", "", "", "", "", notes.source(name)])
+                continue
+            ratios = [r["flex"]["repeat_ms"] / r[kernel]["repeat_ms"] for r in forests]
+            rows.append([
+                f"`{kernel}`", f"{statistics.median(r['repeat_ms'] for r in good):.1f} ms",
+                f"{statistics.median(r['tflops'] for r in good):.0f}",
+                f"{statistics.median(r['first_ms'] for r in good):.1f} ms",
+                "—" if kernel == "flex" else f"{x(statistics.median(ratios))} [{x(min(ratios))}, {x(max(ratios))}]",
+                "—" if kernel == "flex" else f"{max(r['max_abs_vs_flex'] for r in good):.3g} / "
+                f"{max(r['max_grad_abs_vs_flex'] for r in good):.3g}",
+                notes.source(name),
+            ])  # fmt: skip
+    headers = ["kernel", "forward + backward, median", "TFLOP/s", "first call (new forest)",
+               "FlexAttention (Triton) over it, per forest", "max abs out / grad vs FlexAttention (Triton)",
+               "source"]  # fmt: skip
+    trainer_rows = []
+    for name in FLASH_ASYNC:
+        data = load(name)
+        for row in data["rows"]:
+            for side, run in row["sides"].items():
+                pair = row["paired"].get(f"{side} vs tree")
+                if "error" in run:
+                    errors = [line for line in run.get("output_tail", "").splitlines() if "Error: " in line]
+                    cells = [f"failed: {errors[-1].split(': ', 1)[-1] if errors else run['error']}", "", "", "", ""]
+                else:
+                    check = row["agreement"].get(f"{side} vs tree")
+                    agreement = (
+                        "—"
+                        if check is None
+                        else (
+                            f"{'passed' if check['passed'] else '**failed**'}: max abs {check['max_abs']:.3g} "
+                            f"(bound {check['bound']:.3g}), mean {check['mean_abs']:.3g}"
+                        )
+                    )
+                    cells = [secs(run["median_step_s"]), pct(run["mfu"], 1), f"{run['peak_gib']:.1f} GiB",
+                             ranged(pair) if pair else "—", agreement]  # fmt: skip
+                trainer_rows.append([f"{MODELS[row['model']]}, {data['gpu']}", f"`{row['workload']}`", f"`{side}`",
+                                     *cells, notes.source(name)])  # fmt: skip
+    trainer_headers = ["model shape, device", "workload", "side", "median step", "MFU", "peak",
+                       "over the default tree, per step", "log-probs against the default tree", "source"]  # fmt: skip
+    return (
+        [
+            "FlashAttention-4's kernels on the same GRPO forests (`attention_gathered_paths.py --kernels flex "
+            "flex_flash fa4_gathered prefix_fa4 prefix_cudnn`): FlexAttention's FLASH backend behind the same tree "
+            "block mask (`flex_flash`), one FlashAttention-4 varlen call over gathered paths (`fa4_gathered`), the "
+            "shared-prefix attention on FlashAttention-4's and on cuDNN's varlen kernels (`prefix_fa4`, "
+            "`prefix_cudnn`), forward + backward, bf16, Qwen3-1.7B heads:",
+            "",
+        ]
+        + table(headers, rows)
+        + [
+            "The same kernels in `TreeAsyncGRPOTrainer` through `trainer.train()` (`bench_async_grpo.py --sides tree "
+            "tree_flash tree_fa4`, each side in its own process, compiled layers): `tree_flash` sets "
+            '`HF_TREE_ATTN_FLEX_KERNEL_OPTIONS={"BACKEND": "FLASH"}`, `tree_fa4` `HF_TREE_ATTN_PREFIX_KERNEL=fa4`:',
+            "",
+        ]
+        + table(trainer_headers, trainer_rows)
+        + notes.lines()
+    )
 
 
 def balance() -> list[str]:
@@ -1404,7 +1513,8 @@ def results_readme() -> str:
         "",
         "Every number below is read from a result file in this folder; each row links its file and the stage of "
         f"[`{SCRIPT}`](../run_h200.sh) that made it ([Result files](#result-files) lists each file's command and "
-        "versions). GPU: one NVIDIA H200, torch 2.11.0+cu130, trl 1.16.0. Models: random-weight bf16 models with the "
+        "versions). GPU: one NVIDIA H200 (files named `_h100_`: one H100 80GB, the same 989 TFLOP/s dense bf16 peak "
+        "with less and slower memory), torch 2.11.0+cu130, trl 1.16.0. Models: random-weight bf16 models with the "
         "named shapes (no download). Ratios are measured side by side in one process unless a row says otherwise.",
         "",
     ]

@@ -32,6 +32,10 @@ fi
 export OUT=${OUT:-/tmp/h200_out}  # exported: the job scripts some stages run write there too
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
+# The card in the names of the files a stage writes where it may run on an H100 too (the same 989 TFLOP/s dense bf16
+# peak, 80 GB at 3.35 TB/s against the H200's 141 GB at 4.8 TB/s): those stages name their file with `_$card_`.
+card=h200
+nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H100 && card=h100
 python3 -c "import torch, transformers, trl, peft, accelerate; print('torch', torch.__version__, 'transformers',
 transformers.__version__, 'trl', trl.__version__, 'peft', peft.__version__, 'accelerate', accelerate.__version__)"
 
@@ -418,13 +422,13 @@ for stage in "$@"; do
       # Qwen3-1.7B step of `prefix-reuse-gpu-1.7b` (its FLOPs predict 1.17x: benchmarks/prefix_reuse_work.py); ~9 min
       timeout 590 python3 benchmarks/bench_prefix_reuse_gpu.py --models qwen3-1.7b --workloads agent_4x20 \
         --methods split reuse_kept --warmup 1 --steps 8 \
-        --out "$OUT/prefix_reuse_gpu_h200_qwen3-1.7b_kept.json" 2>&1 | quiet 12 ;;
+        --out "$OUT/prefix_reuse_gpu_${card}_qwen3-1.7b_kept.json" 2>&1 | quiet 12 ;;
     prefix-reuse-gpu-1.7b-profiled)  # where the time of `prefix-reuse-gpu-1.7b`'s steps goes: one warm step of each
       # layout under the torch profiler (prefix reuse ran 0.86x the split there, 0.99x by its executed FLOPs: it ran
       # them at 29.5% of the peak against the split's 34.1%, benchmarks/prefix_reuse_work.py)
       timeout 560 python3 benchmarks/bench_prefix_reuse_gpu.py --models qwen3-1.7b --workloads agent_4x20 \
         --methods split reuse --warmup 1 --steps 1 --profile \
-        --out "$OUT/prefix_reuse_gpu_h200_qwen3-1.7b_profiled.json" 2>&1 | quiet 12 ;;
+        --out "$OUT/prefix_reuse_gpu_${card}_qwen3-1.7b_profiled.json" 2>&1 | quiet 12 ;;
     async-prefix-reuse-1.7b-trl)  # TRL's AsyncGRPOTrainer (and its float32 reference) on long agent conversations
       # that span a step's 4 rows of 65,536 tokens; then `async-prefix-reuse-1.7b-tree` on the same machine
       timeout 560 python3 benchmarks/bench_async_grpo.py --warmup 2 --steps 8 --resume --models qwen3-1.7b \
@@ -445,22 +449,23 @@ for stage in "$@"; do
       # backward, new forests (carry .fa4/2 and .whl, right after `fa4-site-1`)
       with_fa4 || continue
       timeout 150 python3 -m pytest -q -rfEs -m gpu -p no:cacheprovider tests/test_gpu.py tests/test_varlen_attention.py \
-        tests/test_prefix_attention.py -k "flash_backend or fa4" 2>&1 | tail -5 | tee "$OUT/h200_gpu_tests_fa4.log"
+        tests/test_prefix_attention.py -k "flash_backend or fa4" > "$OUT/${card}_gpu_tests_fa4.log" 2>&1
+      grep -E "^E   " "$OUT/${card}_gpu_tests_fa4.log" | head -10; summary "$OUT/${card}_gpu_tests_fa4.log" 30
       timeout 240 python3 benchmarks/attention_gathered_paths.py --workload grpo_mixed \
         --kernels flex flex_flash fa4_gathered prefix_fa4 prefix_cudnn \
-        --out "$OUT/attention_flex_flash_h200_grpo_mixed.json" 2>&1 | quiet 40 ;;
+        --out "$OUT/attention_flex_flash_${card}_grpo_mixed.json" 2>&1 | quiet 40 ;;
     fa4-agent-trees)  # the same kernels on τ²-like agent trees (not two-level: no shared-prefix kernels), after
       # `flex-flash-backend` on the same machine (carry .fa4/2)
       with_fa4 || continue
       timeout 400 python3 benchmarks/attention_gathered_paths.py --workload tau2_like \
-        --kernels flex flex_flash fa4_gathered --out "$OUT/attention_flex_flash_h200_tau2_like.json" 2>&1 | quiet 40 ;;
+        --kernels flex flex_flash fa4_gathered --out "$OUT/attention_flex_flash_${card}_tau2_like.json" 2>&1 | quiet 40 ;;
     async-grpo-flash-1.7b)  # TreeAsyncGRPOTrainer with FlexAttention on FlashAttention-4's kernels
       # (HF_TREE_ATTN_FLEX_KERNEL_OPTIONS) and with the shared-prefix attention on them (HF_TREE_ATTN_PREFIX_KERNEL)
       # against its default, through trainer.train() (carry .fa4/2 and .whl, after `fa4-site-1` or
       # `flex-flash-backend` on the same machine)
       with_fa4 || continue
       timeout 580 python3 benchmarks/bench_async_grpo.py --warmup 2 --steps 8 --models qwen3-1.7b \
-        --workloads grpo_mixed --sides tree tree_flash tree_fa4 --out "$OUT/async_grpo_h200_qwen3-1.7b_flash.json" \
+        --workloads grpo_mixed --sides tree tree_flash tree_fa4 --out "$OUT/async_grpo_${card}_qwen3-1.7b_flash.json" \
         2>&1 | grep -E "^qwen|^  |rror:" ;;
     prefix-reuse-gpu-1.7b-reference)  # the float32 reference for `prefix-reuse-gpu-1.7b`'s agreement check (its
       # direct bf16 bound failed there): the layouts' first steps judged by their error to float32, after the other
