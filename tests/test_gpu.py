@@ -9,6 +9,7 @@ shorter than the 100-500-token sequences, in fp32 and bf16, forward and backward
 """
 
 import copy
+import functools
 import importlib.util
 import random
 
@@ -219,3 +220,46 @@ def test_flash_backend_matches_flat_forward_and_backward(name, monkeypatch):
     finally:
         torch._dynamo.reset()
     assert options and all(o == {"BACKEND": "FLASH"} for o in options), options
+
+
+@pytest.mark.skipif(not _flash_attention_4_installed(), reason="FlashAttention-4 (flash_attn.cute) not installed")
+@pytest.mark.parametrize("backend", ["TRITON", "FLASH"])
+def test_compiled_checkpointed_layers_train_on_each_flex_backend(backend, monkeypatch):
+    """The trainers' CUDA path: decoder layers compiled in place with dynamic shapes (`compile_decoder_layers`) under
+    non-reentrant activation checkpointing, with FlexAttention on its Triton kernels and on FlashAttention-4's
+    (`HF_TREE_ATTN_FLEX_KERNEL_OPTIONS={"BACKEND": "FLASH"}`), bf16: two forests of different lengths give the float32
+    flat forward's log-probs and gradients within the bf16 bounds, and the layers stay compiled (a compiler failure
+    would have put them back to eager with a warning)."""
+    from hf_tree_attn.compile import call_compiled, compile_decoder_layers, compiled_layers
+
+    config = copy.deepcopy(CONFIGS["qwen3"])
+    config.head_dim, config.hidden_size = 64, 256  # FlashAttention-4's head sizes
+    monkeypatch.setitem(CONFIGS, "qwen3", config)
+    monkeypatch.setattr(hf_tree_attn.attention, "FLEX_KERNEL_OPTIONS", {"BACKEND": backend})
+    atol, min_cos = TOLERANCES[torch.bfloat16]
+    torch._dynamo.reset()
+    try:
+        tree_model, flat_model = _models("qwen3", torch.bfloat16)
+        tree_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        tree_model.train()
+        assert compile_decoder_layers(tree_model, backend="inductor", dynamic=True) == config.num_hidden_layers
+        for seed in (1, 2):
+            tree_model.zero_grad(set_to_none=True)
+            flat_model.zero_grad(set_to_none=True)
+            seqs = _forest_sequences(seed=seed, groups=2 + seed)
+            weights = [torch.randn(max(len(s) - 1, 0), device="cuda") for s in seqs]
+            forward = functools.partial(hf_tree_attn.sequence_logprobs, tree_model, seqs, max_tokens_per_mb=2048)
+            tree_lp = call_compiled(tree_model, forward)
+            flat_lp = _flat_logprobs(flat_model, seqs)
+            for t, f in zip(tree_lp, flat_lp):
+                torch.testing.assert_close(t.float(), f, atol=atol, rtol=0)
+            sum(((t * w).sum() for t, w in zip(tree_lp, weights))).backward()
+            sum(((f * w).sum() for f, w in zip(flat_lp, weights))).backward()
+            assert len(compiled_layers(tree_model)) == config.num_hidden_layers, "the layers fell back to eager"
+            flat_params = dict(flat_model.named_parameters())
+            for pname, p in tree_model.named_parameters():
+                g, ref = p.grad.float().flatten(), flat_params[pname].grad.flatten()
+                cos = torch.nn.functional.cosine_similarity(g, ref, dim=0).item()
+                assert cos >= min_cos, f"forest {seed}, {pname}: grad cosine {cos}"
+    finally:
+        torch._dynamo.reset()
