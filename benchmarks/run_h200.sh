@@ -444,13 +444,19 @@ for stage in "$@"; do
     fa4-site-1)  # the first half of FlashAttention-4's packed site (benchmarks/fa4_wheels.sh; carry .fa4/1), kept
       # in /tmp for `flex-flash-backend` on the same warm machine
       mkdir -p /tmp/fa4parts && cp .fa4/1/* /tmp/fa4parts/ && ls -la /tmp/fa4parts ;;
+    fa4-tests)  # the FlashAttention-4 GPU tests, their whole log kept, under checkpoint debugging (a recompute that
+      # differs from its forward names the ops of both) and TORCH_LOGS of recompiles and graph breaks (carry .fa4/2
+      # and .whl, right after `fa4-site-1`)
+      with_fa4 || continue
+      TORCH_LOGS=recompiles,graph_breaks timeout 420 python3 -c "import sys, pytest, torch.utils.checkpoint as c
+c.set_checkpoint_debug_enabled(True).__enter__(); sys.exit(pytest.main(sys.argv[1:]))" -q -rfEs -m gpu \
+        -p no:cacheprovider --continue-on-collection-errors tests/test_gpu.py tests/test_varlen_attention.py \
+        tests/test_prefix_attention.py -k "flash_backend or fa4 or each_flex_backend" > "$OUT/${card}_gpu_tests_fa4.log" 2>&1
+      grep -E "^E   " "$OUT/${card}_gpu_tests_fa4.log" | head -30; summary "$OUT/${card}_gpu_tests_fa4.log" 30 ;;
     flex-flash-backend)  # FlexAttention's FlashAttention-4 backend against its Triton one on the tree's block mask,
       # and the shared-prefix attention on FlashAttention-4's varlen kernels (GRPO forests) against cuDNN's, forward +
       # backward, new forests (carry .fa4/2 and .whl, right after `fa4-site-1`)
       with_fa4 || continue
-      timeout 150 python3 -m pytest -q -rfEs -m gpu -p no:cacheprovider tests/test_gpu.py tests/test_varlen_attention.py \
-        tests/test_prefix_attention.py -k "flash_backend or fa4" > "$OUT/${card}_gpu_tests_fa4.log" 2>&1
-      grep -E "^E   " "$OUT/${card}_gpu_tests_fa4.log" | head -10; summary "$OUT/${card}_gpu_tests_fa4.log" 30
       timeout 240 python3 benchmarks/attention_gathered_paths.py --workload grpo_mixed \
         --kernels flex flex_flash fa4_gathered prefix_fa4 prefix_cudnn \
         --out "$OUT/attention_flex_flash_${card}_grpo_mixed.json" 2>&1 | quiet 40 ;;
