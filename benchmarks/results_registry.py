@@ -433,7 +433,8 @@ NOTES = {
     "with context keys. That is the slower FLOP rate `prefix_reuse_work.py` finds.",
     "attention_flex_flash_h100_grpo_mixed.json": "on one H100 80GB. The FlashAttention-4 GPU tests the same call "
     "started did not run: collecting `test_varlen_attention.py` and `test_prefix_attention.py` failed there (the "
-    "message was not kept; the stage keeps the whole log now) and stopped pytest before any test ran.",
+    "message was not kept; stage `fa4-tests` runs them on their own now and keeps the whole log) and stopped "
+    "pytest before any test ran.",
     "async_grpo_h100_qwen3-1.7b_flash.json": "on one H100 80GB. `tree_flash` stopped in its first backward: torch's "
     "non-reentrant checkpoint counted 66 tensors saved by a layer's forward and 59 by its recompute, with "
     "FlashAttention-4 behind FlexAttention inside the compiled, checkpointed layer (FlexAttention's Triton kernels "
