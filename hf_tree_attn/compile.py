@@ -17,7 +17,9 @@ A compiled layer that fails (a backend error, an op the compiler cannot trace) s
 compiles it; the backward is compiled at the same time (`force_non_lazy_backward_lowering`), so its failures surface
 there too, before any gradient exists. `call_compiled` then runs the same forward eagerly: if that succeeds the
 failure was the compiler's, the model's layers go back to eager for good and one warning names the error; if it
-fails too, the eager error is raised (it is the model's, not the compiler's).
+fails too, the eager error is raised (it is the model's, not the compiler's). The eager forward runs once the
+failed one's frames are gone: a failure inside a checkpointed layer can leave the checkpoint's saved-tensor hooks
+pushed until then (torch 2.11), and the eager forward would save into them.
 
 Checkpointed layers are traced with `checkpoint_side_effects_once()`: from transformers 5.25 on (which depends on the
 `kernels` package) an attention module's `forward` is `kernels`' `use_kernelized_func` wrapper, which sets a
@@ -35,6 +37,7 @@ the process.
 from __future__ import annotations
 
 import contextlib
+import gc
 import warnings
 import weakref
 from collections.abc import Callable
@@ -134,22 +137,50 @@ def call_compiled(model: torch.nn.Module, forward: Callable[[], T]) -> T:
     if not compiled_layers(model):
         with checkpoint_side_effects_once():
             return forward()
+    hooks = _saved_tensors_hooks()
     try:
         with checkpoint_side_effects_once(), torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
             return forward()
     except Exception as error:
-        with eager_layers(model):
-            result = forward()  # raises if the model itself fails: then it was not the compiler
-        for layer in compiled_layers(model):
-            layer._compiled_call_impl = None
-            _COMPILED.pop(layer, None)
-        warnings.warn(
-            f"The compiled decoder layers of {type(model).__name__} failed ({_root_cause(error)}); they run eagerly "
-            "from now on. The results are the same, only slower. To start eager, set tree_compile=False (and no "
-            "accelerate dynamo backend); to see the compiler's error in full, run with TORCH_LOGS=dynamo.",
-            stacklevel=2,
+        cause = _root_cause(error)
+    _release_failed_forward(hooks)
+    with eager_layers(model):
+        result = forward()  # raises if the model itself fails: then it was not the compiler
+    for layer in compiled_layers(model):
+        layer._compiled_call_impl = None
+        _COMPILED.pop(layer, None)
+    warnings.warn(
+        f"The compiled decoder layers of {type(model).__name__} failed ({cause}); they run eagerly "
+        "from now on. The results are the same, only slower. To start eager, set tree_compile=False (and no "
+        "accelerate dynamo backend); to see the compiler's error in full, run with TORCH_LOGS=dynamo.",
+        stacklevel=2,
+    )
+    return result
+
+
+def _saved_tensors_hooks() -> tuple | None:
+    """The innermost saved-tensor hooks autograd packs a forward's saved tensors with (None where there are none)."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(True)
+
+
+def _release_failed_forward(hooks: tuple | None) -> None:
+    """Let the failed forward's frames go before the eager forward runs, and check that the saved-tensor hooks are
+    the ones the failed forward started with.
+
+    A compiler failure inside a checkpointed layer raises out of `torch.utils.checkpoint.checkpoint`, whose
+    non-reentrant path pushes its saved-tensor hooks from a generator; torch 2.11 does not close that generator
+    when the forward raises (2.13 does), so its hooks stay pushed while the exception's frames hold the generator.
+    The eager forward would then save its tensors into the dead checkpoint, and the backward fail with "A different
+    number of tensors was saved during the original forward and recomputation". Collecting the frames closes the
+    generator, which pops its hooks."""
+    gc.collect()
+    now = _saved_tensors_hooks()
+    if now is not hooks and (now is None or hooks is None or any(a is not b for a, b in zip(now, hooks))):
+        raise RuntimeError(
+            "The compiled decoder layers failed inside an activation checkpoint that left its saved-tensor hooks "
+            "installed, so an eager forward cannot run in their place. Set tree_compile=False (and no accelerate "
+            "dynamo backend) to train with eager layers, and run with TORCH_LOGS=dynamo to see the compiler's error."
         )
-        return result
 
 
 def _root_cause(error: BaseException) -> str:

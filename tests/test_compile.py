@@ -2,8 +2,9 @@
 
 - `hf_tree_attn.compile`: layers compiled in place run the compiled graphs (counted by a backend that counts its
   calls), forward and backward; `eager_layers` runs them eagerly; a compiler failure — in the forward or in the
-  backward — falls back to eager with one warning and the eager results; an error the eager forward repeats is
-  raised, the layers staying compiled.
+  backward — falls back to eager with one warning and the eager results, once a checkpoint the failure left open
+  has let go of its saved-tensor hooks (refused while they stay); an error the eager forward repeats is raised, the
+  layers staying compiled.
 - `compile_setting.decide_compile`: which compile runs for every source of a setting (accelerate's dynamo plugin,
   `torch_compile`, `tree_compile`), device, engine and Liger; a setting is applied or refused, never dropped.
 - The four trainers, a compile asked for through accelerate's environment (aot_eager, no C++ toolchain): every
@@ -13,6 +14,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from types import SimpleNamespace
@@ -375,3 +377,71 @@ def test_cpu_default_is_eager(tiny, tmp_path):
 
     run = _run(TreeGRPOTrainer, tiny, tmp_path, max_steps=1)
     assert run.trainer.tree_compile.source == "none" and compiled_layers(run.trainer.model) == []
+
+
+def test_fallback_runs_once_a_failed_checkpoint_let_go_of_its_hooks():
+    """torch 2.11's non-reentrant checkpoint does not close its generator when the checkpointed forward raises: its
+    saved-tensor hooks stay pushed while the exception's frames live. A compiler failure inside a checkpointed layer
+    then left them in place for the eager forward, whose tensors went into the dead checkpoint (its backward failed
+    with "A different number of tensors was saved"). The same leak, made here by a checkpoint-like generator: the
+    eager forward saves nothing into it, and its results and gradients are eager's."""
+    torch._dynamo.reset()
+    eager, compiled = tiny_model("qwen3"), tiny_model("qwen3")
+    compile_decoder_layers(compiled, backend=CountingBackend(fail="forward").backend, dynamic=True)
+    leaked = []
+
+    def pushed_hooks():
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: leaked.append(t) or t, lambda t: t):
+            yield
+            yield
+
+    def leaky_checkpoint(forward):
+        hooks = pushed_hooks()
+        next(hooks)
+        return forward()  # raises with `hooks` still pushed, as torch 2.11's checkpoint does
+
+    ids = torch.tensor([SEQUENCES[0]])
+    attempts = []
+
+    def forward():
+        attempts.append(len(leaked))
+        run = functools.partial(compiled, ids)
+        return leaky_checkpoint(run) if len(attempts) == 1 else run()
+
+    want = eager(ids).logits
+    want.sum().backward()
+    with pytest.warns(UserWarning, match="compiled decoder layers of Qwen3ForCausalLM failed .*no forward for you"):
+        logits = call_compiled(compiled, forward).logits
+    logits.sum().backward()
+    assert len(attempts) == 2 and len(leaked) == attempts[1]  # the eager forward saved nothing into the dead hooks
+    assert torch._C._autograd._top_saved_tensors_default_hooks(True) is None
+    torch.testing.assert_close(logits, want, atol=1e-6, rtol=1e-5)
+    eager_params = dict(eager.named_parameters())
+    for name, param in compiled.named_parameters():
+        torch.testing.assert_close(param.grad, eager_params[name].grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_fallback_refuses_while_a_failed_checkpoint_keeps_its_hooks():
+    """Where something still holds the failed checkpoint (its hooks stay pushed after the frames are collected), the
+    eager forward would save into them: refused, with the way out."""
+    torch._dynamo.reset()
+    compiled = tiny_model("qwen3")
+    compile_decoder_layers(compiled, backend=CountingBackend(fail="forward").backend, dynamic=True)
+    held = []
+
+    def pushed_hooks():
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            yield
+            yield
+
+    def forward():
+        held.append(pushed_hooks())
+        next(held[-1])
+        return compiled(torch.tensor([SEQUENCES[0]]))
+
+    try:
+        with pytest.raises(RuntimeError, match="left its saved-tensor hooks installed.*tree_compile=False"):
+            call_compiled(compiled, forward)
+    finally:
+        held.clear()  # closes the generator, popping its hooks
+    assert torch._C._autograd._top_saved_tensors_default_hooks(True) is None
