@@ -21,7 +21,8 @@ Each side runs in a process of its own (`harness.run_side`). Sides:
   scored as one forest in chunks of at most `token_budget` rows, each shared prefix forwarded once per step where
   TRL's rows (and `tree`'s) each forward the prefixes their samples need;
 - `tree_flash`: the tree with FlexAttention on FlashAttention-4's kernels (`HF_TREE_ATTN_FLEX_KERNEL_OPTIONS=
-  {"BACKEND": "FLASH"}`; needs `flash_attn.cute`, benchmarks/fa4_wheels.sh);
+  {"BACKEND": "FLASH"}`; needs `flash_attn.cute`, benchmarks/fa4_wheels.sh); refused where the layers compile
+  with dynamic shapes, the default (`hf_tree_attn.compile`), so the row records the refusal;
 - `tree_fa4`: the tree with its shared-prefix attention on FlashAttention-4's varlen kernels for every two-level
   forest (`HF_TREE_ATTN_PREFIX_KERNEL=fa4`; the same package).
 

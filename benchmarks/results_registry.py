@@ -438,7 +438,12 @@ NOTES = {
     "async_grpo_h100_qwen3-1.7b_flash.json": "on one H100 80GB. `tree_flash` stopped in its first backward: torch's "
     "non-reentrant checkpoint counted 66 tensors saved by a layer's forward and 59 by its recompute, with "
     "FlashAttention-4 behind FlexAttention inside the compiled, checkpointed layer (FlexAttention's Triton kernels "
-    "in the same layers do not); the attention-alone rows above ran without checkpointing. `tree_fa4`'s agreement "
+    "in the same layers do not). The cause, found by rerunning the side with its saved tensors listed: inductor "
+    "refused to compile the layer (the FLASH lowering takes no mask that captures a symbolic size, and the tree "
+    "mask's `subtree_end` is as long as the forest), the layers fell back to eager, and torch 2.11's checkpoint, "
+    "which does not close itself when its forward raises, still had its saved-tensor hooks pushed: the eager forward "
+    "saved into them. The fallback now runs after those hooks are let go, and the FLASH backend is refused in layers "
+    "compiled with dynamic shapes. `tree_fa4`'s agreement "
     "check compares the two bf16 runs directly within a fixed 0.12 and failed at 0.131 (mean 0.025 over 18,823 "
     "tokens); no float32 run was made in this call to judge each side by its own error (the `reference` side), so "
     "its 1.12x is not a measured speed-up.",

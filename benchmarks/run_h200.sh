@@ -451,7 +451,7 @@ for stage in "$@"; do
       TORCH_LOGS=recompiles,graph_breaks timeout 420 python3 -c "import sys, pytest, torch.utils.checkpoint as c
 c.set_checkpoint_debug_enabled(True).__enter__(); sys.exit(pytest.main(sys.argv[1:]))" -q -rfEs -m gpu \
         -p no:cacheprovider --continue-on-collection-errors tests/test_gpu.py tests/test_varlen_attention.py \
-        tests/test_prefix_attention.py -k "flash_backend or fa4 or each_flex_backend" > "$OUT/${card}_gpu_tests_fa4.log" 2>&1
+        tests/test_prefix_attention.py -k "flash_backend or fa4 or compiled_checkpointed" > "$OUT/${card}_gpu_tests_fa4.log" 2>&1
       grep -E "^E   " "$OUT/${card}_gpu_tests_fa4.log" | head -30; summary "$OUT/${card}_gpu_tests_fa4.log" 30 ;;
     flex-flash-backend)  # FlexAttention's FlashAttention-4 backend against its Triton one on the tree's block mask,
       # and the shared-prefix attention on FlashAttention-4's varlen kernels (GRPO forests) against cuDNN's, forward +

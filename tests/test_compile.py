@@ -445,3 +445,18 @@ def test_fallback_refuses_while_a_failed_checkpoint_keeps_its_hooks():
     finally:
         held.clear()  # closes the generator, popping its hooks
     assert torch._C._autograd._top_saved_tensors_default_hooks(True) is None
+
+
+@pytest.mark.parametrize("dynamic", [True, None])
+def test_flash_backend_is_refused_in_layers_compiled_with_dynamic_shapes(dynamic, monkeypatch):
+    """FlexAttention's FLASH backend cannot take the tree mask's forest-long `subtree_end` as a symbolic size: asked
+    for with dynamic shapes (or automatic ones, which turn dynamic at the second forest length), the compile is
+    refused with the reason and the way out; with static shapes, or the Triton backend, the layers compile."""
+    monkeypatch.setattr(hf_tree_attn.attention, "FLEX_KERNEL_OPTIONS", {"BACKEND": "FLASH"})
+    model = tiny_model("qwen3")
+    with pytest.raises(ValueError, match="FLASH backend .* dynamic shapes.*tree_compile=False"):
+        compile_decoder_layers(model, backend="aot_eager", dynamic=dynamic)
+    assert compiled_layers(model) == []
+    assert compile_decoder_layers(model, backend="aot_eager", dynamic=False) == len(decoder_layers(model))
+    monkeypatch.setattr(hf_tree_attn.attention, "FLEX_KERNEL_OPTIONS", {"BACKEND": "TRITON"})
+    assert compile_decoder_layers(tiny_model("qwen3"), backend="aot_eager", dynamic=dynamic) == 2
