@@ -444,6 +444,12 @@ for stage in "$@"; do
     fa4-site-1)  # the first half of FlashAttention-4's packed site (benchmarks/fa4_wheels.sh; carry .fa4/1), kept
       # in /tmp for `flex-flash-backend` on the same warm machine
       mkdir -p /tmp/fa4parts && cp .fa4/1/* /tmp/fa4parts/ && ls -la /tmp/fa4parts ;;
+    gpu-tests-compiled-layers)  # the trainers' CUDA path in one test: decoder layers compiled with dynamic shapes
+      # under non-reentrant checkpointing against the float32 flat forward, two forest lengths on one model
+      timeout 300 python3 -m pytest -q -rfEs -m gpu -p no:cacheprovider tests/test_gpu.py -k compiled_checkpointed \
+        > "$OUT/${card}_gpu_tests_compiled_layers.log" 2>&1
+      grep -E "^E   " "$OUT/${card}_gpu_tests_compiled_layers.log" | head -20
+      summary "$OUT/${card}_gpu_tests_compiled_layers.log" ;;
     fa4-tests)  # the FlashAttention-4 GPU tests, their whole log kept, under checkpoint debugging (a recompute that
       # differs from its forward names the ops of both) and TORCH_LOGS of recompiles and graph breaks (carry .fa4/2
       # and .whl, right after `fa4-site-1`)
