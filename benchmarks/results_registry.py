@@ -656,6 +656,8 @@ PENDING = {
     "gpu_tests": [
         "`test_gpu_recurrent.py` and `test_gpu_deepspeed.py` on the present code (their last logs are below)",
         "prefix reuse on hybrids and in `TreeAsyncGRPOTrainer` (CPU-tested)",
+        "decoder layers compiled with dynamic shapes under checkpointing against the flat forward (stage "
+        "`gpu-tests-compiled-layers`); the FlashAttention-4 tests (stage `fa4-tests`)",
     ],
     "gradients": [
         "Liger + compiled layers at 36 layers without inductor's mix-order reduction "
