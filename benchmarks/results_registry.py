@@ -644,10 +644,9 @@ PENDING = {
         "AReaL's tree-training code, same workloads",
         "TRL's own tree packing on its FlashAttention-3 kernel from the Hub (the rows above ran FlashAttention-2)",
         "Qwen3-8B against TRL with accelerate's regional compile",
-        "FlashAttention-4 through trainer.train(): FlexAttention's FLASH backend in checkpointed, compiled layers "
-        "(stopped by a checkpoint mismatch, above) and the shared-prefix attention on FlashAttention-4 judged "
-        "against a float32 run (`async-grpo-flash-1.7b`); attention alone on τ²-like agent trees "
-        "(`fa4-agent-trees`); the FlashAttention-4 GPU tests",
+        "FlashAttention-4 through trainer.train(): the shared-prefix attention on its varlen kernels judged against "
+        "a float32 run (`async-grpo-fa4-1.7b`; FlexAttention's FLASH backend is refused in the trainers' compiled "
+        "layers, above); attention alone on τ²-like agent trees (`fa4-agent-trees`); the FlashAttention-4 GPU tests",
         "prefix reuse with every chunk's graph kept at the Qwen3-1.7B shape, which its FLOPs predict 1.17x the "
         "split's speed (stage `prefix-reuse-gpu-1.7b-kept`)",
         "prefix reuse through trainer.train() against TRL's packing, conversations spanning several rows "

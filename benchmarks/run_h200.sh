@@ -479,6 +479,13 @@ c.set_checkpoint_debug_enabled(True).__enter__(); sys.exit(pytest.main(sys.argv[
       timeout 580 python3 benchmarks/bench_async_grpo.py --warmup 2 --steps 8 --models qwen3-1.7b \
         --workloads grpo_mixed --sides tree tree_flash tree_fa4 --out "$OUT/async_grpo_${card}_qwen3-1.7b_flash.json" \
         2>&1 | grep -E "^qwen|^  |rror:" ;;
+    async-grpo-fa4-1.7b)  # the shared-prefix attention on FlashAttention-4's varlen kernels (HF_TREE_ATTN_PREFIX_KERNEL)
+      # against the default through trainer.train(), each judged by its error to TRL's float32 run (the direct bf16
+      # check of `async-grpo-flash-1.7b` cannot tell rounding from a fault); carry .fa4/2 and .whl after `fa4-site-1`
+      with_fa4 || continue
+      timeout 580 python3 benchmarks/bench_async_grpo.py --warmup 2 --steps 8 --models qwen3-1.7b \
+        --workloads grpo_mixed --sides reference tree tree_fa4 --out "$OUT/async_grpo_${card}_qwen3-1.7b_fa4.json" \
+        2>&1 | grep -E "^qwen|^  |rror:" ;;
     prefix-reuse-gpu-1.7b-reference)  # the float32 reference for `prefix-reuse-gpu-1.7b`'s agreement check (its
       # direct bf16 bound failed there): the layouts' first steps judged by their error to float32, after the other
       # two stages (or on the committed file, rerunning one step of each layout)
