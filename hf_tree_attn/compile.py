@@ -193,8 +193,7 @@ def _release_failed_forward(hooks: tuple | None) -> None:
     number of tensors was saved during the original forward and recomputation". Collecting the frames closes the
     generator, which pops its hooks."""
     gc.collect()
-    now = _saved_tensors_hooks()
-    if now is not hooks and (now is None or hooks is None or any(a is not b for a, b in zip(now, hooks))):
+    if _saved_tensors_hooks() != hooks:  # the same pack / unpack functions, or None both
         raise RuntimeError(
             "The compiled decoder layers failed inside an activation checkpoint that left its saved-tensor hooks "
             "installed, so an eager forward cannot run in their place. Set tree_compile=False (and no accelerate "
