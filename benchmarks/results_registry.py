@@ -442,8 +442,9 @@ NOTES = {
     "refused to compile the layer (the FLASH lowering takes no mask that captures a symbolic size, and the tree "
     "mask's `subtree_end` is as long as the forest), the layers fell back to eager, and torch 2.11's checkpoint, "
     "which does not close itself when its forward raises, still had its saved-tensor hooks pushed: the eager forward "
-    "saved into them. The fallback now runs after those hooks are let go, and the FLASH backend is refused in layers "
-    "compiled with dynamic shapes. `tree_fa4`'s agreement "
+    "saved into them. The fallback now runs after those hooks are let go, and with the FLASH backend the tree masks "
+    "read the forest from buffers of static size (no symbolic size captured; not yet run on the GPU). `tree_fa4`'s "
+    "agreement "
     "check compares the two bf16 runs directly within a fixed 0.12 and failed at 0.131 (mean 0.025 over 18,823 "
     "tokens); no float32 run was made in this call to judge each side by its own error (the `reference` side), so "
     "its 1.12x is not a measured speed-up.",
@@ -644,9 +645,10 @@ PENDING = {
         "AReaL's tree-training code, same workloads",
         "TRL's own tree packing on its FlashAttention-3 kernel from the Hub (the rows above ran FlashAttention-2)",
         "Qwen3-8B against TRL with accelerate's regional compile",
-        "FlashAttention-4 through trainer.train(): the shared-prefix attention on its varlen kernels judged against "
-        "a float32 run (`async-grpo-fa4-1.7b`; FlexAttention's FLASH backend is refused in the trainers' compiled "
-        "layers, above); attention alone on τ²-like agent trees (`fa4-agent-trees`); the FlashAttention-4 GPU tests",
+        "FlashAttention-4 through trainer.train(), each judged against a float32 run: the shared-prefix attention on "
+        "its varlen kernels (`async-grpo-fa4-1.7b`) and FlexAttention's FLASH backend in the compiled layers, its "
+        "masks in buffers of static size (`async-grpo-flash-1.7b`); attention alone on τ²-like agent trees "
+        "(`fa4-agent-trees`); the FlashAttention-4 GPU tests",
         "prefix reuse with every chunk's graph kept at the Qwen3-1.7B shape, which its FLOPs predict 1.17x the "
         "split's speed (stage `prefix-reuse-gpu-1.7b-kept`)",
         "prefix reuse through trainer.train() against TRL's packing, conversations spanning several rows "

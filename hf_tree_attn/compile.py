@@ -84,9 +84,7 @@ def compile_decoder_layers(model: torch.nn.Module, **compile_kwargs) -> int:
 
     `nn.Module.compile` compiles the layer's call (its hooks and `forward`, gradient checkpointing included), so the
     layers keep their identity; with `inline_inbuilt_nn_modules` (torch's default) one graph serves every layer of a
-    kind. Raises `ValueError` if `model` has no decoder layers, or if FlexAttention's FLASH backend is asked for
-    (`HF_TREE_ATTN_FLEX_KERNEL_OPTIONS`) with shapes not held static (`dynamic` other than False)."""
-    _check_flex_backend(compile_kwargs)
+    kind. Raises `ValueError` if `model` has no decoder layers."""
     layers = decoder_layers(model)
     if not layers:
         raise ValueError(
@@ -96,23 +94,6 @@ def compile_decoder_layers(model: torch.nn.Module, **compile_kwargs) -> int:
         layer.compile(**compile_kwargs)
         _COMPILED[layer] = dict(compile_kwargs)
     return len(layers)
-
-
-def _check_flex_backend(compile_kwargs: dict) -> None:
-    """Refuse FlexAttention's FLASH backend in layers compiled with dynamic shapes: torch's FLASH lowering (2.11)
-    rejects a `mask_mod` that captures a symbolic size ("NYI: score_mod or mask_mod captures a dynamic scalar"), and
-    the tree mask captures the forest's `subtree_end`, as long as the forest. The compile would fail at the first
-    forward and the layers run eagerly from then on."""
-    from hf_tree_attn import attention
-
-    if (attention.FLEX_KERNEL_OPTIONS or {}).get("BACKEND") == "FLASH" and compile_kwargs.get("dynamic") is not False:
-        raise ValueError(
-            f"{attention.FLEX_KERNEL_OPTIONS_ENV} asks for FlexAttention's FLASH backend (FlashAttention-4's "
-            "kernels), which cannot run in decoder layers compiled with dynamic shapes: torch's FLASH lowering "
-            "refuses a mask that captures a symbolic size, and the tree mask captures the forest's subtree_end, "
-            "whose length is the forest's. Unset it for FlexAttention's Triton kernels (the default, compiled), or "
-            "train with eager layers (tree_compile=False and no accelerate dynamo backend) to keep the FLASH backend."
-        )
 
 
 def compiled_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -50,12 +50,66 @@ __all__ = [
     "is_tree_mask_mod",
     "mask_function_key",
     "mask_tag",
+    "static_rows",
     "tag_mask",
     "tree_block_mask",
     "tree_mask_mod",
 ]
 
 _compiled_create_block_mask = None
+
+
+# The least capacity of a `static_rows` buffer: every forest of up to 65,536 rows shares one buffer size (and so one
+# compiled graph); larger ones take the next power of two.
+STATIC_ROWS_MIN = 1 << 16
+
+
+def static_rows(rows: torch.Tensor, fill: int = 0) -> torch.Tensor:
+    """`rows` `(S,)` at the front of a buffer `(C,)` whose size dynamo holds static (`torch._dynamo.mark_static`):
+    `C` the least power of two at least `max(S, STATIC_ROWS_MIN)`, the rest `fill`.
+
+    For the tensors a mask_mod captures when FlexAttention runs on its FLASH backend (FlashAttention-4's kernels).
+    Under dynamic shapes (layers compiled with `dynamic=True`, or FlexAttention's own compile turning dynamic at the
+    second forest length) a captured tensor as long as the forest brings its length into the mask as a symbolic
+    size, which torch's FLASH lowering refuses ("mask_mod captures a dynamic scalar"); a buffer of static size
+    brings the tensor alone. A mask_mod reads it at the forest's rows only, so the padding is never read."""
+    size = rows.shape[0]
+    capacity = max(STATIC_ROWS_MIN, 1 << max(size - 1, 0).bit_length())
+    buffer = rows.new_full((capacity,), fill)
+    buffer[:size] = rows
+    torch._dynamo.mark_static(buffer, 0)
+    return buffer
+
+
+# A model's mask functions (a window, a chunk) under the FLASH backend, reached from a mask_mod by name through this
+# module global: dynamo holds the ints such a function captures (the window's size) as constants when it reads them
+# through a global, where through a mask_mod's closure, under dynamic shapes, they become symbolic sizes as well. One
+# entry per mask (`mask_function_key`) and device.
+_STATIC_FUNCTIONS: dict[str, Callable] = {}
+_STATIC_NAMES: dict[tuple, str] = {}
+
+
+def _through_global(mask_function: Callable, device: torch.device) -> Callable:
+    """`mask_function` called through `_STATIC_FUNCTIONS` (as it is, if it has no `mask_function_key`)."""
+    try:
+        key = (mask_function_key(mask_function), str(device))
+    except _NoKey:
+        return mask_function
+    name = _STATIC_NAMES.setdefault(key, f"mask_function_{len(_STATIC_NAMES)}")
+    _STATIC_FUNCTIONS.setdefault(name, mask_function)
+
+    def static_mask_function(b, h, q_idx, kv_idx):
+        return _STATIC_FUNCTIONS[name](b, h, q_idx, kv_idx)
+
+    return static_mask_function
+
+
+def needs_static_rows() -> bool:
+    """Whether block masks capture `static_rows` buffers: tree FlexAttention calls run on the FLASH backend
+    (`attention.FLEX_KERNEL_OPTIONS`)."""
+    from . import attention  # imported here: it imports this module
+
+    return (attention.FLEX_KERNEL_OPTIONS or {}).get("BACKEND") == "FLASH"
 
 
 def tree_mask_mod(subtree_end: torch.Tensor):
@@ -78,11 +132,14 @@ def causal_mask_mod(b, h, q_idx, kv_idx):
     return kv_idx <= q_idx
 
 
-def context_tree_mask_mod(subtree_end: torch.Tensor, context_end: torch.Tensor, query_rows: torch.Tensor):
+def context_tree_mask_mod(
+    subtree_end: torch.Tensor, context_end: torch.Tensor, query_rows: torch.Tensor, static: bool = False
+):
     """`mask_mod` over keys `[context rows (P); own rows (S)]` for the queries of one chunk of a forest's DFS row
     (`hf_tree_attn.chunked`): own rows by the ancestor-or-self test on the chunk's local `subtree_end` `(S,)` int;
     context row `r` (an ancestor of the chunk's first row) seen by query `q` iff `context_end[r] > query_rows[q]`
-    (`(P,)` and `(S,)` int, global rows: `q`'s subtree is inside `r`'s)."""
+    (`(P,)` and `(S,)` int, global rows: `q`'s subtree is inside `r`'s). `static`: the three captured in
+    `static_rows` buffers (for the FLASH backend)."""
     # One code object, and no Python int, for every chunk: the compiled mask builder and FlexAttention guard on the
     # mask_mod's code and on the ints it captures (each new context size would compile again); dummy rows where
     # there is no context.
@@ -90,6 +147,8 @@ def context_tree_mask_mod(subtree_end: torch.Tensor, context_end: torch.Tensor, 
     last = (count - 1).clamp(min=0)
     if context_end.shape[0] == 0:
         context_end = context_end.new_zeros(2)  # not 1: dynamo specializes sizes 0 and 1
+    if static:
+        subtree_end, context_end, query_rows = map(static_rows, (subtree_end, context_end, query_rows))
 
     def own_mask(q_idx, own_idx):
         return (own_idx <= q_idx) & (q_idx < subtree_end[own_idx.clamp(min=0)])
@@ -201,8 +260,10 @@ def _block_mask(
 
 
 def tree_block_mask(subtree_end: torch.Tensor, block_size: int = 128) -> BlockMask:
-    """`BlockMask` `(1, 1, S, S)` for the forest whose `subtree_end` is `(S,)` int, on `subtree_end.device`."""
-    mask = _block_mask(tree_mask_mod(subtree_end), subtree_end.shape[0], subtree_end.device, block_size)
+    """`BlockMask` `(1, 1, S, S)` for the forest whose `subtree_end` is `(S,)` int, on `subtree_end.device` (its
+    mask_mod reads a `static_rows` copy on the FLASH backend)."""
+    captured = static_rows(subtree_end) if needs_static_rows() else subtree_end
+    mask = _block_mask(tree_mask_mod(captured), subtree_end.shape[0], subtree_end.device, block_size)
     tag_mask(mask, MaskTag("full", None))
     return mask
 
@@ -284,10 +345,11 @@ class TreeMaskSource:
         except _NoKey:
             key = None
         causal = key in _CAUSAL_KEYS
-        cache_key = self._cache_key("causal" if causal else key, device)
+        static = not self.dense and needs_static_rows()
+        cache_key = self._cache_key(("causal" if causal else key, static), device)
         if key is not None and cache_key in self.cache:
             return self.cache[cache_key]
-        mask_mod, kv_size = self._mask_mod(mask_function, causal), self.size + self.context_size
+        mask_mod, kv_size = self._mask_mod(mask_function, causal, static), self.size + self.context_size
         if self.dense:
             built = dense_mask(mask_mod, self.size, device, use_vmap=use_vmap, kv_size=kv_size).contiguous()
         else:
@@ -307,9 +369,15 @@ class TreeMaskSource:
         # every layer), these are built for one layer kind.
         return ("layer", self.dense, kind, device)
 
-    def _mask_mod(self, mask_function: Callable, causal: bool) -> Callable:
-        tree = tree_mask_mod(self.subtree_end)
-        return tree if causal else and_masks(tree, at_depth(mask_function, self.depth))
+    def _mask_mod(self, mask_function: Callable, causal: bool, static: bool) -> Callable:
+        """The layer kind's mask_mod; `static`: reading `static_rows` copies of the forest's tensors, and the model's
+        mask function through a global (`_through_global`)."""
+        subtree_end, depth = self.subtree_end, self.depth
+        if static:
+            subtree_end, depth = static_rows(subtree_end), static_rows(depth)
+            mask_function = _through_global(mask_function, depth.device)
+        tree = tree_mask_mod(subtree_end)
+        return tree if causal else and_masks(tree, at_depth(mask_function, depth))
 
 
 class ContextMaskSource(TreeMaskSource):
@@ -355,9 +423,12 @@ class ContextMaskSource(TreeMaskSource):
     def _cache_key(self, kind, device: torch.device) -> tuple:
         return (kind,)  # a chunk's own cache: one dense flag, one device
 
-    def _mask_mod(self, mask_function: Callable, causal: bool) -> Callable:
-        tree = context_tree_mask_mod(self.subtree_end, self.context_end, self.query_rows)
+    def _mask_mod(self, mask_function: Callable, causal: bool, static: bool) -> Callable:
+        tree = context_tree_mask_mod(self.subtree_end, self.context_end, self.query_rows, static)
         if causal:
             return tree
-        kv_depth = torch.cat([self.context_depth, self.depth])
-        return and_masks(tree, at_depths(mask_function, self.depth, kv_depth))
+        q_depth, kv_depth = self.depth, torch.cat([self.context_depth, self.depth])
+        if static:
+            q_depth, kv_depth = static_rows(q_depth), static_rows(kv_depth)
+            mask_function = _through_global(mask_function, kv_depth.device)
+        return and_masks(tree, at_depths(mask_function, q_depth, kv_depth))

@@ -161,10 +161,11 @@ class PackedForest:
         return self._cached_mask("dense", device, dense_tree_mask)
 
     def block_mask(self, device: torch.device | str | None = None):
-        """FlexAttention `BlockMask` of the ancestor-or-self mask (no window), built once per device."""
-        from .masks import tree_block_mask
+        """FlexAttention `BlockMask` of the ancestor-or-self mask (no window), built once per device (and backend:
+        `masks.needs_static_rows`)."""
+        from .masks import needs_static_rows, tree_block_mask
 
-        return self._cached_mask("block", device, tree_block_mask)
+        return self._cached_mask("block_static" if needs_static_rows() else "block", device, tree_block_mask)
 
     def _cached_mask(self, kind: str, device: torch.device | str | None, build):
         device = _mask_device(device or self.subtree_end.device)

@@ -426,17 +426,23 @@ def test_padded_chunks_match_flat():
         torch.testing.assert_close(ent, want_entropy, atol=ATOL, rtol=0)
 
 
-def test_block_mask_forward_equals_dense(monkeypatch):
+@pytest.mark.parametrize("backend", [None, "FLASH"])
+def test_block_mask_forward_equals_dense(backend, monkeypatch):
     """The CUDA path's BlockMask over [context; own] keys, in FlexAttention on CPU (inference only: it has no CPU
     backward), gives the dense path's log-probs and entropies; GPT-OSS: windows, and sinks folded in through the
-    log-sum-exp."""
+    log-sum-exp. With FlexAttention's FLASH backend set, the masks read their tensors from buffers of static size
+    and the model's window through a global (`masks.static_rows`): the same results, and FlexAttention compiled
+    with dynamic shapes over the chunks' calls captures no symbolic size, which the FLASH lowering refuses."""
+    monkeypatch.setattr(hf_tree_attn.attention, "FLEX_KERNEL_OPTIONS", backend and {"BACKEND": backend})
     tree, _ = _coverage_twins("gpt_oss")
     sequences = _trie(3, seed=50, max_len=200)
     (forest,) = pack_forest(sequences, two_level=False)
     plan = plan_chunks(forest, BUDGET)
     calls = []
     flex = hf_tree_attn.attention._flex_attention
-    monkeypatch.setattr(hf_tree_attn.attention, "_flex_attention", lambda *a, **k: calls.append(1) or flex(*a, **k))
+    monkeypatch.setattr(
+        hf_tree_attn.attention, "_flex_attention", lambda *a, **k: calls.append((*a, k)) or flex(*a, **k)
+    )
     tables = {}
     with torch.no_grad():
         for dense in (True, False):
@@ -445,6 +451,23 @@ def test_block_mask_forward_equals_dense(monkeypatch):
     assert len(calls) == plan.needed.sum() * tree.config.num_hidden_layers, "the BlockMasks must take FlexAttention"
     for got, want in zip(tables[False], tables[True]):
         torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+    if backend == "FLASH":
+        captured = []
+
+        def record(gm, example_inputs):
+            for node in gm.graph.nodes:
+                if node.target is torch.ops.higher_order.flex_attention:
+                    captured.extend(
+                        getattr(b, "meta", {}).get("example_value", b) for b in (*node.args[-2], *node.args[-1])
+                    )
+            return gm.forward
+
+        flex = torch.compile(torch.nn.attention.flex_attention.flex_attention, backend=record, dynamic=True)
+        with torch.no_grad():
+            for query, key, value, kwargs in calls:
+                flex(query, key, value, block_mask=kwargs["block_mask"], enable_gqa=kwargs.get("enable_gqa", False))
+        torch._dynamo.reset()
+        assert captured and not any(isinstance(v, (torch.SymInt, torch.SymFloat)) for v in captured), captured
 
 
 def test_chunk_block_masks_compile_once_for_every_context_size_and_grad_mode():

@@ -22,7 +22,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 from accelerate.utils import DistributedType, DynamoBackend, TorchDynamoPlugin
-from helpers import TOLERANCES, hybrid_twin_models, tiny_config, tiny_model
+from helpers import TOLERANCES, forest_case, hybrid_twin_models, tiny_config, tiny_model
+from test_coverage import tiny_config as tiny_config_of
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.utils import counters
 from torch._functorch.aot_autograd import make_boxed_func
@@ -30,6 +31,7 @@ from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
 import hf_tree_attn
 from hf_tree_attn.compile import call_compiled, compile_decoder_layers, compiled_layers, decoder_layers, eager_layers
+from hf_tree_attn.logprobs import forest_forward_kwargs
 from hf_tree_attn.trainer import compile_setting
 from hf_tree_attn.trainer.compile_setting import decide_compile
 
@@ -447,16 +449,81 @@ def test_fallback_refuses_while_a_failed_checkpoint_keeps_its_hooks():
     assert torch._C._autograd._top_saved_tensors_default_hooks(True) is None
 
 
-@pytest.mark.parametrize("dynamic", [True, None])
-def test_flash_backend_is_refused_in_layers_compiled_with_dynamic_shapes(dynamic, monkeypatch):
-    """FlexAttention's FLASH backend cannot take the tree mask's forest-long `subtree_end` as a symbolic size: asked
-    for with dynamic shapes (or automatic ones, which turn dynamic at the second forest length), the compile is
-    refused with the reason and the way out; with static shapes, or the Triton backend, the layers compile."""
+def _mask_captures(model, forests) -> list[list]:
+    """What the FlexAttention calls of `model`'s decoder layers, compiled with dynamic shapes, capture in their
+    score_mod and mask_mod: the traced values of every call in every graph, over no-grad forwards of `forests`
+    (BlockMasks on CPU), each forward's logits checked against the eager dense-mask forward, and no
+    graph compiled after the second forest's."""
+    captures, graphs = [], []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        for node in gm.graph.nodes:
+            if node.target is torch.ops.higher_order.flex_attention:
+                score_buffers, mask_buffers = node.args[-2:]
+                captures.append(
+                    [getattr(b, "meta", {}).get("example_value", b) for b in (*score_buffers, *mask_buffers)]
+                )
+        return gm.forward
+
+    with torch.no_grad():
+        wants = [model(**forest_forward_kwargs(forest, "cpu")).logits for forest in forests]
+    torch._dynamo.reset()
+    try:
+        compile_decoder_layers(model, backend=record, dynamic=True)
+        with torch.no_grad():
+            for forest, want in zip(forests, wants):
+                kwargs = forest_forward_kwargs(forest, "cpu")
+                kwargs["attention_mask"] = forest.attention_mask("cpu", dense=False)
+                got = call_compiled(model, functools.partial(model, **kwargs)).logits
+                n = forest.num_tree_tokens
+                torch.testing.assert_close(got[0, :n], want[0, :n], atol=TOLERANCES["logps_atol"], rtol=0)
+                if forest is forests[1]:
+                    warm = len(graphs)  # the second forward may compile again: `kernels`' routing variable was set
+        assert len(graphs) == warm, "a forest of another length compiled the layers again"
+    finally:
+        torch._dynamo.reset()
+    assert captures, "no FlexAttention call was traced"
+    return captures
+
+
+def _family_model(family: str):
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(tiny_config_of(family), attn_implementation="tree_flex").eval()
+
+
+@pytest.mark.parametrize("family", ["qwen3", "mistral"])  # the tree mask; with a sliding window (depths captured)
+def test_flash_backend_masks_capture_no_symbolic_size_in_layers_compiled_with_dynamic_shapes(family, monkeypatch):
+    """FlexAttention's FLASH backend refuses a mask that captures a symbolic size (torch's lowering: "mask_mod
+    captures a dynamic scalar"). With the backend set, the tree masks read the forest's tensors from buffers of static
+    size (`masks.static_rows`): in layers compiled with dynamic shapes, over forests of three lengths, every
+    FlexAttention call captures tensors alone, and the forwards are the dense mask's. Without it, the captured
+    `subtree_end` brings its length as a symbolic size (what the FLASH lowering refused)."""
+    forests = [hf_tree_attn.pack_forest(forest_case("mixed", seed), pad_multiple=8)[0] for seed in (0, 3, 4)]
+    assert len({forest.seq_len for forest in forests}) == 3
+    symbolic = (torch.SymInt, torch.SymFloat)
+
     monkeypatch.setattr(hf_tree_attn.attention, "FLEX_KERNEL_OPTIONS", {"BACKEND": "FLASH"})
-    model = tiny_model("qwen3")
-    with pytest.raises(ValueError, match="FLASH backend .* dynamic shapes.*tree_compile=False"):
-        compile_decoder_layers(model, backend="aot_eager", dynamic=dynamic)
-    assert compiled_layers(model) == []
-    assert compile_decoder_layers(model, backend="aot_eager", dynamic=False) == len(decoder_layers(model))
-    monkeypatch.setattr(hf_tree_attn.attention, "FLEX_KERNEL_OPTIONS", {"BACKEND": "TRITON"})
-    assert compile_decoder_layers(tiny_model("qwen3"), backend="aot_eager", dynamic=dynamic) == 2
+    for captured in _mask_captures(_family_model(family), forests):
+        assert captured and not any(isinstance(value, symbolic) for value in captured), captured
+        assert all(value.shape[0] >= hf_tree_attn.masks.STATIC_ROWS_MIN for value in captured), captured
+
+    monkeypatch.setattr(hf_tree_attn.attention, "FLEX_KERNEL_OPTIONS", None)
+    for forest in forests:
+        forest._mask_cache.clear()
+    captured = [value for values in _mask_captures(_family_model(family), forests) for value in values]
+    assert any(isinstance(value, symbolic) for value in captured), captured
+
+
+def test_static_rows_buffers():
+    """`static_rows`: the rows at the front, the rest the fill, the size a power of two of at least
+    `STATIC_ROWS_MIN`, held static by dynamo."""
+    from hf_tree_attn.masks import STATIC_ROWS_MIN, static_rows
+
+    for size, capacity in ((0, STATIC_ROWS_MIN), (5, STATIC_ROWS_MIN), (STATIC_ROWS_MIN, STATIC_ROWS_MIN)):
+        rows = torch.arange(1, size + 1, dtype=torch.int32)
+        buffer = static_rows(rows, fill=-1)
+        assert buffer.shape == (capacity,) and buffer.dtype == rows.dtype
+        assert torch.equal(buffer[:size], rows) and bool((buffer[size:] == -1).all())
+        assert 0 in buffer._dynamo_static_indices
+    assert static_rows(torch.zeros(STATIC_ROWS_MIN + 1)).shape == (2 * STATIC_ROWS_MIN,)

@@ -222,14 +222,31 @@ def test_flash_backend_matches_flat_forward_and_backward(name, monkeypatch):
     assert options and all(o == {"BACKEND": "FLASH"} for o in options), options
 
 
-def test_compiled_checkpointed_layers_match_flat_forward():
+@pytest.mark.parametrize(
+    "backend",
+    [
+        "TRITON",
+        pytest.param(
+            "FLASH",
+            marks=pytest.mark.skipif(
+                not _flash_attention_4_installed(), reason="FlashAttention-4 (flash_attn.cute) not installed"
+            ),
+        ),
+    ],
+)
+def test_compiled_checkpointed_layers_match_flat_forward(backend, monkeypatch):
     """The trainers' CUDA path: decoder layers compiled in place with dynamic shapes (`compile_decoder_layers`) under
-    non-reentrant activation checkpointing, FlexAttention on its Triton kernels, bf16: two forests of different
-    lengths through one model give the float32 flat forward's log-probs and gradients within the bf16 bounds, and the
-    layers stay compiled (a compiler failure would have put them back to eager with a warning). FlexAttention's
-    FLASH backend is refused in such layers (`tests/test_compile.py`)."""
+    non-reentrant activation checkpointing, FlexAttention on its Triton kernels or on FlashAttention-4's (the FLASH
+    backend, its masks in buffers of static size), bf16: two forests of different lengths through one model give the
+    float32 flat forward's log-probs and gradients within the bf16 bounds, and the layers stay compiled (a compiler
+    failure would have put them back to eager with a warning)."""
     from hf_tree_attn.compile import call_compiled, compile_decoder_layers, compiled_layers
 
+    if backend == "FLASH":
+        config = copy.deepcopy(CONFIGS["qwen3"])
+        config.head_dim, config.hidden_size = 64, 256  # FlashAttention-4's head sizes
+        monkeypatch.setitem(CONFIGS, "qwen3", config)
+        monkeypatch.setattr(hf_tree_attn.attention, "FLEX_KERNEL_OPTIONS", {"BACKEND": "FLASH"})
     layers = CONFIGS["qwen3"].num_hidden_layers
     atol, min_cos = TOLERANCES[torch.bfloat16]
     torch._dynamo.reset()
