@@ -432,9 +432,10 @@ NOTES = {
     "30 ms and its two-level micro-batches' other 56 on the shared-prefix cuDNN kernels (0.9 s), which take no chunk "
     "with context keys. That is the slower FLOP rate `prefix_reuse_work.py` finds.",
     "attention_flex_flash_h100_grpo_mixed.json": "on one H100 80GB. The FlashAttention-4 GPU tests the same call "
-    "started did not run: collecting `test_varlen_attention.py` and `test_prefix_attention.py` failed there (the "
-    "message was not kept; stage `fa4-tests` runs them on their own now and keeps the whole log) and stopped "
-    "pytest before any test ran.",
+    "started did not run: collecting `test_varlen_attention.py` and `test_prefix_attention.py` failed there and "
+    "stopped pytest before any test ran. The cause, found since with transformers 5.17 (the machine's) on a CPU: "
+    "the tests' shared helpers imported three model configs that release does not have; they now load on it (the "
+    "families it lacks are skipped), and stage `fa4-tests` keeps its whole log.",
     "async_grpo_h100_qwen3-1.7b_flash.json": "on one H100 80GB. `tree_flash` stopped in its first backward: torch's "
     "non-reentrant checkpoint counted 66 tensors saved by a layer's forward and 59 by its recompute, with "
     "FlashAttention-4 behind FlexAttention inside the compiled, checkpointed layer (FlexAttention's Triton kernels "
