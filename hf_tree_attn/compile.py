@@ -31,7 +31,9 @@ once and not replayed (accelerate sets it for its regional compilation under FSD
 recompute is the traced graph (the same operations on the same inputs), and the wrapper's set and reset leave the
 variable as they found it, so a replay would change nothing. The flag acts when a layer is traced, so it is set
 around the package's forwards (`call_compiled`) and checkpoint settings (`recompute.recompute_only`) only, not for
-the process.
+the process. `call_compiled` also puts the variable back as it found it (`transformers_compat.kernel_routing_kept`):
+where a layer's `try` block traces FlexAttention, dynamo replays the wrapper's set and not its reset, and the next
+forward would compile every layer again.
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ from collections.abc import Callable
 from typing import TypeVar
 
 import torch
+
+from .transformers_compat import kernel_routing_kept
 
 __all__ = [
     "call_compiled",
@@ -135,11 +139,15 @@ def call_compiled(model: torch.nn.Module, forward: Callable[[], T]) -> T:
     compiled by others (accelerate's `compile_regions`, a whole-model `torch.compile`) are traced with
     `checkpoint_side_effects_once()` too."""
     if not compiled_layers(model):
-        with checkpoint_side_effects_once():
+        with checkpoint_side_effects_once(), kernel_routing_kept():
             return forward()
     hooks = _saved_tensors_hooks()
     try:
-        with checkpoint_side_effects_once(), torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
+        with (
+            checkpoint_side_effects_once(),
+            kernel_routing_kept(),
+            torch._functorch.config.patch(force_non_lazy_backward_lowering=True),
+        ):
             return forward()
     except Exception as error:
         cause = _root_cause(error)

@@ -63,6 +63,7 @@ One more change reaches compiled layers rather than these functions: the attenti
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import inspect
@@ -81,6 +82,7 @@ __all__ = [
     "hub_kernels_in",
     "install",
     "kernel_function",
+    "kernel_routing_kept",
 ]
 
 TRANSFORMERS_CHECKED = "5.25.0"  # the release every target below was read in
@@ -163,6 +165,28 @@ def hub_kernels_in(model: torch.nn.Module, module_names: set[str]) -> list[str] 
     found = [(name, name) for name in kernelized.layers]
     found += [(module, f"{module}:{function}") for module, function in kernelized.funcs]
     return [where for module, where in found if any(module == m or module.startswith(m + ".") for m in module_names)]
+
+
+@contextlib.contextmanager
+def kernel_routing_kept():
+    """Within the block, compiled forwards leave `kernels`' routing variable as they found it (read in kernels
+    0.19.1; nothing to do without it).
+
+    `use_kernelized_func`'s wrapper around an attention module's `forward` sets that variable (`_ACTIVE_KERNEL_FUNCS`,
+    a global object's `global_var` and `uses_global_var` under compilation) and resets it in a `finally`. Dynamo
+    (torch 2.13) replays the set and not the reset when the `try` block traces FlexAttention's higher-order
+    operator: after the first compiled forward through a `BlockMask` the variable stays set, the layers' guard on it
+    fails, and the second forward compiles every layer again. The state is put back as the eager wrapper leaves it."""
+    try:
+        from kernels._internals.layer.layer import _ACTIVE_KERNEL_FUNCS as routing
+    except ImportError:
+        routing = None
+    saved = None if routing is None else (routing.global_var, routing.uses_global_var)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            routing.global_var, routing.uses_global_var = saved
 
 
 def _function_source(function) -> str:

@@ -453,7 +453,8 @@ def _mask_captures(model, forests) -> list[list]:
     """What the FlexAttention calls of `model`'s decoder layers, compiled with dynamic shapes, capture in their
     score_mod and mask_mod: the traced values of every call in every graph, over no-grad forwards of `forests`
     (BlockMasks on CPU), each forward's logits checked against the eager dense-mask forward, and no
-    graph compiled after the second forest's."""
+    graph compiled after the first forest's (`kernels`' routing variable, which dynamo left set after a traced
+    FlexAttention call, failed the layers' guard once: `transformers_compat.kernel_routing_kept`)."""
     captures, graphs = [], []
 
     def record(gm, example_inputs):
@@ -478,8 +479,8 @@ def _mask_captures(model, forests) -> list[list]:
                 got = call_compiled(model, functools.partial(model, **kwargs)).logits
                 n = forest.num_tree_tokens
                 torch.testing.assert_close(got[0, :n], want[0, :n], atol=TOLERANCES["logps_atol"], rtol=0)
-                if forest is forests[1]:
-                    warm = len(graphs)  # the second forward may compile again: `kernels`' routing variable was set
+                if forest is forests[0]:
+                    warm = len(graphs)
         assert len(graphs) == warm, "a forest of another length compiled the layers again"
     finally:
         torch._dynamo.reset()
@@ -527,3 +528,33 @@ def test_static_rows_buffers():
         assert torch.equal(buffer[:size], rows) and bool((buffer[size:] == -1).all())
         assert 0 in buffer._dynamo_static_indices
     assert static_rows(torch.zeros(STATIC_ROWS_MIN + 1)).shape == (2 * STATIC_ROWS_MIN,)
+
+
+def test_compiled_forwards_through_block_masks_leave_kernels_routing_as_found():
+    """From transformers 5.25 on, `kernels`' wrapper around each attention module's forward sets a routing variable
+    and resets it in a `finally`; dynamo replays the set and not the reset when the block traces FlexAttention, so
+    the variable stayed set after the first compiled forward through BlockMasks and the second compiled every layer
+    again. Through `call_compiled` the variable is as the eager wrapper leaves it, and a forest of another length
+    compiles nothing."""
+    layer = pytest.importorskip("kernels._internals.layer.layer")
+    routing = layer._ACTIVE_KERNEL_FUNCS
+    found = (routing.global_var, routing.uses_global_var)
+    model = tiny_model("qwen3")
+    forests = [hf_tree_attn.pack_forest(forest_case("mixed", seed), pad_multiple=8)[0] for seed in (0, 3)]
+    assert forests[0].seq_len != forests[1].seq_len
+    backend = CountingBackend()
+    torch._dynamo.reset()
+    try:
+        compile_decoder_layers(model, backend=backend.backend, dynamic=True)
+        graphs = []
+        with torch.no_grad():
+            for forest in forests:
+                kwargs = forest_forward_kwargs(forest, "cpu")
+                kwargs["attention_mask"] = forest.attention_mask("cpu", dense=False)
+                call_compiled(model, functools.partial(model, **kwargs))
+                assert (routing.global_var, routing.uses_global_var) == found
+                graphs.append(counters["stats"]["unique_graphs"])
+        assert backend.calls["forward"] > 0, "the compiled layers did not run"
+        assert graphs[1] == graphs[0], "the second forest compiled the layers again"
+    finally:
+        torch._dynamo.reset()
