@@ -181,12 +181,17 @@ def kernel_routing_kept():
         from kernels._internals.layer.layer import _ACTIVE_KERNEL_FUNCS as routing
     except ImportError:
         routing = None
-    saved = None if routing is None else (routing.global_var, routing.uses_global_var)
+    fields = ("global_var", "uses_global_var")
+    saved = (
+        None
+        if routing is None or not all(hasattr(routing, f) for f in fields)
+        else [getattr(routing, f) for f in fields]
+    )
     try:
         yield
     finally:
-        if saved is not None:
-            routing.global_var, routing.uses_global_var = saved
+        for field, value in zip(fields, saved or ()):
+            setattr(routing, field, value)
 
 
 def _function_source(function) -> str:
