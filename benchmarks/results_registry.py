@@ -648,7 +648,7 @@ PENDING = {
         "Qwen3-8B against TRL with accelerate's regional compile",
         "FlashAttention-4 through trainer.train(), each judged against a float32 run: the shared-prefix attention on "
         "its varlen kernels (`async-grpo-fa4-1.7b`) and FlexAttention's FLASH backend in the compiled layers, its "
-        "masks in buffers of static size (`async-grpo-flash-1.7b`); attention alone on τ²-like agent trees "
+        "masks in buffers of static size (`async-grpo-flash-compiled-1.7b`); attention alone on τ²-like agent trees "
         "(`fa4-agent-trees`); the FlashAttention-4 GPU tests",
         "prefix reuse with every chunk's graph kept at the Qwen3-1.7B shape, which its FLOPs predict 1.17x the "
         "split's speed (stage `prefix-reuse-gpu-1.7b-kept`)",
