@@ -17,8 +17,10 @@ A compiled layer that fails (a backend error, an op the compiler cannot trace) s
 compiles it; the backward is compiled at the same time (`force_non_lazy_backward_lowering`), so its failures surface
 there too, before any gradient exists. `call_compiled` then runs the same forward eagerly: if that succeeds the
 failure was the compiler's, the model's layers go back to eager for good and one warning names the error; if it
-fails too, the eager error is raised (it is the model's, not the compiler's). The eager forward runs once the
-failed one's frames are gone: a failure inside a checkpointed layer can leave the checkpoint's saved-tensor hooks
+fails too, the eager error is raised (it is the model's, not the compiler's). With FlexAttention's FLASH backend on
+(`HF_TREE_ATTN_FLEX_KERNEL_OPTIONS`), whose lowering is the likeliest to fail, a failure first turns that backend off
+with one warning and runs the forward compiled again, on the Triton kernels. The eager forward runs once the failed
+one's frames are gone: a failure inside a checkpointed layer can leave the checkpoint's saved-tensor hooks
 pushed until then (torch 2.11), and the eager forward would save into them.
 
 Checkpointed layers are traced with `checkpoint_side_effects_once()`: from transformers 5.25 on (which depends on the
@@ -135,7 +137,9 @@ def call_compiled(model: torch.nn.Module, forward: Callable[[], T]) -> T:
     """`forward()` (a forward of `model`), through its compiled layers; eagerly from the first compiler failure on.
 
     See the module docstring: a failure that the same forward run eagerly does not repeat turns the model's compiled
-    layers off for good, with one warning naming the error; an error the eager forward repeats is raised. Layers
+    layers off for good, with one warning naming the error; an error the eager forward repeats is raised. With
+    FlexAttention's FLASH backend on, a failure first turns that backend off (one warning) and runs the forward
+    compiled again, on the Triton kernels. Layers
     compiled by others (accelerate's `compile_regions`, a whole-model `torch.compile`) are traced with
     `checkpoint_side_effects_once()` too."""
     if not compiled_layers(model):
@@ -152,6 +156,14 @@ def call_compiled(model: torch.nn.Module, forward: Callable[[], T]) -> T:
     except Exception as error:
         cause = _root_cause(error)
     _release_failed_forward(hooks)
+    if _drop_flash_backend():
+        warnings.warn(
+            f"The compiled decoder layers of {type(model).__name__} failed on FlexAttention's FLASH backend ({cause}, "
+            f"{_attention().FLEX_KERNEL_OPTIONS_ENV}); tree attention runs on FlexAttention's Triton kernels "
+            "from now on, in the same compiled layers. Unset the variable to start there.",
+            stacklevel=2,
+        )
+        return call_compiled(model, forward)  # compiled again without it; eager from its own failure on
     with eager_layers(model):
         result = forward()  # raises if the model itself fails: then it was not the compiler
     for layer in compiled_layers(model):
@@ -164,6 +176,26 @@ def call_compiled(model: torch.nn.Module, forward: Callable[[], T]) -> T:
         stacklevel=2,
     )
     return result
+
+
+def _attention():
+    """`hf_tree_attn.attention` (imported here: it is not needed to compile layers)."""
+    from . import attention
+
+    return attention
+
+
+def _drop_flash_backend() -> bool:
+    """Turn FlexAttention's FLASH backend off for tree attention if it is on (`attention.FLEX_KERNEL_OPTIONS`);
+    whether it was. Its lowering is the compiled layers' likeliest failure, and without it they stay compiled on
+    the Triton kernels, faster than eager layers on either."""
+    attention = _attention()
+    options = attention.FLEX_KERNEL_OPTIONS or {}
+    if options.get("BACKEND") != "FLASH":
+        return False
+    kept = {key: value for key, value in options.items() if key != "BACKEND"}
+    attention.FLEX_KERNEL_OPTIONS = kept or None
+    return True
 
 
 def _saved_tensors_hooks() -> tuple | None:

@@ -41,7 +41,8 @@ COMPILE_ENV = {"ACCELERATE_DYNAMO_BACKEND": "AOT_EAGER", "ACCELERATE_DYNAMO_USE_
 
 class CountingBackend:
     """A torch.compile backend (through AOTAutograd, so the backward is a compiled graph too) that counts how often
-    its forward and backward graphs run; `fail` = "forward" / "backward" makes that graph's compilation raise."""
+    its forward and backward graphs run; `fail` = "forward" / "backward" makes that graph's compilation raise, "flash"
+    the forward's while tree attention asks for FlexAttention's FLASH backend."""
 
     def __init__(self, fail: str | None = None):
         self.calls = {"forward": 0, "backward": 0}
@@ -52,6 +53,9 @@ class CountingBackend:
         def compile_graph(gm, example_inputs):
             if self.fail == kind:
                 raise RuntimeError(f"no {kind} for you")
+            flash = (hf_tree_attn.attention.FLEX_KERNEL_OPTIONS or {}).get("BACKEND") == "FLASH"
+            if self.fail == "flash" and kind == "forward" and flash:
+                raise RuntimeError("BACKEND='FLASH' but flash attention cannot be used")
 
             def run(*args):
                 self.calls[kind] += 1
@@ -105,6 +109,29 @@ def test_compiler_failure_falls_back_to_eager_once(fail):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _scores(compiled)  # said once
+
+
+def test_a_flash_backend_failure_turns_the_backend_off_and_stays_compiled(monkeypatch):
+    """With FlexAttention's FLASH backend on, a compiler failure turns that backend off (one warning naming it and
+    the error; the other kernel options kept) and the forward runs compiled again, on the Triton kernels: the layers
+    stay compiled and the results are eager's."""
+    monkeypatch.setattr(hf_tree_attn.attention, "FLEX_KERNEL_OPTIONS", {"BACKEND": "FLASH", "BLOCK_M": 64})
+    torch._dynamo.reset()
+    eager, compiled = tiny_model("qwen3"), tiny_model("qwen3")
+    counting = CountingBackend(fail="flash")
+    compile_decoder_layers(compiled, backend=counting.backend, dynamic=True)
+    want, want_grads = _scores(eager)
+    with pytest.warns(
+        UserWarning, match=r"failed on FlexAttention's FLASH backend \(RuntimeError: BACKEND='FLASH'"
+    ) as said:
+        got, got_grads = _scores(compiled)
+    assert len(said) == 1, [str(w.message) for w in said]
+    assert hf_tree_attn.attention.FLEX_KERNEL_OPTIONS == {"BLOCK_M": 64}
+    assert compiled_layers(compiled) == list(compiled.model.layers)  # still compiled
+    assert counting.calls["forward"] >= 2 and counting.calls["backward"] >= 2
+    torch.testing.assert_close(got, want, atol=TOLERANCES["logps_atol"], rtol=0)
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, atol=1e-6, rtol=1e-5, msg=name)
 
 
 def test_an_error_the_eager_forward_repeats_is_raised():
