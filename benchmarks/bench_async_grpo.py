@@ -21,8 +21,9 @@ Each side runs in a process of its own (`harness.run_side`). Sides:
   scored as one forest in chunks of at most `token_budget` rows, each shared prefix forwarded once per step where
   TRL's rows (and `tree`'s) each forward the prefixes their samples need;
 - `tree_flash`: the tree with FlexAttention on FlashAttention-4's kernels (`HF_TREE_ATTN_FLEX_KERNEL_OPTIONS=
-  {"BACKEND": "FLASH"}`; needs `flash_attn.cute`, benchmarks/fa4_wheels.sh); refused where the layers compile
-  with dynamic shapes, the default (`hf_tree_attn.compile`), so the row records the refusal;
+  {"BACKEND": "FLASH"}`; needs `flash_attn.cute`, benchmarks/fa4_wheels.sh) in its compiled layers; where the
+  compiler fails on that backend the trainer turns it off and goes on on the Triton kernels, and the side is then
+  recorded as failed, with the trainer's warning, not as a speed-up;
 - `tree_fa4`: the tree with its shared-prefix attention on FlashAttention-4's varlen kernels for every two-level
   forest (`HF_TREE_ATTN_PREFIX_KERNEL=fa4`; the same package).
 
@@ -63,7 +64,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import json
 import math
+import os
 import statistics
 import sys
 import tempfile
@@ -341,13 +344,13 @@ def side_main(args) -> dict:
             route = gdn_kernels.select(args.gdn_route, lift_guard=True)
         gdn_kernels.install_probes()
         with (
-            warnings.catch_warnings(),
+            warnings.catch_warnings(record=True) as caught,
             use_kernel(kernel),
             RowLog() as rows,
             route,
             gdn_kernels.KernelProbe() as probe,
         ):
-            warnings.simplefilter("ignore")
+            warnings.simplefilter("always")  # recorded, not printed
             trainer = trainer_class(
                 tmp, args=config_class(**options), train_dataset=Dataset.from_dict({"prompt": ["unused"] * 8}),
                 processing_class=build_tokenizer(config.vocab_size), callbacks=callbacks,
@@ -374,7 +377,9 @@ def side_main(args) -> dict:
         for k in range(args.warmup, args.warmup + len(times))
     ]
     compile_decision = getattr(trainer, "tree_compile", None)
+    turned_off = flash_turned_off([str(w.message) for w in caught])
     return {
+        **({"error": turned_off} if turned_off else {}),
         **timing,
         "measured_step_s": times,
         "median_step_s": statistics.median(times),
@@ -402,6 +407,19 @@ def side_main(args) -> dict:
         "gdn_kernels": gdn_kernels.describe(probe.calls),
         "profile": callbacks[-1].summary if profiled else None,
     }  # fmt: skip
+
+
+def flash_turned_off(messages: list[str]) -> str | None:
+    """Why a side that asked for FlexAttention's FLASH backend (`HF_TREE_ATTN_FLEX_KERNEL_OPTIONS`) did not run on
+    it to the end: the trainer's warning, where it turned the backend off after a compiler failure; None if it ran
+    on it, or did not ask."""
+    from hf_tree_attn import attention
+
+    asked = json.loads(os.environ.get(attention.FLEX_KERNEL_OPTIONS_ENV) or "{}").get("BACKEND") == "FLASH"
+    if not asked or (attention.FLEX_KERNEL_OPTIONS or {}).get("BACKEND") == "FLASH":
+        return None
+    said = [m for m in messages if "FLASH backend" in m]
+    return "FlexAttention's FLASH backend was turned off: " + (said[0][:400] if said else "no warning recorded")
 
 
 def unique_tokens(samples: list[dict]) -> int:
