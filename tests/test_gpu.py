@@ -238,8 +238,9 @@ def test_compiled_checkpointed_layers_match_flat_forward(backend, monkeypatch):
     """The trainers' CUDA path: decoder layers compiled in place with dynamic shapes (`compile_decoder_layers`) under
     non-reentrant activation checkpointing, FlexAttention on its Triton kernels or on FlashAttention-4's (the FLASH
     backend, its masks in buffers of static size), bf16: two forests of different lengths through one model give the
-    float32 flat forward's log-probs and gradients within the bf16 bounds, and the layers stay compiled (a compiler
-    failure would have put them back to eager with a warning)."""
+    float32 flat forward's log-probs and gradients within the bf16 bounds, and the layers stay compiled on the backend
+    asked for (a compiler failure would have turned the FLASH backend off, or put the layers back to eager, with a
+    warning)."""
     from hf_tree_attn.compile import call_compiled, compile_decoder_layers, compiled_layers
 
     if backend == "FLASH":
@@ -268,6 +269,8 @@ def test_compiled_checkpointed_layers_match_flat_forward(backend, monkeypatch):
             sum(((t * w).sum() for t, w in zip(tree_lp, weights))).backward()
             sum(((f * w).sum() for f, w in zip(flat_lp, weights))).backward()
             assert len(compiled_layers(tree_model)) == layers, "the layers fell back to eager"
+            if backend == "FLASH":
+                assert hf_tree_attn.attention.FLEX_KERNEL_OPTIONS == {"BACKEND": "FLASH"}, "FLASH was turned off"
             flat_params = dict(flat_model.named_parameters())
             for pname, p in tree_model.named_parameters():
                 g, ref = p.grad.float().flatten(), flat_params[pname].grad.flatten()
