@@ -558,7 +558,8 @@ def test_static_rows_buffers():
 
 
 def test_compiled_forwards_through_block_masks_leave_kernels_routing_as_found():
-    """From transformers 5.25 on, `kernels`' wrapper around each attention module's forward sets a routing variable
+    """Where transformers wraps attention modules with `kernels`' `use_kernelized_func` (5.25 depends on `kernels`),
+    the wrapper around each attention module's forward sets a routing variable
     and resets it in a `finally`; dynamo replays the set and not the reset when the block traces FlexAttention, so
     the variable stayed set after the first compiled forward through BlockMasks and the second compiled every layer
     again. Through `call_compiled` the variable is as the eager wrapper leaves it, and a forest of another length
