@@ -471,24 +471,29 @@ c.set_checkpoint_debug_enabled(True).__enter__(); sys.exit(pytest.main(sys.argv[
       with_fa4 || continue
       timeout 400 python3 benchmarks/attention_gathered_paths.py --workload tau2_like \
         --kernels flex flex_flash fa4_gathered --out "$OUT/attention_flex_flash_${card}_tau2_like.json" 2>&1 | quiet 40 ;;
-    async-grpo-flash-1.7b)  # TreeAsyncGRPOTrainer with FlexAttention on FlashAttention-4's kernels
-      # (HF_TREE_ATTN_FLEX_KERNEL_OPTIONS) and with the shared-prefix attention on them (HF_TREE_ATTN_PREFIX_KERNEL)
-      # against its default, through trainer.train() (carry .fa4/2 and .whl, after `fa4-site-1` or
-      # `flex-flash-backend` on the same machine)
-      with_fa4 || continue
-      timeout 580 python3 benchmarks/bench_async_grpo.py --warmup 2 --steps 8 --models qwen3-1.7b \
-        --workloads grpo_mixed --sides tree tree_flash tree_fa4 --out "$OUT/async_grpo_${card}_qwen3-1.7b_flash.json" \
-        2>&1 | grep -E "^qwen|^  |rror:" ;;
     async-grpo-flash-compiled-1.7b)  # FlexAttention on FlashAttention-4's kernels in TreeAsyncGRPOTrainer's
-      # compiled layers (its masks in buffers of static size) against its Triton kernels, each judged by its error to
-      # TRL's float32 run, through trainer.train() (carry .fa4/2 and .whl, after `fa4-site-1` on the same machine)
+      # compiled layers (its masks in buffers of static size) against its Triton kernels and TRL's AsyncGRPOTrainer at
+      # its defaults, each judged by its error to TRL's float32 run, through trainer.train() (carry .fa4/2 and .whl,
+      # after `fa4-site-1` on the same machine)
       with_fa4 || continue
       timeout 580 python3 benchmarks/bench_async_grpo.py --warmup 2 --steps 8 --models qwen3-1.7b \
         --workloads grpo_mixed --sides reference tree tree_flash \
-        --out "$OUT/async_grpo_${card}_qwen3-1.7b_flash_compiled.json" 2>&1 | grep -E "^qwen|^  |rror:" ;;
+        --out "$OUT/async_grpo_${card}_qwen3-1.7b_flash_compiled.json" 2>&1 | grep -E "^qwen|^  |rror:"
+      timeout 200 python3 benchmarks/bench_async_grpo.py --warmup 2 --steps 8 --resume --models qwen3-1.7b \
+        --workloads grpo_mixed --sides trl --out "$OUT/async_grpo_${card}_qwen3-1.7b_flash_compiled.json" 2>&1 \
+        | grep -E "^qwen|^  |rror:" ;;
+    async-grpo-flash-compiled-1.7b-agent)  # the same on τ²-like agent conversations (carry .fa4/2 and .whl, after
+      # `fa4-site-1` on the same machine)
+      with_fa4 || continue
+      timeout 400 python3 benchmarks/bench_async_grpo.py --warmup 2 --steps 8 --models qwen3-1.7b \
+        --workloads tau2_like --sides reference tree tree_flash \
+        --out "$OUT/async_grpo_${card}_qwen3-1.7b_flash_compiled_tau2.json" 2>&1 | grep -E "^qwen|^  |rror:"
+      timeout 200 python3 benchmarks/bench_async_grpo.py --warmup 2 --steps 8 --resume --models qwen3-1.7b \
+        --workloads tau2_like --sides trl --out "$OUT/async_grpo_${card}_qwen3-1.7b_flash_compiled_tau2.json" 2>&1 \
+        | grep -E "^qwen|^  |rror:" ;;
     async-grpo-fa4-1.7b)  # the shared-prefix attention on FlashAttention-4's varlen kernels (HF_TREE_ATTN_PREFIX_KERNEL)
-      # against the default through trainer.train(), each judged by its error to TRL's float32 run (the direct bf16
-      # check of `async-grpo-flash-1.7b` cannot tell rounding from a fault); carry .fa4/2 and .whl after `fa4-site-1`
+      # against the default through trainer.train(), each judged by its error to TRL's float32 run (a direct check
+      # of one bf16 run against another cannot tell rounding from a fault); carry .fa4/2 and .whl after `fa4-site-1`
       with_fa4 || continue
       timeout 580 python3 benchmarks/bench_async_grpo.py --warmup 2 --steps 8 --models qwen3-1.7b \
         --workloads grpo_mixed --sides reference tree tree_fa4 --out "$OUT/async_grpo_${card}_qwen3-1.7b_fa4.json" \
@@ -573,9 +578,9 @@ c.set_checkpoint_debug_enabled(True).__enter__(); sys.exit(pytest.main(sys.argv[
       timeout 330 python3 -m pytest -q -rf -m gpu -p no:cacheprovider tests/ > "$OUT/h200_gpu_tests.log" 2>&1
       summary "$OUT/h200_gpu_tests.log" ;;
     gpu-tests-kernels)  # the shared-prefix kernels, Liger / regional compile, the dense families, the GRPO trainer
-      timeout 300 python3 -m pytest -q -rf -n 4 -m gpu -p no:cacheprovider tests/test_prefix_attention.py \
-        tests/test_kernels.py tests/test_gpu.py tests/test_grpo_trainer.py > "$OUT/h200_gpu_tests_kernels.log" 2>&1
-      summary "$OUT/h200_gpu_tests_kernels.log" ;;
+      timeout 230 python3 -m pytest -q -rf -m gpu -p no:cacheprovider tests/test_prefix_attention.py \
+        tests/test_kernels.py tests/test_gpu.py tests/test_grpo_trainer.py > "$OUT/${card}_gpu_tests_kernels.log" 2>&1
+      summary "$OUT/${card}_gpu_tests_kernels.log" ;;
     gpu-tests-kernels-always)  # the same with the kernels on every two-level forest, small ones included
       HF_TREE_ATTN_PREFIX_ATTENTION=always timeout 300 python3 -m pytest -q -rf -n 4 -m gpu -p no:cacheprovider \
         tests/test_prefix_attention.py tests/test_kernels.py tests/test_gpu.py tests/test_grpo_trainer.py \
