@@ -59,9 +59,10 @@ FORCE_REGISTER_ENV = "HF_TREE_ATTN_FORCE_REGISTER"
 # FlexAttention `kernel_options` for tree_flex calls on CUDA that bring none of their own (the model kwarg
 # `kernel_options`), from the JSON of HF_TREE_ATTN_FLEX_KERNEL_OPTIONS at import; may be set at run time (a dict or
 # None). E.g. {"BACKEND": "FLASH"}: FlashAttention-4's kernels behind the same block mask (needs the `flash_attn.cute`
-# package); off by default: faster than the Triton kernels on tree masks, attention alone, not yet measured through
-# the trainers. With it the masks capture no symbolic size, which its lowering refuses (`masks.static_rows`). Not
-# applied with a softcap (FlashAttention-4's backward takes no score modification).
+# package), which the tree trainers set by default where they compile the layers of the measured kind on a Hopper
+# or Blackwell GPU (`trainer.compile_setting.default_flash_backend`; '{}' keeps the Triton kernels). With it the masks
+# capture no symbolic size, which its lowering refuses (`masks.static_rows`). Not applied with a softcap
+# (FlashAttention-4's backward takes no score modification).
 FLEX_KERNEL_OPTIONS_ENV = "HF_TREE_ATTN_FLEX_KERNEL_OPTIONS"
 
 

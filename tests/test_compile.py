@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import math
 import warnings
 from types import SimpleNamespace
@@ -586,3 +587,70 @@ def test_compiled_forwards_through_block_masks_leave_kernels_routing_as_found():
         assert graphs[1] == graphs[0], "the second forest compiled the layers again"
     finally:
         torch._dynamo.reset()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# FlexAttention's FLASH backend by default where it was measured.
+
+
+def _flash_model(**config):
+    """A dense Qwen3 of the measured kind (full attention, head size 64), with `config` changed."""
+    from transformers import Qwen3Config
+
+    fields = dict(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=1, head_dim=64) | config  # fmt: skip
+    return AutoModelForCausalLM.from_config(Qwen3Config(**fields))
+
+
+def _flash_default(monkeypatch, *, args=None, accelerator=None, decision=None, model=None, capability=(9, 0),
+                   installed=True, env=None):  # fmt: skip
+    """`default_flash_backend` on a CUDA trainer with compiled layers, a Hopper GPU and FlashAttention-4 unless
+    told otherwise; returns the kernel options it left (the package's global, restored after the test)."""
+    from hf_tree_attn import attention
+
+    monkeypatch.setattr(attention, "FLEX_KERNEL_OPTIONS", None if env is None else json.loads(env))
+    monkeypatch.delenv(attention.FLEX_KERNEL_OPTIONS_ENV, raising=False)
+    if env is not None:
+        monkeypatch.setenv(attention.FLEX_KERNEL_OPTIONS_ENV, env)
+    monkeypatch.setattr(compile_setting, "_device_capability", lambda device: capability)
+    monkeypatch.setattr(compile_setting, "_flash_attention_4_installed", lambda: installed)
+    args = args or SimpleNamespace(tree_prefix_reuse=False)
+    decision = decision or compile_setting.CompileDecision(dict(compile_setting.DEFAULT_COMPILE), "default", "")
+    note = compile_setting.default_flash_backend(
+        args, accelerator or _accelerator(device="cuda"), decision, model or _flash_model()
+    )
+    assert (note is not None) == (attention.FLEX_KERNEL_OPTIONS == {"BACKEND": "FLASH"})
+    return attention.FLEX_KERNEL_OPTIONS
+
+
+def test_compiled_layers_of_the_measured_kind_run_on_the_flash_backend_by_default(monkeypatch):
+    from hf_tree_attn import masks
+
+    assert _flash_default(monkeypatch) == {"BACKEND": "FLASH"}
+    assert masks.needs_static_rows()  # the masks then read the forest from buffers of static size
+    assert _flash_default(monkeypatch, capability=(10, 0), model=_flash_model(head_dim=128)) == {"BACKEND": "FLASH"}
+
+
+FLASH_STAYS_OFF = {
+    "the user's kernel options": dict(env='{"USE_TMA": true}'),
+    "the user's Triton kernels": dict(env="{}"),
+    "layers not compiled": dict(decision=compile_setting.CompileDecision(None, "none", "tree_compile=False")),
+    "on CPU": dict(accelerator=_accelerator(device="cpu")),
+    "an Ampere GPU": dict(capability=(8, 0)),
+    "FlashAttention-4 not installed": dict(installed=False),
+    "prefix reuse": dict(args=SimpleNamespace(tree_prefix_reuse=True)),
+    "head size 32": dict(model=_flash_model(head_dim=32)),
+    "a sliding window": dict(model=_flash_model(use_sliding_window=True, sliding_window=16)),
+    "sliding layers": dict(model=_flash_model(layer_types=["sliding_attention", "full_attention"],
+                                              use_sliding_window=True, sliding_window=16)),
+    "mixture of experts": dict(model="moe"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(FLASH_STAYS_OFF))
+def test_the_flash_backend_stays_off_by_default_outside_what_was_measured(monkeypatch, case):
+    given = dict(FLASH_STAYS_OFF[case])
+    if given.get("model") == "moe":
+        given["model"] = _model("moe")
+    left = _flash_default(monkeypatch, **given)
+    assert left == (json.loads(given["env"]) if "env" in given else None)

@@ -14,11 +14,21 @@ are attention and a dense MLP (the measured case); `True` does so on any device 
 compile the user asked for applies whatever `tree_compile` says. Left to accelerate (no default) under FSDP and
 DeepSpeed, and refused with Liger's kernels (see `_LIGER_REFUSAL`). A whole-model compile request compiles the
 layers regionally instead, said once: a whole-model graph breaks where the tree masks are built.
+
+With the layers compiled in place on a Hopper or Blackwell GPU and FlashAttention-4 installed (`flash_attn.cute`),
+tree attention runs on FlexAttention's FLASH backend by default (`default_flash_backend`): through
+`trainer.train()` it was exact to TRL's float32 run and 1.16x / 1.22x the Triton kernels' step on GRPO groups /
+agent conversations at the Qwen3-1.7B shape (benchmarks/results/async_grpo_h100_qwen3-1.7b_flash_compiled*.json).
+Only on the measured kind of layers (full attention over one head size of 64 or 128, no sliding window, sinks or
+softcap, no prefix reuse) and only where `HF_TREE_ATTN_FLEX_KERNEL_OPTIONS` is unset (`'{}'` keeps the Triton
+kernels); a compiled forward that fails on it turns it off with one warning and stays compiled (`call_compiled`).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import logging
+import os
 import warnings
 from dataclasses import dataclass, replace
 
@@ -26,7 +36,7 @@ from ..compile import compile_decoder_layers
 from ..recompute import _EXPERT_FIELDS
 from ..support import config_field, unwrap_model
 
-__all__ = ["CompileDecision", "apply_compile", "decide_compile"]
+__all__ = ["CompileDecision", "apply_compile", "decide_compile", "default_flash_backend"]
 
 logger = logging.getLogger(__name__)
 
@@ -142,3 +152,68 @@ def apply_compile(accelerator, decision: CompileDecision, models) -> None:
 
         accelerator.state.dynamo_plugin = replace(plugin, backend=DynamoBackend.NO)
     logger.info("Compiled decoder layers (%s): %s.", decision.note, decision.kwargs)
+
+
+def _flash_attention_4_installed() -> bool:
+    """Whether FlashAttention-4's CuTeDSL package (`flash_attn.cute`), which FlexAttention's FLASH backend runs, is
+    importable."""
+    try:
+        return importlib.util.find_spec("flash_attn.cute") is not None
+    except ImportError:  # no `flash_attn` at all
+        return False
+
+
+def _device_capability(device) -> tuple[int, int]:
+    import torch
+
+    return torch.cuda.get_device_capability(device)
+
+
+def _flash_refusal(model) -> str | None:
+    """Why `model`'s layers are not the kind the FLASH backend was measured on, or None."""
+    config = unwrap_model(model).config.get_text_config()
+    reason = _default_refusal(model)
+    if reason is not None:
+        return reason
+    if any(kind != "full_attention" for kind in config_field(config, "layer_types", default=()) or ()):
+        return "not every layer is full attention"
+    if config_field(config, "sliding_window") is not None and getattr(config, "use_sliding_window", True):
+        return "it has a sliding window"
+    if config_field(config, "attn_logit_softcapping") is not None:
+        return "it softcaps attention scores"
+    if config_field(config, "kv_lora_rank", "qk_nope_head_dim") is not None:
+        return "its attention is latent (MLA)"
+    heads = config_field(config, "num_attention_heads")
+    head_dim = config_field(config, "head_dim", default=config.hidden_size // heads if heads else None)
+    if head_dim not in (64, 128):
+        return f"head size {head_dim} (measured: 64, 128)"
+    if any(hasattr(module, "sinks") for module in unwrap_model(model).modules()):
+        return "it has attention sinks"
+    return None
+
+
+def default_flash_backend(args, accelerator, decision: CompileDecision, model) -> str | None:
+    """Put tree attention on FlexAttention's FLASH backend (FlashAttention-4's kernels behind the same block masks)
+    when the trainer compiled `model`'s layers in place (`decision`) on a Hopper / Blackwell GPU with
+    `flash_attn.cute` installed, the layers are the measured kind (`_flash_refusal`), prefix reuse is off and the
+    user set no kernel options (`HF_TREE_ATTN_FLEX_KERNEL_OPTIONS`). Returns the note for logs and the card, or
+    None where it stays on the Triton kernels."""
+    from .. import attention
+
+    if decision.kwargs is None or accelerator.device.type != "cuda" or getattr(args, "tree_prefix_reuse", False):
+        return None
+    if attention.FLEX_KERNEL_OPTIONS is not None or attention.FLEX_KERNEL_OPTIONS_ENV in os.environ:
+        return None  # the user's choice
+    if _device_capability(accelerator.device)[0] not in (9, 10) or not _flash_attention_4_installed():
+        return None
+    reason = _flash_refusal(model)
+    if reason is not None:
+        logger.info("Tree attention stays on FlexAttention's Triton kernels: %s.", reason)
+        return None
+    attention.FLEX_KERNEL_OPTIONS = {"BACKEND": "FLASH"}
+    note = (
+        "FlexAttention's FLASH backend (FlashAttention-4) in the compiled layers; "
+        f"{attention.FLEX_KERNEL_OPTIONS_ENV}='{{}}' keeps the Triton kernels"
+    )
+    logger.info("Tree attention on %s.", note)
+    return note

@@ -41,7 +41,7 @@ from ..attention import ATTN_IMPLEMENTATION
 from ..reuse_planner import budget_error, plan_prefix_reuse
 from ..support import check_tree_model, config_support_error, fsdp2_sharded, tree_support_error, unwrap_model
 from . import trl_compat
-from .compile_setting import apply_compile, decide_compile
+from .compile_setting import apply_compile, decide_compile, default_flash_backend
 
 __all__ = [
     "CompileOptions",
@@ -649,6 +649,7 @@ class TreeTrainerMixin:
         self.tree_compile = decide_compile(self.args, self.accelerator, self.model) if self.tree_packing else None
         if self.tree_compile is not None:
             apply_compile(self.accelerator, self.tree_compile, (self.model, getattr(self, "ref_model", None)))
+            default_flash_backend(self.args, self.accelerator, self.tree_compile, self.model)
 
     def _tree_card_rows(self) -> list[tuple[str, object]]:
         """The trainer's own settings for the card, after the options every tree trainer has."""
