@@ -14,7 +14,10 @@ Each side runs in a process of its own (`harness.run_side`). Sides:
   per step, its learning rate and optimizer), `dtype="bfloat16"` weights, an explicit `token_budget`;
 - `trl_compiled`: the same with the fastest setting a TRL user can pick, accelerate's regional compilation of its
   decoder layers (`ACCELERATE_DYNAMO_BACKEND=INDUCTOR`, `..._USE_REGIONAL_COMPILATION=1`, `..._USE_DYNAMIC=1`);
-- `tree`: `TreeAsyncGRPOTrainer` at its defaults (on CUDA its decoder layers compiled, `tree_compile="auto"`);
+- `tree`: `TreeAsyncGRPOTrainer` at its defaults (on CUDA its decoder layers compiled, `tree_compile="auto"`; with
+  FlashAttention-4 installed, on a Hopper or Blackwell GPU, FlexAttention on its kernels);
+- `tree_triton`: the same on FlexAttention's Triton kernels whatever is installed (`HF_TREE_ATTN_FLEX_KERNEL_OPTIONS=
+  {}`);
 - `tree_eager`: the same with `tree_compile=False`;
 - `tree_budget`: the tree with `tree_activation_budget_gib=--activation-budget-gib` (fewer layers recompute);
 - `tree_reuse`: the tree with `tree_prefix_reuse=True`: the rows of an optimizer step (`--accumulation` of them)
@@ -224,6 +227,7 @@ SIDES = {
     "tree_eager": (True, {"tree_compile": False}, {}),
     "tree_budget": (True, {"tree_activation_budget_gib": None}, {}),
     "tree_reuse": (True, {"tree_prefix_reuse": True}, {}),
+    "tree_triton": (True, {}, {"HF_TREE_ATTN_FLEX_KERNEL_OPTIONS": "{}"}),
     "tree_flash": (True, {}, {"HF_TREE_ATTN_FLEX_KERNEL_OPTIONS": '{"BACKEND": "FLASH"}'}),
     "tree_fa4": (True, {}, {"HF_TREE_ATTN_PREFIX_KERNEL": "fa4"}),
     # TRL's trainer in float32 (weights, no autocast, plain-torch attention), one step: the exact per-token values the
@@ -233,7 +237,8 @@ SIDES = {
 # (candidate, reference) pairs reported per row where both sides ran.
 PAIRS = [("tree", "trl"), ("tree", "trl_compiled"), ("tree_eager", "trl"), ("tree", "tree_eager"),
          ("tree_budget", "trl"), ("tree_reuse", "trl"), ("tree_reuse", "tree"), ("tree_flash", "trl"),
-         ("tree_flash", "tree"), ("tree_fa4", "trl"), ("tree_fa4", "tree")]  # fmt: skip
+         ("tree_flash", "tree"), ("tree_fa4", "trl"), ("tree_fa4", "tree"), ("tree_triton", "trl"),
+         ("tree_flash", "tree_triton"), ("tree", "tree_triton")]  # fmt: skip
 
 
 class ScoresTaken(Exception):
@@ -401,12 +406,21 @@ def side_main(args) -> dict:
         "tree_kept_attention": _mean(measured, "tree_kept_attention"),
         "tree_compile": None if compile_decision is None else {"kwargs": compile_decision.kwargs,
                                                                "source": compile_decision.source},
+        # The FlexAttention kernel options tree attention ran with at the end ({"BACKEND": "FLASH"}: FlashAttention-4).
+        "flex_kernel_options": flex_kernel_options(),
         "first_scores": {"targets": scores.targets, "log_probs": scores.log_probs},
         # What ran compiled (the tree trainer's layers or accelerate's, dynamo's graphs) and its compile seconds.
         "dynamo": compile_report(trainer),
         "gdn_kernels": gdn_kernels.describe(probe.calls),
         "profile": callbacks[-1].summary if profiled else None,
     }  # fmt: skip
+
+
+def flex_kernel_options() -> dict | None:
+    """The kernel options of tree FlexAttention calls in this process now (`attention.FLEX_KERNEL_OPTIONS`)."""
+    from hf_tree_attn import attention
+
+    return attention.FLEX_KERNEL_OPTIONS
 
 
 def flash_turned_off(messages: list[str]) -> str | None:

@@ -940,6 +940,7 @@ def flash_attention() -> list[str]:
     for name in FLASH_ASYNC:
         data = load(name)
         for row in data["rows"]:
+            base = "tree_triton" if "tree_triton" in row["sides"] else "tree"  # the tree on the Triton kernels
             for side, run in row["sides"].items():
                 if side == "reference":
                     continue
@@ -948,13 +949,13 @@ def flash_attention() -> list[str]:
                     cells = [f"failed: {errors[-1].split(': ', 1)[-1] if errors else run['error']}"] + [""] * 5
                 else:
                     cells = [secs(run["median_step_s"]), pct(run["mfu"], 1), f"{run['peak_gib']:.1f} GiB",
-                             "—" if side == "tree" else ranged(row["paired"].get(f"{side} vs tree")),
+                             "—" if side == base else ranged(row["paired"].get(f"{side} vs {base}")),
                              "—" if side == "trl" else ranged(row["paired"].get(f"{side} vs trl")),
                              float32_error(row["agreement"], side)]  # fmt: skip
                 trainer_rows.append([f"{MODELS[row['model']]}, {data['gpu']}", f"`{row['workload']}`", f"`{side}`",
                                      *cells, notes.source(name)])  # fmt: skip
     trainer_headers = ["model shape, device", "workload", "side", "median step", "MFU", "peak",
-                       "over the default tree, per step", "over TRL, per step",
+                       "over the tree on Triton kernels, per step", "over TRL, per step",
                        "log-probs: max / mean error to float32 (checks passed)", "source"]  # fmt: skip
     return (
         [
@@ -969,7 +970,9 @@ def flash_attention() -> list[str]:
         + [
             "The same kernels in `TreeAsyncGRPOTrainer` through `trainer.train()` (`bench_async_grpo.py --sides "
             "reference tree tree_flash tree_fa4 trl`), each side in its own process, 2 warm-up and 8 measured steps "
-            "on the same replayed samples, compiled layers: `tree` at its defaults (FlexAttention's Triton kernels), "
+            "on the same replayed samples, compiled layers: `tree` at its defaults, which were FlexAttention's "
+            "Triton kernels when these rows ran (`tree_triton` names that side now that the trainers default to "
+            "FlashAttention-4 where it is installed), "
             '`tree_flash` with `HF_TREE_ATTN_FLEX_KERNEL_OPTIONS={"BACKEND": "FLASH"}` (FlexAttention on '
             "FlashAttention-4's kernels, the tree masks in buffers of static size), `tree_fa4` with "
             "`HF_TREE_ATTN_PREFIX_KERNEL=fa4` (the shared-prefix attention on FlashAttention-4's varlen kernels), "

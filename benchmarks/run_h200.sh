@@ -474,26 +474,28 @@ c.set_checkpoint_debug_enabled(True).__enter__(); sys.exit(pytest.main(sys.argv[
     async-grpo-flash-compiled-1.7b)  # FlexAttention on FlashAttention-4's kernels in TreeAsyncGRPOTrainer's
       # compiled layers (its masks in buffers of static size) against its Triton kernels and TRL's AsyncGRPOTrainer at
       # its defaults, each judged by its error to TRL's float32 run, through trainer.train() (carry .fa4/2 and .whl,
-      # after `fa4-site-1` on the same machine)
+      # after `fa4-site-1` on the same machine). The committed file ran before the FLASH backend was the trainers'
+      # default where FlashAttention-4 is installed: its `tree` side is what `tree_triton` names now
       with_fa4 || continue
       timeout 580 python3 benchmarks/bench_async_grpo.py --warmup 2 --steps 8 --models qwen3-1.7b \
-        --workloads grpo_mixed --sides reference tree tree_flash \
+        --workloads grpo_mixed --sides reference tree_triton tree_flash \
         --out "$OUT/async_grpo_${card}_qwen3-1.7b_flash_compiled.json" 2>&1 | grep -E "^qwen|^  |rror:"
       timeout 200 python3 benchmarks/bench_async_grpo.py --warmup 2 --steps 8 --resume --models qwen3-1.7b \
         --workloads grpo_mixed --sides trl --out "$OUT/async_grpo_${card}_qwen3-1.7b_flash_compiled.json" 2>&1 \
         | grep -E "^qwen|^  |rror:" ;;
     async-grpo-flash-compiled-1.7b-agent)  # the same on τ²-like agent conversations (carry .fa4/2 and .whl, after
-      # `fa4-site-1` on the same machine)
+      # `fa4-site-1` on the same machine; the committed file's `tree` is `tree_triton`, as above)
       with_fa4 || continue
       timeout 400 python3 benchmarks/bench_async_grpo.py --warmup 2 --steps 8 --models qwen3-1.7b \
-        --workloads tau2_like --sides reference tree tree_flash \
+        --workloads tau2_like --sides reference tree_triton tree_flash \
         --out "$OUT/async_grpo_${card}_qwen3-1.7b_flash_compiled_tau2.json" 2>&1 | grep -E "^qwen|^  |rror:"
       timeout 200 python3 benchmarks/bench_async_grpo.py --warmup 2 --steps 8 --resume --models qwen3-1.7b \
         --workloads tau2_like --sides trl --out "$OUT/async_grpo_${card}_qwen3-1.7b_flash_compiled_tau2.json" 2>&1 \
         | grep -E "^qwen|^  |rror:" ;;
     async-grpo-fa4-1.7b)  # the shared-prefix attention on FlashAttention-4's varlen kernels (HF_TREE_ATTN_PREFIX_KERNEL)
       # against the default through trainer.train(), each judged by its error to TRL's float32 run (a direct check
-      # of one bf16 run against another cannot tell rounding from a fault); carry .fa4/2 and .whl after `fa4-site-1`
+      # of one bf16 run against another cannot tell rounding from a fault); carry .fa4/2 and .whl after `fa4-site-1`.
+      # The committed file ran before the FLASH backend was the default: both sides' FlexAttention calls on Triton
       with_fa4 || continue
       timeout 580 python3 benchmarks/bench_async_grpo.py --warmup 2 --steps 8 --models qwen3-1.7b \
         --workloads grpo_mixed --sides reference tree tree_fa4 --out "$OUT/async_grpo_${card}_qwen3-1.7b_fa4.json" \
