@@ -196,7 +196,7 @@ def default_flash_backend(args, accelerator, decision: CompileDecision, model) -
     """Put tree attention on FlexAttention's FLASH backend (FlashAttention-4's kernels behind the same block masks)
     when the trainer compiled `model`'s layers in place (`decision`) on a Hopper / Blackwell GPU with
     `flash_attn.cute` installed, the layers are the measured kind (`_flash_refusal`), prefix reuse is off and the
-    user set no kernel options (`HF_TREE_ATTN_FLEX_KERNEL_OPTIONS`). Returns the note for logs and the card, or
+    user set no kernel options (`HF_TREE_ATTN_FLEX_KERNEL_OPTIONS`). Returns the note it logs, or
     None where it stays on the Triton kernels."""
     from .. import attention
 
