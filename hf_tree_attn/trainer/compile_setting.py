@@ -171,14 +171,17 @@ def _device_capability(device) -> tuple[int, int]:
 
 def _flash_refusal(model) -> str | None:
     """Why `model`'s layers are not the kind the FLASH backend was measured on, or None."""
+    from .. import attention
+
     config = unwrap_model(model).config.get_text_config()
     reason = _default_refusal(model)
     if reason is not None:
         return reason
     if any(kind != "full_attention" for kind in config_field(config, "layer_types", default=()) or ()):
         return "not every layer is full attention"
-    if config_field(config, "sliding_window") is not None and getattr(config, "use_sliding_window", True):
-        return "it has a sliding window"
+    windows = [name for name in attention._WINDOW_FIELDS if config_field(config, name) is not None]
+    if windows:
+        return f"its attention is windowed (`{windows[0]}`)"
     if config_field(config, "attn_logit_softcapping") is not None:
         return "it softcaps attention scores"
     if config_field(config, "kv_lora_rank", "qk_nope_head_dim") is not None:
