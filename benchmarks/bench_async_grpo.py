@@ -424,16 +424,19 @@ def flex_kernel_options() -> dict | None:
 
 
 def flash_turned_off(messages: list[str]) -> str | None:
-    """Why a side that asked for FlexAttention's FLASH backend (`HF_TREE_ATTN_FLEX_KERNEL_OPTIONS`) did not run on
+    """Why a side whose tree attention was on FlexAttention's FLASH backend (asked through
+    `HF_TREE_ATTN_FLEX_KERNEL_OPTIONS`, or the trainers' default where FlashAttention-4 is installed) did not run on
     it to the end: the trainer's warning, where it turned the backend off after a compiler failure; None if it ran
-    on it, or did not ask."""
+    on it, or never was on it."""
     from hf_tree_attn import attention
 
+    said = [m for m in messages if "failed on FlexAttention's FLASH backend" in m]
+    if said:
+        return "FlexAttention's FLASH backend was turned off: " + said[0][:400]
     asked = json.loads(os.environ.get(attention.FLEX_KERNEL_OPTIONS_ENV) or "{}").get("BACKEND") == "FLASH"
-    if not asked or (attention.FLEX_KERNEL_OPTIONS or {}).get("BACKEND") == "FLASH":
-        return None
-    said = [m for m in messages if "FLASH backend" in m]
-    return "FlexAttention's FLASH backend was turned off: " + (said[0][:400] if said else "no warning recorded")
+    if asked and (attention.FLEX_KERNEL_OPTIONS or {}).get("BACKEND") != "FLASH":
+        return "FlexAttention's FLASH backend was turned off: no warning recorded"
+    return None
 
 
 def unique_tokens(samples: list[dict]) -> int:
