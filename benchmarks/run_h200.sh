@@ -494,16 +494,17 @@ c.set_checkpoint_debug_enabled(True).__enter__(); sys.exit(pytest.main(sys.argv[
         | grep -E "^qwen|^  |rror:" ;;
     async-grpo-default-1.7b)  # TreeAsyncGRPOTrainer at its defaults with FlashAttention-4 installed (FlexAttention's
       # FLASH backend in its compiled layers) against TRL's AsyncGRPOTrainer at its defaults and with accelerate's
-      # regional compile, GRPO groups, each judged by its error to TRL's float32 run (carry .fa4/2 and .whl, after
-      # `fa4-site-1` on the same machine)
+      # regional compile, GRPO groups, each judged by its error to TRL's float32 run; one more step per side under the
+      # torch profiler, where each side's kernel time goes (carry .fa4/2 and .whl, after `fa4-site-1` on the same
+      # machine)
       with_fa4 || continue
-      timeout 570 python3 benchmarks/bench_async_grpo.py --warmup 2 --steps 8 --resume --models qwen3-1.7b \
+      timeout 570 python3 benchmarks/bench_async_grpo.py --warmup 2 --steps 8 --resume --profile --models qwen3-1.7b \
         --workloads grpo_mixed --sides reference tree trl_compiled trl \
         --out "$OUT/async_grpo_${card}_qwen3-1.7b_default.json" 2>&1 | grep -E "^qwen|^  |rror:" ;;
     async-grpo-default-1.7b-agent)  # the same on τ²-like agent conversations (carry .fa4/2 and .whl, after
       # `fa4-site-1` on the same machine)
       with_fa4 || continue
-      timeout 570 python3 benchmarks/bench_async_grpo.py --warmup 2 --steps 8 --resume --models qwen3-1.7b \
+      timeout 570 python3 benchmarks/bench_async_grpo.py --warmup 2 --steps 8 --resume --profile --models qwen3-1.7b \
         --workloads tau2_like --sides reference trl_compiled tree trl \
         --out "$OUT/async_grpo_${card}_qwen3-1.7b_default_tau2.json" 2>&1 | grep -E "^qwen|^  |rror:" ;;
     async-grpo-fa4-1.7b)  # the shared-prefix attention on FlashAttention-4's varlen kernels (HF_TREE_ATTN_PREFIX_KERNEL)
