@@ -165,6 +165,12 @@ for stage in "$@"; do
       timeout 330 python3 benchmarks/bench_tree_vs_flat.py --models qwen3.5-0.8b --workloads agent_20_turns \
         --scale 0.25 --repeats 2 --gdn-route fla_triton \
         --out "$OUT/tree_vs_flat_h200_qwen3.5-0.8b_agent20_fla_triton.json" 2>&1 | quiet 4 ;;
+    hybrid-two-pass-rows-paired)  # the same row with 8 timed repeats per method, paired per repeat (carry
+      # .whl/hybrid/fla06 and .whl/common)
+      with_fla06
+      timeout 570 python3 benchmarks/bench_tree_vs_flat.py --models qwen3.5-0.8b --workloads agent_20_turns \
+        --scale 0.25 --repeats 8 --gdn-route fla_triton \
+        --out "$OUT/tree_vs_flat_${card}_qwen3.5-0.8b_agent20_fla_triton_paired.json" 2>&1 | quiet 6 ;;
     hybrid-async-fla)  # TreeAsyncGRPOTrainer on Qwen3.5 shapes, fla's Triton kernels (TRL refuses hybrids: the tree alone)
       with_fla06
       timeout 270 python3 benchmarks/bench_async_grpo.py --models qwen3.5-0.8b --workloads tau2_like grpo_mixed \
