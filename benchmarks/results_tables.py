@@ -650,7 +650,7 @@ def trainer_profiles() -> list[str]:
             seconds = profile["by_kind"]
             by_kind = {k: sum(seconds.get(n, {}).get("s", 0.0) for n in names) for k, names in kinds.items()}
             rows.append([
-                MODELS[row["model"]], rollout_workload(row), "tree" if side == "tree" else "TRL",
+                f"{MODELS[row['model']]}, {load(name)['gpu']}", rollout_workload(row), side_label(side, data),
                 secs(profile["wall_profiled_s"]), pct(profile["busy"]), secs(profile["kernel_s"]),
                 *(f"{secs(v)} ({pct(v / profile['kernel_s'])})" for v in by_kind.values()), notes.source(name),
             ])  # fmt: skip
@@ -668,6 +668,15 @@ def trainer_profiles() -> list[str]:
                 )
     headers = ["model", "workload", "side", "profiled step", "GPU busy", "kernel time", *kinds, "source"]
     return table(headers, rows) + notes.lines() + [line + "  " for line in gap] + [""] * bool(gap)
+
+
+def side_label(side: str, data: dict) -> str:
+    """A side of bench_async_grpo.py as the tables name it: TRL's trainer at its defaults or regionally compiled,
+    the tree with the FlexAttention backend it ran on where that was FlashAttention-4's."""
+    if side.startswith("trl"):
+        return "TRL compiled" if side == "trl_compiled" else "TRL"
+    flash = (data.get("flex_kernel_options") or {}).get("BACKEND") == "FLASH"
+    return "tree" + " (FlexAttention on FlashAttention-4)" * flash
 
 
 def generation_modes() -> list[str]:
