@@ -465,6 +465,13 @@ c.set_checkpoint_debug_enabled(True).__enter__(); sys.exit(pytest.main(sys.argv[
         -p no:cacheprovider --continue-on-collection-errors tests/test_gpu.py tests/test_varlen_attention.py \
         tests/test_prefix_attention.py -k "flash_backend or fa4 or compiled_checkpointed" > "$OUT/${card}_gpu_tests_fa4.log" 2>&1
       grep -E "^E   " "$OUT/${card}_gpu_tests_fa4.log" | head -30; summary "$OUT/${card}_gpu_tests_fa4.log" 30 ;;
+    gpu-tests-async-fa4)  # test_gpu_async_grpo.py with FlashAttention-4 installed: TreeAsyncGRPOTrainer on its default
+      # (FlexAttention's FLASH backend in the compiled layers) against TRL's AsyncGRPOTrainer, each side's error
+      # against a float32 run (carry .fa4/2 and .whl, after `fa4-site-1` on the same machine)
+      with_fa4 || continue
+      timeout 330 python3 -m pytest -q -rfEs -m gpu -p no:cacheprovider tests/test_gpu_async_grpo.py \
+        > "$OUT/${card}_gpu_tests_async_fa4.log" 2>&1
+      grep -E "^E   " "$OUT/${card}_gpu_tests_async_fa4.log" | head -20; summary "$OUT/${card}_gpu_tests_async_fa4.log" ;;
     flex-flash-backend)  # FlexAttention's FlashAttention-4 backend against its Triton one on the tree's block mask,
       # and the shared-prefix attention on FlashAttention-4's varlen kernels (GRPO forests) against cuDNN's, forward +
       # backward, new forests (carry .fa4/2 and .whl, right after `fa4-site-1`)
