@@ -142,9 +142,16 @@ def _flex_attention(query, key, value, return_lse: bool = False, **kwargs):
 
 def _kernel_options(given: dict | None, query: torch.Tensor, softcap) -> dict | None:
     """The `kernel_options` of a tree_flex FlexAttention call: the caller's, else `FLEX_KERNEL_OPTIONS` on CUDA
-    without a softcap (a copy: FlexAttention fills in its defaults)."""
+    without a softcap (a copy: FlexAttention fills in its defaults). The FLASH backend (FlashAttention-4) takes bf16
+    / fp16 inputs only: asked for on others, it is refused here with the way out, not deep in its kernel."""
     if given is not None or FLEX_KERNEL_OPTIONS is None or query.device.type != "cuda" or softcap is not None:
         return given
+    if FLEX_KERNEL_OPTIONS.get("BACKEND") == "FLASH" and query.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(
+            f"{FLEX_KERNEL_OPTIONS_ENV} asks for FlexAttention's FLASH backend, whose FlashAttention-4 kernels take "
+            f"bf16 / fp16 inputs, but tree attention's are {query.dtype}. Train in bf16 (bf16 weights, or bf16=True "
+            f"for mixed precision), or set {FLEX_KERNEL_OPTIONS_ENV}='{{}}' for FlexAttention's Triton kernels."
+        )
     return dict(FLEX_KERNEL_OPTIONS)
 
 

@@ -593,13 +593,13 @@ def test_compiled_forwards_through_block_masks_leave_kernels_routing_as_found():
 # FlexAttention's FLASH backend by default where it was measured.
 
 
-def _flash_model(**config):
-    """A dense Qwen3 of the measured kind (full attention, head size 64), with `config` changed."""
+def _flash_model(dtype=torch.bfloat16, **config):
+    """A dense Qwen3 of the measured kind (full attention, head size 64, bf16 weights), with `config` changed."""
     from transformers import Qwen3Config
 
     fields = dict(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
                   num_key_value_heads=1, head_dim=64) | config  # fmt: skip
-    return AutoModelForCausalLM.from_config(Qwen3Config(**fields))
+    return AutoModelForCausalLM.from_config(Qwen3Config(**fields), dtype=dtype)
 
 
 def _flash_default(monkeypatch, *, args=None, accelerator=None, decision=None, model=None, capability=(9, 0),
@@ -612,6 +612,7 @@ def _flash_default(monkeypatch, *, args=None, accelerator=None, decision=None, m
     monkeypatch.delenv(attention.FLEX_KERNEL_OPTIONS_ENV, raising=False)
     if env is not None:
         monkeypatch.setenv(attention.FLEX_KERNEL_OPTIONS_ENV, env)
+    monkeypatch.setattr(compile_setting, "_FLASH_BY_DEFAULT", None)  # no earlier trainer's default
     monkeypatch.setattr(compile_setting, "_device_capability", lambda device: capability)
     monkeypatch.setattr(compile_setting, "_flash_attention_4_installed", lambda: installed)
     args = args or SimpleNamespace(tree_prefix_reuse=False)
@@ -629,6 +630,10 @@ def test_compiled_layers_of_the_measured_kind_run_on_the_flash_backend_by_defaul
     assert _flash_default(monkeypatch) == {"BACKEND": "FLASH"}
     assert masks.needs_static_rows()  # the masks then read the forest from buffers of static size
     assert _flash_default(monkeypatch, capability=(10, 0), model=_flash_model(head_dim=128)) == {"BACKEND": "FLASH"}
+    # float32 weights under accelerate's bf16 mixed precision: tree attention's inputs are cast to bf16
+    mixed = _accelerator(device="cuda")
+    mixed.mixed_precision = "bf16"
+    assert _flash_default(monkeypatch, accelerator=mixed, model=_flash_model(torch.float32)) == {"BACKEND": "FLASH"}
 
 
 FLASH_STAYS_OFF = {
@@ -644,6 +649,7 @@ FLASH_STAYS_OFF = {
     "sliding layers": dict(model=_flash_model(layer_types=["sliding_attention", "full_attention"],
                                               use_sliding_window=True, sliding_window=16)),
     "mixture of experts": dict(model="moe"),
+    "float32 attention inputs": dict(model=_flash_model(torch.float32)),
 }  # fmt: skip
 
 
@@ -654,3 +660,45 @@ def test_the_flash_backend_stays_off_by_default_outside_what_was_measured(monkey
         given["model"] = _model("moe")
     left = _flash_default(monkeypatch, **given)
     assert left == (json.loads(given["env"]) if "env" in given else None)
+
+
+def test_a_trainers_flash_default_does_not_reach_the_next_trainer(monkeypatch):
+    """The FLASH default is a process-wide setting (`attention.FLEX_KERNEL_OPTIONS`): the next trainer's init undoes
+    an earlier trainer's default and decides again — a float32 hybrid trained after a bf16 Qwen3 in the same process
+    ran its eager layers on FlashAttention-4 and failed ("inputs must be float16, bfloat16") — while kernel options
+    the user set stay."""
+    from hf_tree_attn import attention
+
+    assert _flash_default(monkeypatch) == {"BACKEND": "FLASH"}
+    cuda, none = _accelerator(device="cuda"), compile_setting.CompileDecision(None, "none", "tree_compile=False")
+    compiled = compile_setting.CompileDecision(dict(compile_setting.DEFAULT_COMPILE), "default", "")
+    args = SimpleNamespace(tree_prefix_reuse=False)
+    for decision, model in ((none, _flash_model()), (compiled, _flash_model(torch.float32)), (None, _flash_model())):
+        assert compile_setting.default_flash_backend(args, cuda, compiled, _flash_model()) is not None
+        assert compile_setting.default_flash_backend(args, cuda, decision, model) is None
+        assert attention.FLEX_KERNEL_OPTIONS is None, (decision, model.dtype)
+    assert compile_setting.default_flash_backend(args, cuda, compiled, _flash_model()) is not None
+    assert compile_setting.default_flash_backend(args, cuda, compiled, _flash_model()) is not None  # decided again
+    users = {"BACKEND": "FLASH"}  # the user's own dict, equal to the default's but set by the user
+    monkeypatch.setattr(attention, "FLEX_KERNEL_OPTIONS", users)
+    assert compile_setting.default_flash_backend(args, cuda, none, _flash_model(torch.float32)) is None
+    assert attention.FLEX_KERNEL_OPTIONS is users
+
+
+def test_the_flash_backend_on_float32_inputs_is_refused_with_the_way_out(monkeypatch):
+    """FlashAttention-4 takes bf16 / fp16 only: kernel options asking for FLASH on float32 tree attention raise an
+    error naming the variable and the fix (in compiled layers `call_compiled` then turns the backend off), instead
+    of FlashAttention-4's own assertion deep in its kernel."""
+    from hf_tree_attn import attention
+
+    monkeypatch.setattr(attention, "FLEX_KERNEL_OPTIONS", {"BACKEND": "FLASH"})
+    query = SimpleNamespace(device=torch.device("cuda"), dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"HF_TREE_ATTN_FLEX_KERNEL_OPTIONS asks .* are torch.float32.*'\{\}'"):
+        attention._kernel_options(None, query, None)
+    for dtype in (torch.bfloat16, torch.float16):
+        assert attention._kernel_options(None, SimpleNamespace(device=query.device, dtype=dtype), None) == {
+            "BACKEND": "FLASH"
+        }
+    assert attention._kernel_options({"BLOCK_M": 64}, query, None) == {"BLOCK_M": 64}  # the caller's own
+    monkeypatch.setattr(attention, "FLEX_KERNEL_OPTIONS", {"USE_TMA": True})
+    assert attention._kernel_options(None, query, None) == {"USE_TMA": True}  # Triton kernels take float32

@@ -276,3 +276,16 @@ def test_reference_model_under_mixed_precision_runs_on_trees(tiny, tmp_path, wei
     for name, want_param in want_params.items():
         ok, errors = bound(tree_params[name].float(), flat_params[name].float(), want_param)
         assert ok, (name, errors)
+
+
+def test_an_earlier_trainers_flash_default_is_undone_at_init(tiny, tmp_path, monkeypatch):
+    """Tree attention's FLASH default (FlashAttention-4 on CUDA) is process-wide: a tree trainer built after one that
+    turned it on decides for itself at init, here on CPU where nothing is compiled, and leaves it off."""
+    from hf_tree_attn import attention
+    from hf_tree_attn.trainer import compile_setting
+
+    earlier = {"BACKEND": "FLASH"}  # what an earlier trainer's default set
+    monkeypatch.setattr(attention, "FLEX_KERNEL_OPTIONS", earlier)
+    monkeypatch.setattr(compile_setting, "_FLASH_BY_DEFAULT", earlier)
+    _trainer(TreeDPOTrainer, tiny, tmp_path)
+    assert attention.FLEX_KERNEL_OPTIONS is None

@@ -20,8 +20,10 @@ tree attention runs on FlexAttention's FLASH backend by default (`default_flash_
 `trainer.train()` it was exact to TRL's float32 run and 1.16x / 1.22x the Triton kernels' step on GRPO groups /
 agent conversations at the Qwen3-1.7B shape (benchmarks/results/async_grpo_h100_qwen3-1.7b_flash_compiled*.json).
 Only on the measured kind of layers (full attention over one head size of 64 or 128, no sliding window, sinks or
-softcap, no prefix reuse) and only where `HF_TREE_ATTN_FLEX_KERNEL_OPTIONS` is unset (`'{}'` keeps the Triton
-kernels); a compiled forward that fails on it turns it off with one warning and stays compiled (`call_compiled`).
+softcap, no prefix reuse), in bf16 / fp16 (bf16 weights, or accelerate's mixed precision), and only where
+`HF_TREE_ATTN_FLEX_KERNEL_OPTIONS` is unset (`'{}'` keeps the Triton kernels); a compiled forward that fails on it
+turns it off with one warning and stays compiled (`call_compiled`). The next tree trainer's init in the same
+process undoes it and decides again.
 """
 
 from __future__ import annotations
@@ -195,25 +197,51 @@ def _flash_refusal(model) -> str | None:
     return None
 
 
-def default_flash_backend(args, accelerator, decision: CompileDecision, model) -> str | None:
+def _flash_dtype_refusal(accelerator, model) -> str | None:
+    """Why tree attention's inputs would not be bf16 / fp16, the only dtypes FlashAttention-4 takes, or None: they
+    are the model's dtype, or the autocast dtype under accelerate's mixed precision."""
+    import torch
+
+    if getattr(accelerator, "mixed_precision", "no") in ("bf16", "fp16"):
+        return None
+    dtype = next(unwrap_model(model).parameters()).dtype
+    if dtype in (torch.bfloat16, torch.float16):
+        return None
+    return f"its attention inputs are {dtype} (FlashAttention-4 takes bf16 / fp16)"
+
+
+# The kernel options `default_flash_backend` put in `attention.FLEX_KERNEL_OPTIONS` (the very dict), None if it put
+# none there: the next trainer's default replaces them, where a user's would be kept.
+_FLASH_BY_DEFAULT: dict | None = None
+
+
+def default_flash_backend(args, accelerator, decision: CompileDecision | None, model) -> str | None:
     """Put tree attention on FlexAttention's FLASH backend (FlashAttention-4's kernels behind the same block masks)
     when the trainer compiled `model`'s layers in place (`decision`) on a Hopper / Blackwell GPU with
     `flash_attn.cute` installed, the layers are the measured kind (`_flash_refusal`), prefix reuse is off and the
-    user set no kernel options (`HF_TREE_ATTN_FLEX_KERNEL_OPTIONS`). Returns the note it logs, or
-    None where it stays on the Triton kernels."""
+    user set no kernel options (`HF_TREE_ATTN_FLEX_KERNEL_OPTIONS`), and tree attention's inputs are bf16 / fp16
+    (`_flash_dtype_refusal`). Every tree trainer calls it at init, `decision` None where it compiles nothing: an
+    earlier trainer's default in the same process is undone first, so it never reaches a model it was not decided
+    for. Returns the note it logs, or None where it stays on the Triton kernels."""
+    global _FLASH_BY_DEFAULT
     from .. import attention
 
-    if decision.kwargs is None or accelerator.device.type != "cuda" or getattr(args, "tree_prefix_reuse", False):
+    if _FLASH_BY_DEFAULT is not None and attention.FLEX_KERNEL_OPTIONS is _FLASH_BY_DEFAULT:
+        attention.FLEX_KERNEL_OPTIONS = None  # an earlier trainer's default, not the user's: decided again here
+    _FLASH_BY_DEFAULT = None
+    if decision is None or decision.kwargs is None or accelerator.device.type != "cuda":
+        return None
+    if getattr(args, "tree_prefix_reuse", False):
         return None
     if attention.FLEX_KERNEL_OPTIONS is not None or attention.FLEX_KERNEL_OPTIONS_ENV in os.environ:
         return None  # the user's choice
     if _device_capability(accelerator.device)[0] not in (9, 10) or not _flash_attention_4_installed():
         return None
-    reason = _flash_refusal(model)
+    reason = _flash_refusal(model) or _flash_dtype_refusal(accelerator, model)
     if reason is not None:
         logger.info("Tree attention stays on FlexAttention's Triton kernels: %s.", reason)
         return None
-    attention.FLEX_KERNEL_OPTIONS = {"BACKEND": "FLASH"}
+    attention.FLEX_KERNEL_OPTIONS = _FLASH_BY_DEFAULT = {"BACKEND": "FLASH"}
     note = (
         "FlexAttention's FLASH backend (FlashAttention-4) in the compiled layers; "
         f"{attention.FLEX_KERNEL_OPTIONS_ENV}='{{}}' keeps the Triton kernels"

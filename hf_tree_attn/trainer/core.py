@@ -649,7 +649,7 @@ class TreeTrainerMixin:
         self.tree_compile = decide_compile(self.args, self.accelerator, self.model) if self.tree_packing else None
         if self.tree_compile is not None:
             apply_compile(self.accelerator, self.tree_compile, (self.model, getattr(self, "ref_model", None)))
-            default_flash_backend(self.args, self.accelerator, self.tree_compile, self.model)
+        default_flash_backend(self.args, self.accelerator, self.tree_compile, self.model)
 
     def _tree_card_rows(self) -> list[tuple[str, object]]:
         """The trainer's own settings for the card, after the options every tree trainer has."""
