@@ -108,6 +108,10 @@ SOURCES = {
     "async_grpo_h100_qwen3-1.7b_flash_compiled.json": "async-grpo-flash-compiled-1.7b",
     "async_grpo_h100_qwen3-1.7b_flash_compiled_tau2.json": "async-grpo-flash-compiled-1.7b-agent",
     "async_grpo_h100_qwen3-1.7b_fa4.json": "async-grpo-fa4-1.7b",
+    "async_grpo_h100_qwen3-1.7b_default.json": "async-grpo-default-1.7b",
+    "async_grpo_h100_qwen3-1.7b_default_tau2.json": "async-grpo-default-1.7b-agent",
+    "attention_flex_flash_h100_tau2_like.json": "fa4-agent-trees",
+    "h100_gpu_tests_async_fa4.log": "gpu-tests-async-fa4",
     "async_grpo_h200_qwen3-8b_paired.json": "compile-async-8b",
     "async_grpo_h200_qwen3-8b_paired_tau2.json": "compile-async-8b",
     "tree_vs_flat_h200_qwen3.5-0.8b_agent20_fla_triton.json": "hybrid-two-pass-rows",
@@ -248,6 +252,8 @@ MFU_ROWS = [
 # TreeAsyncGRPOTrainer vs TRL's AsyncGRPOTrainer, each side in its own process, paired per step (bench_async_grpo.py
 # with the harness): (file, workload).
 ASYNC_PAIRED = [
+    ("async_grpo_h100_qwen3-1.7b_default.json", "grpo_mixed"),
+    ("async_grpo_h100_qwen3-1.7b_default_tau2.json", "tau2_like"),
     ("async_grpo_h200_qwen3-1.7b_profiled.json", "grpo_mixed"),
     ("async_grpo_h200_qwen3-1.7b_profiled.json", "tau2_like"),
     ("async_grpo_h200_qwen3-1.7b_paired.json", "grpo_mixed"),
@@ -313,6 +319,8 @@ DEEPSPEED_MAIN_JOB = "deepspeed_main_job_zero3_h200.log"
 # One more step per side under the torch profiler, through trainer.train() (bench_async_grpo.py --profile):
 # (file, workload); the sides that carry a profile are shown.
 TRAINER_PROFILES = [
+    ("async_grpo_h100_qwen3-1.7b_default.json", "grpo_mixed"),
+    ("async_grpo_h100_qwen3-1.7b_default_tau2.json", "tau2_like"),
     ("async_grpo_h200_qwen3-1.7b_profiled.json", "grpo_mixed"),
     ("async_grpo_h200_qwen3-1.7b_profiled.json", "tau2_like"),
 ]
@@ -345,7 +353,7 @@ PREFIX_PARTS = "prefix_attention_parts_h200.json"
 GATHERED_PATHS = ["attention_gathered_paths_h200_grpo_mixed.json", "attention_gathered_paths_h200_tau2_like.json"]
 # FlexAttention on FlashAttention-4's kernels (its FLASH backend) and the shared-prefix attention on them, attention
 # alone (attention_gathered_paths.py), then through trainer.train() (bench_async_grpo.py, sides tree_flash, tree_fa4).
-FLASH_ATTENTION = ["attention_flex_flash_h100_grpo_mixed.json"]
+FLASH_ATTENTION = ["attention_flex_flash_h100_grpo_mixed.json", "attention_flex_flash_h100_tau2_like.json"]
 FLASH_ASYNC = [
     "async_grpo_h100_qwen3-1.7b_flash_compiled.json",
     "async_grpo_h100_qwen3-1.7b_flash_compiled_tau2.json",
@@ -380,6 +388,9 @@ GPU_TEST_LOGS = {  # log: the tests it ran
     "FLASH backend (masks in buffers of static size), the FlashAttention-4 model and gathered paths against "
     "per-sequence forwards and FlexAttention, the shared-prefix attention on FlashAttention-4 at four head shapes; "
     "under checkpoint debugging and `TORCH_LOGS=recompiles,graph_breaks` (none logged); one H100 80GB",
+    "h100_gpu_tests_async_fa4.log": "`test_gpu_async_grpo.py` with FlashAttention-4 installed: the flash varlen op, "
+    "`TreeAsyncGRPOTrainer` on its default (FlexAttention's FLASH backend in its compiled layers) against TRL's "
+    "`AsyncGRPOTrainer` in bf16, a float32 hybrid's log-probs against `eager`, the compile-once test; one H100 80GB",
     "h200_gpu_tests_kernels_always.log": "the same with the kernels on every two-level forest "
     "(`HF_TREE_ATTN_PREFIX_ATTENTION=always`)",
     "h200_gpu_tests_kept_attention.log": "`test_recompute.py`: kept attention, eager and inductor",
@@ -441,6 +452,25 @@ MERGE = (
     "ran with the shared-prefix kernels merging their two attention calls in five PyTorch ops (the library's merge "
 )
 NOTES = {
+    "async_grpo_h100_qwen3-1.7b_default.json": "on one H100 80GB with FlashAttention-4 installed, each side in its "
+    "own process in one call: the tree at its defaults ran FlexAttention's FLASH backend in its compiled layers "
+    "(`flex_kernel_options`, no fallback), TRL's compiled side had accelerate compile its 28 layers (4 graphs, no "
+    "graph break). First step: the tree 41.4 s, TRL compiled 87.0 s, TRL eager 4.0 s (a fresh machine, no inductor "
+    "cache). The last step of each side ran under the torch profiler (the rows below).",
+    "async_grpo_h100_qwen3-1.7b_default_tau2.json": "on one H100 80GB, the call after the one above on the same "
+    "machine. First step: the tree 31.7 s, TRL compiled 61.9 s, TRL eager 5.7 s. The profiled window (a step's "
+    "`on_step_begin` to `on_step_end`, 1.21 s for the tree) holds less than its measured median (1.69 s, from one "
+    "step's end to the next): fetching the next micro-batch and logging fall between the two, and TRL's side shows "
+    "the same (3.74 s profiled against a 4.09 s median). Not the tree's packing: `pack_forest` and the loss terms of "
+    "one such row take 2-4 ms on this repository's CPU. The tree's measured steps also drift, 1.50-1.53 s for the "
+    "first three and 1.68-2.28 s after; not looked into.",
+    "attention_flex_flash_h100_tau2_like.json": "on one H100 80GB, after the trainer rows above on the same machine.",
+    "h100_gpu_tests_async_fa4.log": "`test_hybrid_log_probs_on_cuda` failed (`inputs must be float16, bfloat16`, "
+    "FlashAttention-4's assertion): the bf16 Qwen3 trainer of the test before it had turned the FLASH default on, "
+    "and that process-wide setting reached the float32 hybrid's eager layers. Fixed since and tested on CPU, not "
+    "re-run on the GPU: each tree trainer's init undoes an earlier trainer's default and decides again, the default "
+    "needs bf16 / fp16 attention inputs, and FLASH asked for on float32 inputs is refused with the way out. The other "
+    "three tests, the trainer against TRL's among them, passed on the FLASH default.",
     "prefix_reuse_gpu_h100_qwen3-1.7b_profiled.json": "on one H100 80GB (the same step unprofiled on the H200: 24.3 s "
     "split, 28.3 s prefix reuse, `prefix_reuse_gpu_h200_qwen3-1.7b.json`). Attention takes 62% of the split's kernel "
     "time and 69% of prefix reuse's on these 50k-token conversations, and it is where prefix reuse loses: its "
@@ -657,14 +687,11 @@ PENDING = {
     ],
     "balance": ["FSDP2 on two H200s, Qwen3-1.7B shape, balanced vs not (stage `balance-fsdp2`)"],
     "peers": [
-        "Qwen3-1.7B `tau2_like` against TRL with accelerate's regional compile (its compile did not finish within the "
-        "call; the earlier measurement ran with the benchmark's graph break)",
         "AReaL's tree-training code, same workloads",
         "TRL's own tree packing on its FlashAttention-3 kernel from the Hub (the rows above ran FlashAttention-2)",
         "Qwen3-8B against TRL with accelerate's regional compile",
         "FlashAttention-4 on the H200 and at the Qwen3-8B shape (the rows below ran on an H100 at 1.7B); the "
-        "shared-prefix attention on it with FlexAttention's FLASH backend in the same run; attention alone on "
-        "τ²-like agent trees (`fa4-agent-trees`)",
+        "shared-prefix attention on it with FlexAttention's FLASH backend in the same run",
         "prefix reuse with every chunk's graph kept at the Qwen3-1.7B shape, which its FLOPs predict 1.17x the "
         "split's speed (stage `prefix-reuse-gpu-1.7b-kept`)",
         "prefix reuse through trainer.train() against TRL's packing, conversations spanning several rows "
@@ -672,6 +699,8 @@ PENDING = {
     ],
     "gpu_tests": [
         "`test_gpu_recurrent.py` and `test_gpu_deepspeed.py` on the present code (their last logs are below)",
+        "`test_gpu_async_grpo.py` with FlashAttention-4 installed after the fix of the FLASH default's reach "
+        "(`h100_gpu_tests_async_fa4.log`: its float32 hybrid test failed before it)",
         "prefix reuse on hybrids and in `TreeAsyncGRPOTrainer` (CPU-tested)",
     ],
     "gradients": [
