@@ -451,7 +451,8 @@ def test_flex_kernel_options_from_the_environment(monkeypatch):
 def test_flex_kernel_options_reach_cuda_calls_without_their_own(monkeypatch):
     """The options apply on CUDA to calls that bring none and have no softcap; a caller's own win; a copy each time."""
     options = hf_tree_attn.attention._kernel_options
-    cuda, cpu = types.SimpleNamespace(device=torch.device("cuda")), types.SimpleNamespace(device=torch.device("cpu"))
+    cuda = types.SimpleNamespace(device=torch.device("cuda"), dtype=torch.bfloat16)
+    cpu = types.SimpleNamespace(device=torch.device("cpu"), dtype=torch.bfloat16)
     monkeypatch.setattr(hf_tree_attn.attention, "FLEX_KERNEL_OPTIONS", None)
     assert options(None, cuda, None) is None
     monkeypatch.setattr(hf_tree_attn.attention, "FLEX_KERNEL_OPTIONS", {"BACKEND": "FLASH"})
