@@ -349,10 +349,12 @@ def test_chunked_logprobs_returns_the_outputs_in_the_named_order():
 
 def test_async_module_names_are_looked_up_where_the_seam_says():
     module = _async()
-    for name, method in trl_compat.ASYNC_MODULE_LOOKUPS.items():
+    for name, methods in trl_compat.ASYNC_MODULE_LOOKUPS.items():
         assert hasattr(module, name), f"{module.__name__} has no {name}"
-        looked_up = _code_names(getattr(module.AsyncGRPOTrainer, method))
-        assert name in looked_up, f"AsyncGRPOTrainer.{method} no longer looks up {name}"
+        for method in methods:
+            cls, attribute = method.split(".")
+            looked_up = _code_names(getattr(getattr(module, cls), attribute))
+            assert name in looked_up, f"{method} no longer looks up {name}"
     assert _params(module.create_model_from_path)[0] == "model_id"
     assert _params(module.get_peak_flops_per_device) == ["accelerator", "dtype"]
     assert _params(module.compute_flops_per_token) == ["config", "seq_len"]
@@ -385,6 +387,31 @@ def test_swapped_async_module_names_are_restored_even_on_error():
     ):
         pass
     assert module.pad is trl_utils.pad
+
+
+def test_iterated_with_async_module_names_swaps_each_step_only():
+    """Each step of the iteration sees the replacement; between steps, and after an error, TRL's own name."""
+    module = _async()
+    original = module.compute_flops_per_token
+
+    def seen():
+        while True:
+            yield module.compute_flops_per_token
+
+    steps = trl_compat.iterated_with_async_module_names(seen(), compute_flops_per_token=len)
+    assert next(steps) is len and module.compute_flops_per_token is original
+    assert next(steps) is len and module.compute_flops_per_token is original
+    assert list(trl_compat.iterated_with_async_module_names(iter([1, 2]), compute_flops_per_token=len)) == [1, 2]
+
+    def failing():
+        yield 1
+        raise RuntimeError("inside")
+
+    steps = trl_compat.iterated_with_async_module_names(failing(), compute_flops_per_token=len)
+    assert next(steps) == 1
+    with pytest.raises(RuntimeError, match="inside"):
+        next(steps)
+    assert module.compute_flops_per_token is original
 
 
 def test_async_collator_rollout_sample_and_loss_contract():

@@ -5,14 +5,18 @@ TRL's `trl.experimental.async_grpo.AsyncGRPOTrainer` already folds each rank's r
 routes attention only, so the trainer refuses every layer that carries a state (Gated DeltaNet, Mamba-2, short
 convolutions: Qwen3.5, Qwen3-Next, LFM2, Nemotron-H, Falcon-H1, Granite-4 hybrids) and attention sinks (GPT-OSS),
 and needs a GPU and the Hub. This subclass keeps all of TRL's trainer — constructor, config, rollout-worker and
-weight-transfer protocols, weight sync, the token-budget planner, the loss, metrics — and swaps two things:
+weight-transfer protocols, weight sync, the token-budget planner's placements, the loss, metrics — and swaps three
+things:
 
 - the model is loaded with `attn_implementation="tree_flex"` behind hf_tree_attn's gate (`support.py`): every family
   the gate accepts trains, hybrids through the segment scans, on CUDA (FlexAttention, the shared-prefix kernels) and
   on CPU; a refused model is an error naming the way out;
 - each rank's row is packed by `pack_forest` (`rollout_forest.TreeDataCollatorForRollout`) and scored by the step
   `TreeGRPOTrainer` uses (`forest_step`): recompute limited to what memory needs, the MoE load-balancing loss
-  weighted per sample as a flat forward weighs it (TRL's counts a shared token once).
+  weighted per sample as a flat forward weighs it (TRL's counts a shared token once);
+- the planner's rows are priced by `rollout_planner.PlannerRow`: TRL's placements and packing metrics, from a radix
+  trie instead of TRL's dict lookup per token, which on long agent samples held the GPU idle for a large part of each
+  step.
 
 With `tree_prefix_reuse=True` the rows of one optimizer step (its `gradient_accumulation_steps` micro-batches, as
 transformers' loop fetches them together, `get_batch_samples`) are one forest (`rollout_forest.step_forest`), scored
@@ -26,7 +30,8 @@ without DDP's reducer, and the ranks' gradients are averaged after its last micr
 
 TRL's methods run whole; each swap replaces one name TRL's trainer module looks up, for the duration of one call
 (`trl_compat.swapped_async_module_names`): its model loader, `add_fused_lm_head` and peak-FLOPs lookup inside the
-constructor, its collator class inside `get_train_dataloader`, its FLOP formula inside `_log_step_metrics`.
+constructor, its collator and planner classes inside `get_train_dataloader` (the planner's row class while it plans),
+its FLOP formula inside `_log_step_metrics`.
 `compute_loss` is TRL's, handed a stand-in for the model (`_ForestForward`) whose log-probabilities are the forest's.
 `tests/test_trl_compat.py` and `tests/test_async_grpo.py` pin each name and the order TRL's constructor uses them in.
 """
@@ -52,6 +57,7 @@ from .compile_setting import apply_compile, decide_compile, default_flash_backen
 from .core import prefix_reuse_chunks, prefix_reuse_gradient_sync, prefix_reuse_refusal, tree_args
 from .forest_step import recompute_plan, score_forests
 from .rollout_forest import StepForest, TreeDataCollatorForRollout, rank_forest, step_forest
+from .rollout_planner import with_planner_rows
 
 __all__ = ["TreeAsyncGRPOTrainer"]
 
@@ -385,8 +391,11 @@ class TreeAsyncGRPOTrainer(AsyncGRPOTrainer):
             return super().training_step(model, inputs, num_items_in_batch)
 
     def get_train_dataloader(self):
-        """TRL's dataloader (its planner, dispatching), with the rows packed by `TreeDataCollatorForRollout`."""
-        with trl_compat.swapped_async_module_names(DataCollatorForRollout=TreeDataCollatorForRollout):
+        """TRL's dataloader (its planner, dispatching), its rows priced by `rollout_planner.PlannerRow` (TRL's
+        placements, without a dict lookup per token) and packed by `TreeDataCollatorForRollout`."""
+        planners = {name: with_planner_rows(trl_compat.async_module_name(name))
+                    for name in ("TokenBudgetBatcher", "FixedCountBatcher")}  # fmt: skip
+        with trl_compat.swapped_async_module_names(DataCollatorForRollout=TreeDataCollatorForRollout, **planners):
             return super().get_train_dataloader()
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):

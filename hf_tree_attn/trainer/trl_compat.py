@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+from collections.abc import Iterator
 from types import ModuleType, SimpleNamespace
 
 import torch
@@ -64,6 +65,7 @@ __all__ = [
     "is_trl_fused_forward",
     "is_vision_dataset",
     "is_vlm",
+    "iterated_with_async_module_names",
     "log_step_metrics",
     "metrics",
     "pad",
@@ -254,13 +256,25 @@ def chunked_logprobs(hidden, weight, bias, targets, temperature, final_logit_sof
 # ------------------------------------------------------------------ trl.experimental.async_grpo
 
 # Names TRL's async trainer module (`trl.experimental.async_grpo.async_grpo_trainer`, 1.16.0) looks up when called,
-# each with the `AsyncGRPOTrainer` method that looks it up; `swapped_async_module_names` replaces them for one call.
+# each with the methods of that module that look it up (`Class.method`); `swapped_async_module_names` replaces them
+# for one call, `iterated_with_async_module_names` for each step of an iteration.
 ASYNC_MODULE_LOOKUPS = {
-    "create_model_from_path": "__init__",  # loads the policy, with attn_implementation="tree_fa3"
-    "add_fused_lm_head": "__init__",  # patches the fused LM head onto the loaded policy
-    "get_peak_flops_per_device": "__init__",  # the device's peak FLOPs, by torch.cuda.get_device_name
-    "DataCollatorForRollout": "get_train_dataloader",  # the collator class the dataloader builds
-    "compute_flops_per_token": "_log_step_metrics",  # the FLOP formula of the MFU metrics
+    # loads the policy, with attn_implementation="tree_fa3"
+    "create_model_from_path": ("AsyncGRPOTrainer.__init__",),
+    # patches the fused LM head onto the loaded policy
+    "add_fused_lm_head": ("AsyncGRPOTrainer.__init__",),
+    # the device's peak FLOPs, by torch.cuda.get_device_name
+    "get_peak_flops_per_device": ("AsyncGRPOTrainer.__init__",),
+    # the collator class the dataloader builds
+    "DataCollatorForRollout": ("AsyncGRPOTrainer.get_train_dataloader",),
+    # the planner classes the dataloader builds: micro-batches of rows by token budget, or by sample count
+    "TokenBudgetBatcher": ("AsyncGRPOTrainer.get_train_dataloader",),
+    "FixedCountBatcher": ("AsyncGRPOTrainer.get_train_dataloader",),
+    # the planner's row (`packing.TreeRow`: `fits`, `add`, `samples`, `groups`, `tokens`, `trained`, `load`), built
+    # while the planner iterates
+    "TreeRow": ("TokenBudgetBatcher.__iter__", "FixedCountBatcher.__iter__"),
+    # the FLOP formula of the MFU metrics
+    "compute_flops_per_token": ("AsyncGRPOTrainer._log_step_metrics",),
 }
 # What `AsyncGRPOTrainer.__init__` accepts of a loaded policy (1.16.0): `layer_types` of the text config within
 # these, and no parameter named with this suffix (its FlashAttention-3 kernel has no attention sinks).
@@ -310,6 +324,18 @@ def swapped_async_module_names(**replacements):
     finally:
         for name, value in saved.items():
             setattr(module, name, value)
+
+
+def iterated_with_async_module_names(iterator: Iterator, **replacements) -> Iterator:
+    """What `iterator` yields, each step of it run with TRL's async trainer module seeing `replacements`
+    (`swapped_async_module_names`); between steps the module holds its own names again."""
+    while True:
+        with swapped_async_module_names(**replacements):
+            try:
+                item = next(iterator)
+            except StopIteration:
+                return
+        yield item
 
 
 def log_step_metrics(parent) -> None:
