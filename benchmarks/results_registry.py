@@ -81,6 +81,7 @@ SOURCES = {
     "async_grpo_h200_qwen3.5-2b_fla_triton.json": "hybrid-async-fla",
     "prefix_attention_new_shapes_h200.json": "async-grpo",
     "attention_tiles_cpu.json": None,
+    "planner_cpu.json": None,
     "h200_gpu_async.log": "async-grpo",
     "h200_gpu_tests_prefix_rule.log": "async-grpo-more",
     "trees_beyond_grpo_h200.log": "trees-beyond-grpo",
@@ -363,6 +364,7 @@ FLASH_ASYNC = [
 PREFIX_REUSE_PROFILED = ["prefix_reuse_gpu_h100_qwen3-1.7b_profiled.json"]
 # FlexAttention's tile use on the same seeded forests (attention_gathered_paths.py --tiles, CPU).
 TILES = "attention_tiles_cpu.json"
+PLANNER = "planner_cpu.json"  # bench_planner.py: TRL's planner on its rows and on PlannerRow
 GRAD_CHECKS = [name for name in SOURCES if name.startswith("grad_check_")]
 GPU_TEST_LOGS = {  # log: the tests it ran
     "h200_gpu_tests_all.log": "every `gpu`-marked test but `test_gpu_recurrent.py` (the hybrid kernels, their own "

@@ -45,6 +45,7 @@ from results_registry import (
     OPTION_COLUMNS,
     OPTION_GAINS,
     PENDING,
+    PLANNER,
     PLOT,
     PREFIX_NEW_SHAPES,
     PREFIX_PARTS,
@@ -668,6 +669,22 @@ def trainer_profiles() -> list[str]:
                 )
     headers = ["model", "workload", "side", "profiled step", "GPU busy", "kernel time", *kinds, "source"]
     return table(headers, rows) + notes.lines() + [line + "  " for line in gap] + [""] * bool(gap)
+
+
+def planner() -> list[str]:
+    """TRL's planner on its own rows and on `PlannerRow` (bench_planner.py): seconds per micro-batch, paired."""
+    notes, rows = Notes(), []
+    for run in load(PLANNER)["rows"]:
+        pair, median = run["paired"], run["median_s"]
+        rows.append([
+            run["workload"], f"{statistics.median(run['samples_per_micro_batch']):.0f}",
+            secs(median["trl_tree_row"]), secs(median["planner_row"]),
+            f"**{x(pair['median'])}** [{x(pair['min'])}, {x(pair['max'])}]" + " (FAILED)" * pair["failed"],
+            "yes" if run["same_micro_batches"] else "**no**", notes.source(PLANNER),
+        ])  # fmt: skip
+    headers = ["workload", "samples per micro-batch", "TRL's `TreeRow`", "`PlannerRow`", "paired, TRL's / ours",
+               "same micro-batches", "source"]  # fmt: skip
+    return table(headers, rows) + notes.lines()
 
 
 def side_label(side: str, data: dict) -> str:
@@ -1470,6 +1487,13 @@ SECTIONS = [  # (heading level, title, section, what it measures)
      "One more optimizer step per side under the torch profiler after the timed ones (`bench_async_grpo.py "
      "--profile`), each side in its own process: `TreeAsyncGRPOTrainer` at its defaults (compiled layers) and TRL's "
      "`AsyncGRPOTrainer` at its own; GPU kernel seconds by kind (share of the kernel time)."),
+    (3, "Planning a step's rows", planner,
+     "TRL's asynchronous GRPO planner (`TokenBudgetBatcher`, token budget 32,768, one row per micro-batch) over the "
+     "replayed samples of the rows above, run whole with its own rows (`packing.TreeRow`, a dict lookup per token) "
+     "and with `PlannerRow` (a radix trie; what `TreeAsyncGRPOTrainer` plans with), on one core of a 2-core CPU "
+     "(`bench_planner.py`): seconds to plan each micro-batch, median of 8 after one, paired per micro-batch. The "
+     "training loop plans a step's rows before its first forward, with the GPU idle, so these seconds add to each "
+     "step. Both must build the same micro-batches (the same samples in the same rows)."),
     (2, "Generation modes: the share of a step", generation_modes,
      "Whole GRPO steps through `trainer.train()`, the workload of the [first table](#through-the-trainer-at-trls-"
      "defaults). The tree speeds up the trainer phase only, so its end-to-end gain is bounded by that phase's share."),
