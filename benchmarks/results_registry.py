@@ -455,30 +455,32 @@ MERGE = (
 )
 NOTES = {
     "async_grpo_h100_qwen3-1.7b_default.json": "on one H100 80GB with FlashAttention-4 installed, each side in its "
-    "own process in one call: the tree at its defaults ran FlexAttention's FLASH backend in its compiled layers "
-    "(`flex_kernel_options`, no fallback), TRL's compiled side had accelerate compile its 28 layers (4 graphs, no "
-    "graph break). First step: the tree 41.4 s, TRL compiled 87.0 s, TRL eager 4.0 s (a fresh machine, no inductor "
-    "cache). The last step of each side ran under the torch profiler (the rows below). What 50% MFU at this shape "
-    "would take, kernel by kernel: a 0.74 s step, while the profiled tree step's matmuls alone take 0.565 s and "
-    "FlexAttention on FlashAttention-4 0.283 s (0.85 s together; other Triton kernels 0.123 s, elementwise and copies "
+    "own process in one call, the call after the agent rows below on the same machine: the tree at its defaults ran "
+    "FlexAttention's FLASH backend in its compiled layers (`flex_kernel_options`, no fallback) and planned its rows "
+    "with `PlannerRow`; TRL's compiled side had accelerate compile its 28 layers (4 graphs, no graph break). First "
+    "step: the tree 19.3 s, TRL compiled 45.0 s, TRL eager 3.0 s (inductor's cache on the machine held the agent "
+    "rows' compiles, not these shapes'). The last step of each side ran under the torch profiler (the rows below); "
+    "the tree's profiled step (1.03 s) now matches its measured median (1.00 s). What 50% MFU at this shape would "
+    "take, kernel by kernel: a 0.77 s step, while the profiled tree step's matmuls alone take 0.572 s and "
+    "FlexAttention on FlashAttention-4 0.285 s (0.86 s together; other Triton kernels 0.119 s, elementwise and copies "
     "0.028 s). The matmuls include every layer's forward run again in the backward (about a quarter of them), which "
     "the memory bound needs (the tree's 16.4 GiB against TRL's 18.6; one more layer kept whole would need about 3.4 "
     "GiB at these ~32k-row forests) and which MFU does not count. Within TRL's peak memory, 50% needs the matmuls "
     "and attention both faster than they run here; the rest of the step is already small.",
-    "async_grpo_h100_qwen3-1.7b_default_tau2.json": "on one H100 80GB, the call after the one above on the same "
-    "machine. First step: the tree 31.7 s, TRL compiled 61.9 s, TRL eager 5.7 s. The profiled window (a step's "
-    "`on_step_begin` to `on_step_end`, 1.21 s for the tree) holds less than its measured median (1.69 s, from one "
-    "step's end to the next): fetching the next micro-batch and logging fall between the two, and TRL's side shows "
-    "the same (3.74 s profiled against a 4.09 s median). Not the tree's packing: `pack_forest` and the loss terms of "
-    "one such row take 2-4 ms on this repository's CPU. The tree's measured steps also drift, 1.50-1.53 s for the "
-    "first three and 1.68-2.28 s after; not looked into.",
+    "async_grpo_h100_qwen3-1.7b_default_tau2.json": "on one H100 80GB, each side in its own process in one call, the "
+    "first benchmark call on that machine (after one that only copied files). First step: the tree 29.9 s, TRL "
+    "compiled 60.1 s, TRL eager 5.7 s. The tree planned its rows with `PlannerRow`; with TRL's own rows (an earlier "
+    "run on the same card and code otherwise, replaced by this one) its steps took 1.69 s against a 1.21 s profiled "
+    "window (`on_step_begin` to `on_step_end`), the difference TRL's planner pricing the next step's rows with the "
+    "GPU idle, and drifted from 1.50 to 2.28 s. Now its profiled step (1.22 s) matches its measured median (1.24 s) "
+    "and its 8 steps lie within 1.235-1.248 s. TRL's side still shows the gap (3.77 s profiled against a 3.99 s "
+    "median): its planner is TRL's own.",
     "attention_flex_flash_h100_tau2_like.json": "on one H100 80GB, after the trainer rows above on the same machine.",
-    "h100_gpu_tests_async_fa4.log": "`test_hybrid_log_probs_on_cuda` failed (`inputs must be float16, bfloat16`, "
-    "FlashAttention-4's assertion): the bf16 Qwen3 trainer of the test before it had turned the FLASH default on, "
-    "and that process-wide setting reached the float32 hybrid's eager layers. Fixed since and tested on CPU, not "
-    "re-run on the GPU: each tree trainer's init undoes an earlier trainer's default and decides again, the default "
-    "needs bf16 / fp16 attention inputs, and FLASH asked for on float32 inputs is refused with the way out. The other "
-    "three tests, the trainer against TRL's among them, passed on the FLASH default.",
+    "h100_gpu_tests_async_fa4.log": "all four passed on one H100 80GB with FlashAttention-4 installed. An earlier "
+    "run, before each tree trainer's init undid an earlier trainer's FLASH default, failed "
+    "`test_hybrid_log_probs_on_cuda` (`inputs must be float16, bfloat16`, FlashAttention-4's assertion): the bf16 "
+    "Qwen3 trainer of the test before it had turned the default on, and that process-wide setting reached the "
+    "float32 hybrid's eager layers.",
     "prefix_reuse_gpu_h100_qwen3-1.7b_profiled.json": "on one H100 80GB (the same step unprofiled on the H200: 24.3 s "
     "split, 28.3 s prefix reuse, `prefix_reuse_gpu_h200_qwen3-1.7b.json`). Attention takes 62% of the split's kernel "
     "time and 69% of prefix reuse's on these 50k-token conversations, and it is where prefix reuse loses: its "
@@ -707,8 +709,6 @@ PENDING = {
     ],
     "gpu_tests": [
         "`test_gpu_recurrent.py` and `test_gpu_deepspeed.py` on the present code (their last logs are below)",
-        "`test_gpu_async_grpo.py` with FlashAttention-4 installed after the fix of the FLASH default's reach "
-        "(`h100_gpu_tests_async_fa4.log`: its float32 hybrid test failed before it)",
         "prefix reuse on hybrids and in `TreeAsyncGRPOTrainer` (CPU-tested)",
     ],
     "gradients": [
