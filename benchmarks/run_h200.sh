@@ -577,10 +577,10 @@ c.set_checkpoint_debug_enabled(True).__enter__(); sys.exit(pytest.main(sys.argv[
       # trl.GRPOTrainer under ZeRO-2 and ZeRO-3 in bf16 (one GPU), then the main job under ZeRO-3
       bash benchmarks/gpu_deepspeed.sh
       { echo "# bash benchmarks/gpu_deepspeed.sh"; cat "$OUT/versions.txt" "$OUT/gpu_deepspeed_tests.log"; } \
-        > "$OUT/h200_gpu_tests_deepspeed.log"
-      mv "$OUT/deepspeed_zero2_bf16.json" "$OUT/deepspeed_zero2_bf16_h200.json"
-      mv "$OUT/deepspeed_zero3_bf16.json" "$OUT/deepspeed_zero3_bf16_h200.json"
-      mv "$OUT/main_job_zero3.log" "$OUT/deepspeed_main_job_zero3_h200.log" ;;
+        > "$OUT/${card}_gpu_tests_deepspeed.log"
+      mv "$OUT/deepspeed_zero2_bf16.json" "$OUT/deepspeed_zero2_bf16_${card}.json"
+      mv "$OUT/deepspeed_zero3_bf16.json" "$OUT/deepspeed_zero3_bf16_${card}.json"
+      mv "$OUT/main_job_zero3.log" "$OUT/deepspeed_main_job_zero3_${card}.log" ;;
     # ---- gradients with fused layer kernels vs eager (grad_check.py), Qwen3-8B shape
     grad-check-8b-12-layers)  # compiled layers, Liger + compiled layers, on 12 of the 36 layers
       timeout 260 python3 benchmarks/grad_check.py --model qwen3-8b --layers 12 --variants compile liger_compile \
@@ -630,9 +630,9 @@ c.set_checkpoint_debug_enabled(True).__enter__(); sys.exit(pytest.main(sys.argv[
         -k "not qwen3_5 and not nemotron_h and not lfm2" > "$OUT/h200_gpu_tests_precision.log" 2>&1
       summary "$OUT/h200_gpu_tests_precision.log" ;;
     gpu-tests-hybrids)  # Qwen3.5 / LFM2 / Nemotron-H trees on CUDA (fla's kernels where installed)
-      timeout 300 python3 -m pytest -q -rf -m gpu -p no:cacheprovider tests/test_gpu_recurrent.py \
-        > "$OUT/h200_gpu_tests_hybrids.log" 2>&1
-      summary "$OUT/h200_gpu_tests_hybrids.log" ;;
+      timeout 300 python3 -m pytest -q -rfEs -m gpu -p no:cacheprovider tests/test_gpu_recurrent.py \
+        > "$OUT/${card}_gpu_tests_hybrids.log" 2>&1
+      summary "$OUT/${card}_gpu_tests_hybrids.log" ;;
     # ---- two GPUs (nvidia-h200-x2)
     fsdp2-main-job)  # the main job under FSDP2 on two processes
       timeout 400 python3 -m accelerate.commands.launch --config_file trainers/configs/fsdp2.yaml \
