@@ -814,3 +814,38 @@ def test_prefix_reuse_outside_the_training_loop_is_an_error(tmp_path):
     with pytest.raises(RuntimeError, match=r"tree_prefix_reuse=True scores .*get_batch_samples.*trainer\.train\(\)"):
         train(True, path, grpo_samples(1, 2, (3, 5), (1, 3), VOCAB), tmp_path, prepare=loss_outside_the_loop,
               token_budget=REUSE_BUDGET, tree_prefix_reuse=True)  # fmt: skip
+
+
+def test_prefix_reuse_trains_a_sample_longer_than_the_budget(tmp_path, monkeypatch):
+    """With `tree_prefix_reuse=True` the planner keeps a sample longer than `token_budget`, which TRL's drops: alone in
+    a row, its step's forest run in chunks of the budget along it. Losses, gradients and weights equal TRL's
+    AsyncGRPOTrainer given the same micro-batches (its planner on the same rows, each row one forward)."""
+    import dataclasses
+
+    from trl.experimental.async_grpo import async_grpo_trainer as trl_module
+
+    from hf_tree_attn.trainer.replay import grpo_samples
+    from hf_tree_attn.trainer.rollout_planner import with_planner_rows
+
+    path = save_model(tiny_family_config("qwen3"), tmp_path / "model")
+    short = grpo_samples(3, 4, (28, 36), (6, 12), VOCAB, seed=3)
+    long = [dataclasses.replace(s, group_id=s.group_id + 10) for s in grpo_samples(1, 2, (150, 150), (20, 30), VOCAB)]
+    samples = replayed_samples(path, samples=short[:4] + long + short[4:])
+    assert min(len(s.input_ids) for s in long) > REUSE_BUDGET
+    run = dict(max_steps=2, gradient_accumulation_steps=3, token_budget=REUSE_BUDGET)
+    planned = with_planner_rows(trl_module.TokenBudgetBatcher, long_samples=True)
+    with monkeypatch.context() as patch:  # TRL's trainer on the same micro-batches: nothing dropped
+        patch.setattr(trl_module, "TokenBudgetBatcher", planned)
+        trl, trl_losses, trl_grads = train(False, path, samples, tmp_path, **run)
+    rows = _spy_on_rows(monkeypatch)
+    tree, tree_losses, tree_grads = train(True, path, samples, tmp_path, tree_prefix_reuse=True, **run)
+
+    lengths = {tuple(np.asarray(s.input_ids).tolist()) for s in long}
+    alone = [row for step in _steps(rows, 2) for row in step if len(row) == 1 and row[0][1] in lengths]
+    assert len(alone) == 2  # each long sample trained, alone in its row
+    assert len(tree_losses) == len(trl_losses) == 6
+    np.testing.assert_allclose(tree_losses, trl_losses, rtol=1e-5, atol=TOLERANCES["logps_atol"])
+    for got, want in zip(tree_grads.steps, trl_grads.steps, strict=True):
+        assert_gradients_close(got, want)
+    for name, param in trl.model.named_parameters():
+        torch.testing.assert_close(dict(tree.model.named_parameters())[name], param, rtol=1e-5, atol=1e-6)

@@ -2,9 +2,11 @@
 row, and the micro-batches TRL's planners build from it, on samples that share, repeat and contain each other."""
 
 import random
+from collections import defaultdict
 
 import numpy as np
 import pytest
+import torch
 
 from hf_tree_attn.trainer import trl_compat
 from hf_tree_attn.trainer.rollout_planner import PlannerRow, with_planner_rows
@@ -113,3 +115,49 @@ def test_the_async_trainer_plans_with_planner_rows():
         planned = with_planner_rows(trl_compat.async_module_name(name))
         assert issubclass(planned, getattr(module, name)) and planned.__name__ == name
         assert with_planner_rows(getattr(module, name)) is planned  # one class per planner
+
+
+def test_pack_is_trl_s_packing_of_the_row():
+    """`PlannerRow.pack()`: what TRL's collator reads of a row, TRL's own packing of the same samples."""
+    _, packing = _trl()
+    samples = _samples(7, vocab=3)
+    for sample in samples:
+        sample["old_log_probs"] = np.linspace(-1, 0, len(sample["input_ids"]), dtype=np.float32)
+        sample["advantage"] = 0.5
+    theirs, ours = packing.TreeRow(), PlannerRow()
+    for sample in samples:
+        theirs.add(sample)
+        ours.add(sample)
+    want, got = theirs.pack(), ours.pack()
+    assert got.keys() == want.keys()
+    for key in want:
+        assert torch.equal(got[key], want[key]), key
+
+
+def test_with_long_samples_a_sample_over_the_budget_gets_a_row_of_its_own():
+    """`long_samples=True`: where TRL's planner drops a sample longer than the budget, it is kept alone in a row;
+    without such samples the micro-batches are TRL's."""
+    module, _ = _trl()
+    from accelerate import PartialState
+
+    PartialState()  # TRL's planner warns through accelerate's logger when it drops a sample
+    batcher = module.TokenBudgetBatcher
+    samples = [s for seed in range(4) for s in _samples(200 + seed, vocab=3)]
+    budget = 60
+
+    def plan(cls, stream):
+        return [[[id(s) for s in row.samples] for row in rows] for rows in cls(stream, 2, budget, defaultdict(list))]
+
+    assert plan(with_planner_rows(batcher, long_samples=True), samples) == plan(batcher, samples)
+    rng = random.Random(0)
+    long = [_sample([rng.randrange(3) for _ in range(n)], 99, rng) for n in (61, 150)]
+    stream = samples[:9] + [long[0]] + samples[9:20] + [long[1]] + samples[20:]
+    kept = plan(with_planner_rows(batcher, long_samples=True), stream)
+    placed = [row for batch in kept for row in batch]
+    count = sum(map(len, placed))  # the last micro-batch stays open: TRL's planner yields one when the next won't fit
+    assert count > 21  # past the second long sample
+    assert sorted(i for row in placed for i in row) == sorted(id(s) for s in stream[:count])  # nothing dropped
+    for sample in long:
+        assert [id(sample)] in placed  # alone in its row
+    dropped = [i for batch in plan(batcher, stream) for row in batch for i in row]
+    assert not {id(s) for s in long} & set(dropped) and len(dropped) > 20

@@ -392,9 +392,14 @@ class TreeAsyncGRPOTrainer(AsyncGRPOTrainer):
 
     def get_train_dataloader(self):
         """TRL's dataloader (its planner, dispatching), its rows priced by `rollout_planner.PlannerRow` (TRL's
-        placements, without a dict lookup per token) and packed by `TreeDataCollatorForRollout`."""
-        planners = {name: with_planner_rows(trl_compat.async_module_name(name))
-                    for name in ("TokenBudgetBatcher", "FixedCountBatcher")}  # fmt: skip
+        placements, without a dict lookup per token) and packed by `TreeDataCollatorForRollout`. With prefix reuse
+        the planner keeps a sample longer than `token_budget` (alone in a row; its step's forest runs in chunks of
+        the budget), where TRL's drops it."""
+        reuse = bool(self.args.tree_prefix_reuse)
+        planners = {
+            "TokenBudgetBatcher": with_planner_rows(trl_compat.async_module_name("TokenBudgetBatcher"), reuse),
+            "FixedCountBatcher": with_planner_rows(trl_compat.async_module_name("FixedCountBatcher")),
+        }
         with trl_compat.swapped_async_module_names(DataCollatorForRollout=TreeDataCollatorForRollout, **planners):
             return super().get_train_dataloader()
 

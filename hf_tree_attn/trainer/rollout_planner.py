@@ -13,13 +13,21 @@ key (token, next token) only changes where a walk stops: TRL's trie shares the f
 longest common prefix with the row's samples is `L` tokens (it forks one token before they diverge), and all of
 them when the row already holds the same sequence. Every number the planner reads (`fits`, `len(tokens)`, `load`,
 `trained`, `groups`, `samples`) is TRL's; `tests/test_rollout_planner.py` checks them against `packing.TreeRow` and
-the planner's micro-batches against TRL's. The collator never reads the row's trie (`rollout_forest` packs the
-row's samples with `pack_forest`), so TRL's `TreeRow.pack` has no counterpart here.
+the planner's micro-batches against TRL's. The tree trainer's collator packs the row's samples with `pack_forest`
+(`rollout_forest`); `PlannerRow.pack` gives TRL's own packing of them, so TRL's collator takes these rows too.
+
+Samples longer than the budget. TRL's planner drops a sample longer than `token_budget` (a row is one forward, and
+the budget bounds its memory). With `tree_prefix_reuse=True` a row is no longer one forward: the step's rows run as
+one forest in chunks of `token_budget` rows, a long sample along its length. So there the planner keeps such a
+sample, alone in a row of its own (`with_planner_rows(..., long_samples=True)`): an empty row takes any sample, and
+a row is otherwise priced against the budget as TRL prices it, which for samples within the budget places every one
+as TRL does.
 """
 
 from __future__ import annotations
 
 import functools
+import sys
 from typing import Any
 
 import numpy as np
@@ -96,6 +104,14 @@ class PlannerRow:
         self.groups.add(sample["group_id"])
         self.trained += int(sample["completion_mask"].sum())
 
+    def pack(self) -> dict:
+        """TRL's packing of the row's samples (`packing.TreeRow.pack`: its trie in DFS order, its loss terms), for
+        TRL's own collator."""
+        row = trl_compat.TreeRow()
+        for sample in self.samples:
+            row.add(sample)
+        return row.pack()
+
     def _insert(self, ids: np.ndarray) -> None:
         node, pos, n = self._root, 0, len(ids)
         while pos < n:
@@ -112,14 +128,34 @@ class PlannerRow:
         node.ends = True
 
 
+class _LongSampleRow(PlannerRow):
+    """A `PlannerRow` that takes any sample while empty (so a sample longer than the budget gets a row of its own)
+    and otherwise fits samples within `budget`, the planner's own (the planner itself is handed no bound)."""
+
+    budget: int = 0
+
+    def fits(self, sample: dict[str, Any], budget: int) -> bool:
+        return not self.samples or super().fits(sample, self.budget)
+
+
 @functools.cache
-def with_planner_rows(batcher: type) -> type:
+def with_planner_rows(batcher: type, long_samples: bool = False) -> type:
     """TRL's planner class `batcher` (`TokenBudgetBatcher` or `FixedCountBatcher`), run whole, its rows
-    `PlannerRow`s: the name `TreeRow` its `__iter__` looks up is swapped while each micro-batch is planned."""
+    `PlannerRow`s: the name `TreeRow` its `__iter__` looks up is swapped while each micro-batch is planned.
+
+    `long_samples` (a `TokenBudgetBatcher`): a sample longer than its `token_budget` is kept, alone in a row, where
+    TRL's planner drops it (for `tree_prefix_reuse=True`, whose rows run in chunks of the budget)."""
 
     class Planned(batcher):
+        if long_samples:
+
+            def __init__(self, dataset, num_processes: int, token_budget: int, metrics: dict):
+                super().__init__(dataset, num_processes, sys.maxsize, metrics)  # TRL drops nothing
+                self.row = type("PlannerRow", (_LongSampleRow,), {"budget": token_budget})
+
         def __iter__(self):
-            return trl_compat.iterated_with_async_module_names(super().__iter__(), TreeRow=PlannerRow)
+            row = self.row if long_samples else PlannerRow
+            return trl_compat.iterated_with_async_module_names(super().__iter__(), TreeRow=row)
 
     Planned.__name__ = Planned.__qualname__ = batcher.__name__
     return Planned

@@ -289,6 +289,9 @@ _LAZY = {
     "DataCollatorForRollout": ("trl.experimental.async_grpo.async_grpo_trainer", "DataCollatorForRollout"),
     # One scored rollout, as rollout workers queue them (a dataclass).
     "RolloutSample": ("trl.experimental.async_grpo.async_rollout_worker", "RolloutSample"),
+    # One rank's row of a micro-batch as TRL's planner fills it: `fits(sample, budget)`, `add(sample)`, `samples`,
+    # `groups`, `tokens`, `trained`, `load`, and `pack()`, the collator's batch of one row.
+    "TreeRow": ("trl.experimental.async_grpo.packing", "TreeRow"),
 }
 _ASYNC_MODULE = "trl.experimental.async_grpo.async_grpo_trainer"
 
