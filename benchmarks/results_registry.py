@@ -119,10 +119,10 @@ SOURCES = {
     "trees_beyond_grpo_h200_more.json": "trees-beyond-grpo-more",
     "trees_beyond_grpo_h200_cudnn_nan.log": "trees-beyond-grpo-cudnn-nan",
     "trees_beyond_grpo_h200_reward_model.json": "trees-beyond-grpo-reward-model",
-    "h200_gpu_tests_deepspeed.log": "deepspeed",
-    "deepspeed_zero2_bf16_h200.json": "deepspeed",
-    "deepspeed_zero3_bf16_h200.json": "deepspeed",
-    "deepspeed_main_job_zero3_h200.log": "deepspeed",
+    "h100_gpu_tests_deepspeed.log": "deepspeed",
+    "deepspeed_zero2_bf16_h100.json": "deepspeed",
+    "deepspeed_zero3_bf16_h100.json": "deepspeed",
+    "deepspeed_main_job_zero3_h100.log": "deepspeed",
     "balance_simulation.json": None,
     "balance_cpu_2proc.json": None,
     "levels_cpu.json": None,
@@ -313,9 +313,9 @@ SUPERSEDED = {
         "`trees_beyond_grpo_h200_reward_model.json`)",
     ),
 }
-# DeepSpeed ZeRO on one H200 (gpu_deepspeed.sh): the tests' per-stage measurements and the main job's log.
-DEEPSPEED_RUNS = ["deepspeed_zero2_bf16_h200.json", "deepspeed_zero3_bf16_h200.json"]
-DEEPSPEED_MAIN_JOB = "deepspeed_main_job_zero3_h200.log"
+# DeepSpeed ZeRO on one GPU (gpu_deepspeed.sh): the tests' per-stage measurements and the main job's log.
+DEEPSPEED_RUNS = ["deepspeed_zero2_bf16_h100.json", "deepspeed_zero3_bf16_h100.json"]
+DEEPSPEED_MAIN_JOB = "deepspeed_main_job_zero3_h100.log"
 
 # One more step per side under the torch profiler, through trainer.train() (bench_async_grpo.py --profile):
 # (file, workload); the sides that carry a profile are shown.
@@ -420,7 +420,7 @@ GPU_TEST_LOGS = {  # log: the tests it ran
     "h200_gpu_tests_two_pass_side_by_side.log": "`test_gpu_recurrent.py -k 'fla_triton and two_calls and "
     "qwen3_5_k128 and bf16'`: the delta rule in two calls against the level loop on one forest each (2, 5, 21 and "
     "40 levels), same weights and fla Triton kernels, log-probs and parameter gradients",
-    "h200_gpu_tests_deepspeed.log": "`test_gpu_deepspeed.py`: `TreeGRPOTrainer` against `trl.GRPOTrainer` under "
+    "h100_gpu_tests_deepspeed.log": "`test_gpu_deepspeed.py`: `TreeGRPOTrainer` against `trl.GRPOTrainer` under "
     "ZeRO-2 and ZeRO-3 in bf16, full and LoRA, 4 steps, each side's error against TRL's float32 run (one GPU)",
 }
 # The files the plot in README.md is drawn from (`plot_results.py`: a later file's row wins).
@@ -476,6 +476,9 @@ NOTES = {
     "and its 8 steps lie within 1.235-1.248 s. TRL's side still shows the gap (3.77 s profiled against a 3.99 s "
     "median): its planner is TRL's own.",
     "attention_flex_flash_h100_tau2_like.json": "on one H100 80GB, after the trainer rows above on the same machine.",
+    "h100_gpu_tests_deepspeed.log": "ran on the code of commit `e112227` (sent as the working tree); the log's "
+    "`commit` line is the git metadata of the machine's copy, which named an older commit (benchmarks/harness.py "
+    "`provenance` says why the result files take the commit from the sender). The two skipped tests need two GPUs.",
     "h100_gpu_tests_async_fa4.log": "all four passed on one H100 80GB with FlashAttention-4 installed. An earlier "
     "run, before each tree trainer's init undid an earlier trainer's FLASH default, failed "
     "`test_hybrid_log_probs_on_cuda` (`inputs must be float16, bfloat16`, FlashAttention-4's assertion): the bf16 "
@@ -708,7 +711,7 @@ PENDING = {
         "(`agent_2x20x4`; stages `async-prefix-reuse-1.7b-trl`, `async-prefix-reuse-1.7b-tree`)",
     ],
     "gpu_tests": [
-        "`test_gpu_recurrent.py` and `test_gpu_deepspeed.py` on the present code (their last logs are below)",
+        "`test_gpu_recurrent.py` on the present code (its last logs are below)",
         "prefix reuse on hybrids and in `TreeAsyncGRPOTrainer` (CPU-tested)",
     ],
     "gradients": [

@@ -587,7 +587,9 @@ c.set_checkpoint_debug_enabled(True).__enter__(); sys.exit(pytest.main(sys.argv[
         > "$OUT/${card}_gpu_tests_deepspeed.log"
       mv "$OUT/deepspeed_zero2_bf16.json" "$OUT/deepspeed_zero2_bf16_${card}.json"
       mv "$OUT/deepspeed_zero3_bf16.json" "$OUT/deepspeed_zero3_bf16_${card}.json"
-      mv "$OUT/main_job_zero3.log" "$OUT/deepspeed_main_job_zero3_${card}.log" ;;
+      { echo "# accelerate launch --config_file trainers/configs/deepspeed_zero3.yaml --num_processes 1" \
+          "trainers/grpo_tree.py --max_steps 20 --logging_steps 5 --output_dir /tmp/ds_main_job"
+        cat "$OUT/main_job_zero3.log"; } > "$OUT/deepspeed_main_job_zero3_${card}.log" && rm "$OUT/main_job_zero3.log" ;;
     # ---- gradients with fused layer kernels vs eager (grad_check.py), Qwen3-8B shape
     grad-check-8b-12-layers)  # compiled layers, Liger + compiled layers, on 12 of the 36 layers
       timeout 260 python3 benchmarks/grad_check.py --model qwen3-8b --layers 12 --variants compile liger_compile \

@@ -72,7 +72,7 @@ def test_each_gpu_result_is_what_its_stage_runs():
             continue
         assert stage in bodies, f"{name}: no stage {stage!r} in benchmarks/run_h200.sh"
         # Stages that may run on an H100 name their file after the card they ran on (`${card}`).
-        card = "h100" if "_h100_" in name or name.startswith("h100_") else "h200"
+        card = "h100" if re.search(r"(^|_)h100(_|\.)", name) else "h200"
         body = bodies[stage].replace("${card}", card)
         assert f"$OUT/{name}" in body, f"{name}: stage {stage} does not write it"
         command = results_tables.command_of(name)
