@@ -93,6 +93,7 @@ SOURCES = {
     "tree_vs_flat_h200_qwen3.5-0.8b_fla_tilelang.json": "hybrid-rows",
     "tree_vs_flat_h200_qwen3.5-2b_fla_tilelang.json": "hybrid-rows-2b",
     "h200_gpu_tests_hybrid_rows.log": "hybrid-rows-2b-warm",
+    "h100_gpu_tests_hybrids.log": "gpu-tests-hybrids",
     "hybrid_kernel_checks_h200_fla_triton_k64.json": "hybrid-routes-warm",
     "hybrid_kernel_checks_h200_fla_tilelang_k64.json": "hybrid-routes-warm",
     "h200_gpu_tests_hybrid_routes.log": "hybrid-routes-warm",
@@ -407,6 +408,9 @@ GPU_TEST_LOGS = {  # log: the tests it ran
     "trees_beyond_grpo_h200.log": "`test_gpu_trees.py`: SFT, DPO and reward-model trees on CUDA",
     "h200_gpu_tests_hybrid_kernels.log": "`test_gpu_recurrent.py` on FlashQLA: Qwen3.5 and Qwen3-Next trees (K = 128) "
     "against per-sequence float32 forwards",
+    "h100_gpu_tests_hybrids.log": "`test_gpu_recurrent.py` on transformers' torch kernels (flash-linear-attention "
+    "not installed, so its routes skip): Qwen3.5, Qwen3-Next, LFM2 and Nemotron-H trees against per-sequence float32 "
+    "forwards, forward and backward, bf16 and fp32",
     "h200_gpu_tests_hybrid_rows.log": "`test_gpu_recurrent.py` on fla + TileLang: Qwen3.5 (K = 128 and 64) and "
     "Qwen3-Next trees against per-sequence float32 forwards on the torch kernels, forward and backward, bf16 and "
     "fp32; varlen level batches against padded ones",
@@ -479,6 +483,10 @@ NOTES = {
     "h100_gpu_tests_deepspeed.log": "ran on the code of commit `e112227` (sent as the working tree); the log's "
     "`commit` line is the git metadata of the machine's copy, which named an older commit (benchmarks/harness.py "
     "`provenance` says why the result files take the commit from the sender). The two skipped tests need two GPUs.",
+    "h100_gpu_tests_hybrids.log": "one H100 80GB, transformers 5.25 (carried: the image's 5.17 has LFM2's short "
+    "convolution drop the model's keyword arguments, so the gate refuses LFM2 trees there; a run on 5.17 failed the "
+    "two LFM2 cases on that refusal, and the test now skips a model the installed transformers has refused, with the "
+    "gate's reason). 10 passed; the 76 skipped are the flash-linear-attention routes.",
     "h100_gpu_tests_async_fa4.log": "all four passed on one H100 80GB with FlashAttention-4 installed. An earlier "
     "run, before each tree trainer's init undid an earlier trainer's FLASH default, failed "
     "`test_hybrid_log_probs_on_cuda` (`inputs must be float16, bfloat16`, FlashAttention-4's assertion): the bf16 "
@@ -711,7 +719,8 @@ PENDING = {
         "(`agent_2x20x4`; stages `async-prefix-reuse-1.7b-trl`, `async-prefix-reuse-1.7b-tree`)",
     ],
     "gpu_tests": [
-        "`test_gpu_recurrent.py` on the present code (its last logs are below)",
+        "`test_gpu_recurrent.py` on fla's kernels (FlashQLA, fla + TileLang, fla's Triton) on the present code "
+        "(their last logs are below; the torch kernels ran on it, `h100_gpu_tests_hybrids.log`)",
         "prefix reuse on hybrids and in `TreeAsyncGRPOTrainer` (CPU-tested)",
     ],
     "gradients": [

@@ -638,7 +638,8 @@ c.set_checkpoint_debug_enabled(True).__enter__(); sys.exit(pytest.main(sys.argv[
       timeout -s INT 70 python3 -m pytest -q -rf -m gpu tests/test_precision.py \
         -k "not qwen3_5 and not nemotron_h and not lfm2" > "$OUT/h200_gpu_tests_precision.log" 2>&1
       summary "$OUT/h200_gpu_tests_precision.log" ;;
-    gpu-tests-hybrids)  # Qwen3.5 / LFM2 / Nemotron-H trees on CUDA (fla's kernels where installed)
+    gpu-tests-hybrids)  # Qwen3.5 / LFM2 / Nemotron-H trees on CUDA (fla's kernels where installed); carry
+      # .whl/async, .whl/common and .whl/hub (transformers 5.25: the image's 5.17 has the gate refuse LFM2 trees)
       timeout 300 python3 -m pytest -q -rfEs -m gpu -p no:cacheprovider tests/test_gpu_recurrent.py \
         > "$OUT/${card}_gpu_tests_hybrids.log" 2>&1
       summary "$OUT/${card}_gpu_tests_hybrids.log" ;;
