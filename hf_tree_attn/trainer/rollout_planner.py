@@ -4,8 +4,8 @@ TRL's planner (`TokenBudgetBatcher`, `FixedCountBatcher`) drops each rollout sam
 and prices it there: `fits` walks the sample through the row's prefix trie to count the tokens it would add, `add`
 walks it again to insert it. TRL's trie holds one Python dict entry per token, keyed on the token and the next one,
 so each walk costs a dict lookup per token of the sample: on τ²-like agent conversations (10k-token samples, ~100 per
-step) that is ~0.4 s of every optimizer step on one CPU core, spent in the training loop's `get_batch_samples`
-before the step's first forward, while the GPU waits.
+step) that is ~0.2 s of every optimizer step on one CPU core (`benchmarks/bench_planner.py`), spent in the training
+loop's `get_batch_samples` before the step's first forward, while the GPU waits.
 
 `PlannerRow` answers the planner's questions the same way from a radix trie over the samples' token arrays (an
 edge is a run of tokens compared in one numpy call), so a walk costs a step per branch point, not per token. TRL's
@@ -56,7 +56,8 @@ def _matched(tokens: np.ndarray, ids: np.ndarray, pos: int) -> int:
 
 class PlannerRow:
     """One rank's row of a micro-batch, as TRL's planner fills it: the interface of TRL's `packing.TreeRow` that the
-    planner and the collator's metrics read (`fits`, `add`, `samples`, `groups`, `tokens`, `trained`, `load`).
+    planner, the collator's metrics and TRL's collator read (`fits`, `add`, `samples`, `groups`, `tokens`, `trained`,
+    `load`, `pack`).
 
     `tokens` holds the tokens TRL's trie would hold, in the order it creates them; `load` is TRL's attention cost
     (each trie node priced at its depth + 1); `trained` the row's trained tokens (`completion_mask`)."""
