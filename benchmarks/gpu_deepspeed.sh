@@ -33,7 +33,11 @@ export PYTHONPATH=/tmp/site:$PWD
 print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda)
 for m in (transformers, trl, peft, accelerate, deepspeed): print(m.__name__, m.__version__)"
   # The sender's commit where set (the machine's copy of the work tree can carry stale git metadata), else git's.
-  if [ -n "${HF_TREE_ATTN_COMMIT:-}" ]; then echo "commit $HF_TREE_ATTN_COMMIT"; else git log -1 --format='commit %H' 2>/dev/null || true; fi
+  if [ -n "${HF_TREE_ATTN_COMMIT:-}" ]; then
+    echo "commit $HF_TREE_ATTN_COMMIT"
+  else
+    git log -1 --format='commit %H' 2>/dev/null || true
+  fi
 } 2>&1 | tee "$OUT/versions.txt"
 
 echo "=== tests/test_gpu_deepspeed.py"
