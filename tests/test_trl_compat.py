@@ -358,6 +358,18 @@ def test_async_module_names_are_looked_up_where_the_seam_says():
     assert _params(module.create_model_from_path)[0] == "model_id"
     assert _params(module.get_peak_flops_per_device) == ["accelerator", "dtype"]
     assert _params(module.compute_flops_per_token) == ["config", "seq_len"]
+    # What `rollout_planner` relies on: the planners' constructors and the row interface they use
+    assert _params(module.TokenBudgetBatcher.__init__) == [
+        "self",
+        "dataset",
+        "num_processes",
+        "token_budget",
+        "metrics",
+    ]
+    assert _params(module.TokenBudgetBatcher._place) == ["self", "rows", "sample"]
+    row = trl_compat.TreeRow()
+    assert {"samples", "groups", "tokens", "trained", "load"} <= set(vars(row))
+    assert _params(type(row).fits) == ["self", "sample", "budget"] and _params(type(row).add) == ["self", "sample"]
 
 
 def test_async_constructor_refusals_are_the_ones_hidden():

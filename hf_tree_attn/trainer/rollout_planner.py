@@ -152,6 +152,7 @@ def with_planner_rows(batcher: type, long_samples: bool = False) -> type:
 
             def __init__(self, dataset, num_processes: int, token_budget: int, metrics: dict):
                 super().__init__(dataset, num_processes, sys.maxsize, metrics)  # TRL drops nothing
+                # A class, not a partial: TRL's `_place` evaluates `TreeRow | None` in a nested annotation
                 self.row = type("PlannerRow", (_LongSampleRow,), {"budget": token_budget})
 
         def __iter__(self):
