@@ -849,3 +849,41 @@ def test_prefix_reuse_trains_a_sample_longer_than_the_budget(tmp_path, monkeypat
         assert_gradients_close(got, want)
     for name, param in trl.model.named_parameters():
         torch.testing.assert_close(dict(tree.model.named_parameters())[name], param, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("weights", ["float32", "bfloat16"])
+def test_prefix_reuse_long_samples_as_close_to_float32_as_trl_under_bf16(weights, tmp_path, monkeypatch):
+    """The long-sample case above under TRL's mixed precision (`bf16=True`, fp32 or bf16 weights): the tree's losses
+    and gradients as close to the float32 run (TRL's trainer on the same micro-batches) as TRL's own under the same
+    precision, by `test_prefix_reuse_as_close_to_float32_as_trl_under_bf16`'s bound."""
+    import dataclasses
+
+    from trl.experimental.async_grpo import async_grpo_trainer as trl_module
+
+    from hf_tree_attn.trainer.replay import grpo_samples
+    from hf_tree_attn.trainer.rollout_planner import with_planner_rows
+
+    path = save_model(tiny_family_config("qwen3"), tmp_path / "model")
+    short = grpo_samples(3, 4, (28, 36), (6, 12), VOCAB, seed=3)
+    long = [dataclasses.replace(s, group_id=s.group_id + 10) for s in grpo_samples(1, 2, (150, 150), (20, 30), VOCAB)]
+    samples = _away_from_clip(replayed_samples(path, samples=short[:4] + long + short[4:]), path, margin=0.1)
+    run = dict(max_steps=2, gradient_accumulation_steps=3, token_budget=REUSE_BUDGET)
+    mixed = dict(bf16=True, dtype=weights, **run)
+    planned = with_planner_rows(trl_module.TokenBudgetBatcher, long_samples=True)
+    with monkeypatch.context() as patch:  # TRL's trainer on the tree's micro-batches: nothing dropped
+        patch.setattr(trl_module, "TokenBudgetBatcher", planned)
+        _, ref_losses, ref_grads = train(False, path, samples, tmp_path / "fp32", **run)
+        _, trl_losses, trl_grads = train(False, path, samples, tmp_path, **mixed)
+    rows = _spy_on_rows(monkeypatch)
+    _, tree_losses, tree_grads = train(True, path, samples, tmp_path, tree_prefix_reuse=True, **mixed)
+
+    lengths = {tuple(np.asarray(s.input_ids).tolist()) for s in long}
+    assert sum(len(row) == 1 and row[0][1] in lengths for step in _steps(rows, 2) for row in step) == 2
+    assert len(tree_losses) == len(trl_losses) == len(ref_losses) == 6
+    assert trl_losses != ref_losses  # autocast is on: the comparison is not vacuous
+    u = torch.finfo(torch.bfloat16).eps / 2
+    ref, trl_l, tree_l = (torch.tensor(x) for x in (ref_losses, trl_losses, tree_losses))
+    assert (tree_l - ref).norm() <= 2 * (trl_l - ref).norm() + u * ref.norm(), (tree_l, trl_l, ref)
+    for step, (got, want, exact) in enumerate(zip(tree_grads.steps, trl_grads.steps, ref_grads.steps, strict=True)):
+        tree_error, trl_error = (relative_error(grads, exact) for grads in (got, want))
+        assert tree_error <= 2 * trl_error + u, (step, tree_error, trl_error)
