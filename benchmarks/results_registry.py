@@ -436,21 +436,25 @@ PLOT = [
     "tree_vs_flat_h200_qwen3-8b.json",
 ]
 
-# README.md's table: (model, workload, through-trainer (file, generation mode or sync workload) or None, loop file
-# eager, loop file compiled).
+# README.md's table, every row through `trainer.train()`, each side in its own process, paired per step: (trainer,
+# model, workload, file, the file's workload key).
 README_ROWS = [
-    ("Qwen3-1.7B", "P=4,096 + G=16 × C=512 (loop: 2 such groups); a `rollout_func`",
-     ("sync_grpo_h200_qwen3-1.7b_P4096_paired.json", "grpo_P4096_C512"),
-     "tree_vs_flat_h200_qwen3-1.7b_ckpt-auto.json", "tree_vs_flat_h200_qwen3-1.7b_compile_budget.json"),
-    ("Qwen3-1.7B", "G=16, P ~ U[1,000, 6,000], C ~ U[64, 1,024]; a `rollout_func`",
-     ("sync_grpo_h200_qwen3-1.7b_paired.json", "grpo_mixed"), None, None),
-    ("Qwen3-0.6B", "2 prompts × G=16, P=2,112 (2,048 shared), C=256; HF `generate`",
-     ("generation_modes_h200_paired.json", "generate"), None, None),
-    ("Qwen3-8B", "P=4,096 + G=16 × C=512 (loop: 1 such group); a `rollout_func`",
-     ("sync_grpo_h200_qwen3-8b_P4096_paired.json", "grpo_P4096_C512"),
-     "tree_vs_flat_h200_qwen3-8b.json", "tree_vs_flat_h200_qwen3-8b_compile_keep.json"),
-    ("Qwen3-1.7B", "τ²-like agent: 10–20 turns, 4,800-token system prompt", None,
-     "tree_vs_flat_h200_qwen3-1.7b_agent.json", None),
+    ("`TreeGRPOTrainer`", "Qwen3-1.7B", "P=4,096 + G=16 × C=512; a `rollout_func`",
+     "sync_grpo_h200_qwen3-1.7b_P4096_paired.json", "grpo_P4096_C512"),
+    ("`TreeGRPOTrainer`", "Qwen3-1.7B", "G=16, P ~ U[1,000, 6,000], C ~ U[64, 1,024]; a `rollout_func`",
+     "sync_grpo_h200_qwen3-1.7b_paired.json", "grpo_mixed"),
+    ("`TreeGRPOTrainer`", "Qwen3-8B", "P=4,096 + G=16 × C=512; a `rollout_func`",
+     "sync_grpo_h200_qwen3-8b_P4096_paired.json", "grpo_P4096_C512"),
+    ("`TreeGRPOTrainer`", "Qwen3-0.6B", "2 prompts × G=16, P=2,112 (2,048 shared), C=256; HF `generate`",
+     "generation_modes_h200_paired.json", "generate"),
+    ("`TreeAsyncGRPOTrainer`", "Qwen3-1.7B", "G=16, P ~ U[1,000, 6,000], C ~ U[64, 1,024]",
+     "async_grpo_h100_qwen3-1.7b_default.json", "grpo_mixed"),
+    ("`TreeAsyncGRPOTrainer`", "Qwen3-1.7B", "τ²-like agent: 4,800-token system prompt, 10–20 turns",
+     "async_grpo_h100_qwen3-1.7b_default_tau2.json", "tau2_like"),
+    ("`TreeAsyncGRPOTrainer`", "Qwen3-8B", "G=16, P ~ U[1,000, 6,000], C ~ U[64, 1,024]",
+     "async_grpo_h200_qwen3-8b_paired.json", "grpo_mixed"),
+    ("`TreeAsyncGRPOTrainer`", "Qwen3-8B", "τ²-like agent: 4,800-token system prompt, 10–20 turns",
+     "async_grpo_h200_qwen3-8b_paired_tau2.json", "tau2_like"),
 ]  # fmt: skip
 
 # What a file's numbers need beside them: a footnote wherever the file is a row's source.

@@ -1581,35 +1581,24 @@ def results_readme() -> str:
 
 
 def readme_table() -> str:
-    """The table in README.md's *Performance*: through the trainer where measured, the benchmark loop beside it."""
-
-    def loop(name: str | None) -> str:
-        if name is None:
-            return "—"
-        run, recompute = run_of(name), layers_of(name).split(", ")[1]
-        peak = (
-            "" if name in PROBES_ON_GPU else f", memory {x(run['tree']['peak_gib'] / run['flat_padded']['peak_gib'])}"
-        )
-        return f"{loop_ratio(run, link=f'benchmarks/results/{name}')}, recompute {recompute}{peak}"
-
+    """The table in README.md's *Performance*: each trainer against TRL's own through `trainer.train()`, paired."""
     rows = []
-    for model, wl, trainer, eager, compiled in README_ROWS:
-        through = "not yet measured"
-        if trainer:  # bench_sync_grpo.py / bench_generation_modes.py on the harness: paired steps
-            name, key = trainer
-            pair = trainer_row(name, key)["paired"]["tree vs trl"]
-            phase = pair.get("trainer_phase")
-            through = (
-                f"**[{x(pair['median'])}](benchmarks/results/{name})** [{x(pair['min'])}, {x(pair['max'])}] per "
-                f"step (paired)"
-                + (f", trainer phase {x(phase['median'])} [{x(phase['min'])}, {x(phase['max'])}]" if phase else "")
-                + f", memory {x(pair['peak_ratio'])}"
-                + ("; **agreement failed**" if pair.get("failed") else "")
-            )
-        rows.append([model, wl, through, loop(eager), loop(compiled)])
-    headers = ["model shape", "workload", "tree vs `trl.GRPOTrainer` through `trainer.train()` at TRL's defaults",
-               "trainer phase vs flat padded, hand-written loop, eager layers", "the same, compiled "
-               "layers"]  # fmt: skip
+    for trainer, model, wl, name, key in README_ROWS:
+        data, row = load(name), trainer_row(name, key)
+        sides, pairs = row["sides"], row["paired"]
+        tree, trl = sides["tree"], sides["trl"]
+        pair, compiled = pairs["tree vs trl"], pairs.get("tree vs trl_compiled")
+        ratio = f"**[{x(pair['median'])}](benchmarks/results/{name})** [{x(pair['min'])}, {x(pair['max'])}]"
+        ratio += " **agreement failed**" if pair.get("failed") else ""
+        compiled = ranged(compiled).replace("**", "", 2) if "trl_compiled" in sides else "not measured"
+        gpu = "H100" if "H100" in data["gpu"] else "H200"
+        rows.append([
+            trainer, model, wl, ratio, compiled, f"{secs(tree['median_step_s'])} / {secs(trl['median_step_s'])}",
+            f"{pct(tree['mfu'], 1)} / {pct(trl['mfu'], 1)}", x(tree["peak_gib"] / trl["peak_gib"]),
+            f"{gpu}, `{data['git_commit'][:7]}`",
+        ])  # fmt: skip
+    headers = ["trainer", "model shape", "workload", "tree vs TRL at its defaults", "tree vs TRL compiled",
+               "median step tree / TRL", "MFU tree / TRL", "peak memory tree / TRL", "GPU, commit"]  # fmt: skip
     return "\n".join([BEGIN, *table(headers, rows)[:-1], END])
 
 
