@@ -715,7 +715,8 @@ PENDING = {
         "AReaL's tree-training code, same workloads",
         "TRL's own tree packing on its FlashAttention-3 kernel from the Hub (the rows above ran FlashAttention-2)",
         "Qwen3-8B against TRL with accelerate's regional compile, the tree at its defaults with FlashAttention-4 "
-        "installed (stage `async-grpo-default-8b`, an H200)",
+        "installed, GRPO groups and agent conversations (stages `async-grpo-default-8b`, "
+        "`async-grpo-default-8b-agent`, an H200)",
         "FlashAttention-4 on the H200 and at the Qwen3-8B shape (the rows below ran on an H100 at 1.7B); the "
         "shared-prefix attention on it with FlexAttention's FLASH backend in the same run",
         "prefix reuse with every chunk's graph kept at the Qwen3-1.7B shape, which its FLOPs predict 1.17x the "
