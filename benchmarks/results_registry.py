@@ -715,7 +715,8 @@ PENDING = {
         "the same model passed)",
         "the two-call delta rule on the GPU at Qwen3-Next's heads and in fp32: Qwen3-Next's parity test on fla's "
         "Triton kernels (stopped by the call's limit), fp32 on fla's Triton kernels (a test did not finish within "
-        "300 s); Qwen3.5-2B and GRPO tree-vs-flat rows on fla's Triton kernels",
+        "300 s); Qwen3.5-2B and GRPO tree-vs-flat rows on fla's Triton kernels (stages "
+        "`hybrid-two-pass-rows-2b-paired`, `hybrid-grpo-fla-triton-paired`)",
     ],
     "balance": ["FSDP2 on two H200s, Qwen3-1.7B shape, balanced vs not (stage `balance-fsdp2`)"],
     "peers": [

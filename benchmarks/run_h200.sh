@@ -171,6 +171,21 @@ for stage in "$@"; do
       timeout 570 python3 benchmarks/bench_tree_vs_flat.py --models qwen3.5-0.8b --workloads agent_20_turns \
         --scale 0.25 --repeats 8 --gdn-route fla_triton \
         --out "$OUT/tree_vs_flat_${card}_qwen3.5-0.8b_agent20_fla_triton_paired.json" 2>&1 | quiet 6 ;;
+    hybrid-two-pass-rows-2b-paired)  # the same row at the Qwen3.5-2B shape (a flat padded step ~22 s; carry
+      # .whl/hybrid/fla06)
+      with_fla06
+      timeout 580 python3 benchmarks/bench_tree_vs_flat.py --models qwen3.5-2b --workloads agent_20_turns \
+        --scale 0.25 --repeats 8 --gdn-route fla_triton \
+        --out "$OUT/tree_vs_flat_${card}_qwen3.5-2b_agent20_fla_triton_paired.json" 2>&1 | quiet 6 ;;
+    hybrid-grpo-fla-triton-paired)  # one GRPO group (2 levels: the level loop) on fla's Triton kernels, 0.8B and 2B
+      # shapes, 8 timed repeats per method, paired per repeat (carry .whl/hybrid/fla06)
+      with_fla06
+      timeout 280 python3 benchmarks/bench_tree_vs_flat.py --models qwen3.5-0.8b --workloads grpo_G16_P4096_C512 \
+        --scale 0.25 --repeats 8 --gdn-route fla_triton \
+        --out "$OUT/tree_vs_flat_${card}_qwen3.5-0.8b_grpo_fla_triton_paired.json" 2>&1 | quiet 6
+      timeout 280 python3 benchmarks/bench_tree_vs_flat.py --models qwen3.5-2b --workloads grpo_G16_P4096_C512 \
+        --scale 0.25 --repeats 8 --gdn-route fla_triton \
+        --out "$OUT/tree_vs_flat_${card}_qwen3.5-2b_grpo_fla_triton_paired.json" 2>&1 | quiet 6 ;;
     hybrid-async-fla)  # TreeAsyncGRPOTrainer on Qwen3.5 shapes, fla's Triton kernels (TRL refuses hybrids: the tree alone)
       with_fla06
       timeout 270 python3 benchmarks/bench_async_grpo.py --models qwen3.5-0.8b --workloads tau2_like grpo_mixed \
