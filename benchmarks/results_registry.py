@@ -118,6 +118,7 @@ SOURCES = {
     "async_grpo_h200_qwen3-8b_paired_tau2.json": "compile-async-8b",
     "tree_vs_flat_h200_qwen3.5-0.8b_agent20_fla_triton.json": "hybrid-two-pass-rows",
     "tree_vs_flat_h100_qwen3.5-0.8b_agent20_fla_triton_paired.json": "hybrid-two-pass-rows-paired",
+    "tree_vs_flat_h100_qwen3.5-0.8b_grpo_fla_triton_paired.json": "hybrid-grpo-fla-triton-paired",
     "trees_beyond_grpo_h200_more.json": "trees-beyond-grpo-more",
     "trees_beyond_grpo_h200_cudnn_nan.log": "trees-beyond-grpo-cudnn-nan",
     "trees_beyond_grpo_h200_reward_model.json": "trees-beyond-grpo-reward-model",
@@ -339,6 +340,7 @@ HYBRID_ROWS = [
     "tree_vs_flat_h200_qwen3.5-0.8b.json",
     "tree_vs_flat_h200_qwen3.5-0.8b_fla_tilelang.json",
     "tree_vs_flat_h200_qwen3.5-0.8b_flash_qla.json",
+    "tree_vs_flat_h100_qwen3.5-0.8b_grpo_fla_triton_paired.json",
     "tree_vs_flat_h200_qwen3.5-0.8b_agent20.json",
     "tree_vs_flat_h200_qwen3.5-0.8b_agent20_fla_tilelang.json",
     "tree_vs_flat_h100_qwen3.5-0.8b_agent20_fla_triton_paired.json",
@@ -676,6 +678,12 @@ NOTES = {
     "(the tree trainer's `reward_tree_compute_ratio`), against which its scoring time is measured.",
     "tree_vs_flat_h200_qwen3.5-0.8b_fla_tilelang.json": "the short convolution on transformers' torch fallback "
     "(`causal-conv1d` not installed) on every method.",
+    "tree_vs_flat_h100_qwen3.5-0.8b_grpo_fla_triton_paired.json": "on one H100 80GB, a later call than the agent "
+    "row's, on a fresh machine; 70% of the token ceiling. One GRPO group, 2 levels: the tree's "
+    "delta rule runs level by level (two calls start at 3). fla's Triton kernels alone on every method, the short "
+    "convolution on transformers' torch fallback; 8 measured steps per method, paired per step. The agreement check "
+    "passed (log-probs within 0.075 of flat padded's, bound 0.12; gradient cosine 0.99934). The same stage's 2B row "
+    "did not run: the call's device time ran out.",
     "tree_vs_flat_h100_qwen3.5-0.8b_agent20_fla_triton_paired.json": "on one H100 80GB. The tree's delta rule in two "
     "calls (21 levels); fla's Triton kernels alone on every method, the short convolution on transformers' torch "
     "fallback. 8 measured steps per method after one warm-up, paired per step (a flat padded step takes 18.3 s); the "
@@ -715,7 +723,7 @@ PENDING = {
         "the same model passed)",
         "the two-call delta rule on the GPU at Qwen3-Next's heads and in fp32: Qwen3-Next's parity test on fla's "
         "Triton kernels (stopped by the call's limit), fp32 on fla's Triton kernels (a test did not finish within "
-        "300 s); Qwen3.5-2B and GRPO tree-vs-flat rows on fla's Triton kernels (stages "
+        "300 s); Qwen3.5-2B tree-vs-flat rows on fla's Triton kernels, agent and GRPO (stages "
         "`hybrid-two-pass-rows-2b-paired`, `hybrid-grpo-fla-triton-paired`)",
     ],
     "balance": ["FSDP2 on two H200s, Qwen3-1.7B shape, balanced vs not (stage `balance-fsdp2`)"],
