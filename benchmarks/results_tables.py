@@ -1348,7 +1348,7 @@ def deepspeed_summary() -> str:
 
 
 def deepspeed_gpu_summary() -> str:
-    """Each ZeRO stage's bf16 runs on one H200: both trainers' errors against TRL's float32 run."""
+    """Each ZeRO stage's bf16 runs on one GPU: both trainers' errors against TRL's float32 run."""
     parts = []
     for name in DEEPSPEED_RUNS:
         data = load(name)
@@ -1386,13 +1386,12 @@ def other_runs() -> list[str]:
         )
     rows.append(["CPU, 2 gloo processes: DeepSpeed ZeRO-2 and ZeRO-3 through `trainers/configs/deepspeed_zero*.yaml`",
                  deepspeed_summary(), Notes().source("deepspeed_cpu_2proc.log")])  # fmt: skip
+    gpu = load(DEEPSPEED_RUNS[0])["device"]
     rows.append([
-        f"One {load(DEEPSPEED_RUNS[0])['device']}, one process: DeepSpeed ZeRO-2 and ZeRO-3 in bf16, "
-        "`TreeGRPOTrainer` and `trl.GRPOTrainer`, 4 "
+        f"One {gpu}, one process: DeepSpeed ZeRO-2 and ZeRO-3 in bf16, `TreeGRPOTrainer` and `trl.GRPOTrainer`, 4 "
         "steps, full and LoRA (`test_gpu_deepspeed.py`)",
         deepspeed_gpu_summary(), " ".join(Notes().source(name) for name in DEEPSPEED_RUNS),
     ])  # fmt: skip
-    gpu = load(DEEPSPEED_RUNS[0])["device"]
     rows.append([f"One {gpu}: the main job under `trainers/configs/deepspeed_zero3.yaml`",
                  deepspeed_main_job_summary(), Notes().source(DEEPSPEED_MAIN_JOB)])  # fmt: skip
     check = load("tree_vs_flat_h200_qwen3-0.6b.json")["recompile_check"]
