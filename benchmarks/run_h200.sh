@@ -390,6 +390,18 @@ for stage in "$@"; do
       timeout 540 python3 -m pytest -v -rfEs -m gpu -p no:cacheprovider -n 8 --timeout 300 tests \
         --ignore tests/test_gpu_recurrent.py --ignore tests/test_gpu_deepspeed.py 2>&1 | grep -v DEBUG \
         > "$OUT/h200_gpu_tests_all.log" ;;
+    gpu-tests-all-current)  # the same on the present code, on either card, the log headed by its command, card,
+      # versions and commit (carry .whl: transformers 5.25 from .whl/common, trl from .whl/async)
+      log="$OUT/${card}_gpu_tests_all.log"
+      { echo "# python3 -m pytest -v -rfEs -m gpu -p no:cacheprovider -n 8 --timeout 300 tests --ignore tests/test_gpu_recurrent.py --ignore tests/test_gpu_deepspeed.py   (stage gpu-tests-all-current of benchmarks/run_h200.sh)"
+        python3 -c "import torch, transformers, trl, accelerate; print('# one', torch.cuda.get_device_name(), 'torch',
+torch.__version__, 'transformers', transformers.__version__, 'trl', trl.__version__, 'accelerate',
+accelerate.__version__, end='; ')"
+        echo "commit ${HF_TREE_ATTN_COMMIT:-unknown}, $([ "${HF_TREE_ATTN_DIRTY:-0}" = 1 ] && echo dirty || echo clean)"
+      } > "$log"
+      timeout 560 python3 -m pytest -v -rfEs -m gpu -p no:cacheprovider -n 8 --timeout 300 tests \
+        --ignore tests/test_gpu_recurrent.py --ignore tests/test_gpu_deepspeed.py 2>&1 | grep -v DEBUG >> "$log"
+      summary "$log" 30 ;;
     gpu-tests-prefix-reuse)  # prefix reuse on CUDA, both attention paths
       timeout 300 python3 -m pytest -v -rfEs -m gpu -p no:cacheprovider tests/test_gpu_prefix_reuse.py 2>&1 \
         | grep -v DEBUG > "$OUT/h200_gpu_tests_prefix_reuse.log" ;;
