@@ -38,6 +38,7 @@ from results_registry import (
     KERNEL_CHECKS,
     KERNEL_RUNS,
     LEVELS,
+    LOG_COMMITS,
     LOOP_ROWS,
     MEMORY_ROWS,
     MFU_ROWS,
@@ -119,6 +120,29 @@ def command_of(name: str) -> str | None:
     return None
 
 
+def commit_of(name: str) -> str | None:
+    """The commit of the code a result file measured, 7 digits (", dirty" where the work tree held changes): a JSON's
+    `git_commit` (or `meta.git_commit`), a log's `commit <sha>` line (`LOG_COMMITS` where that line is the machine's
+    stale checkout); None for a file from before the benchmarks recorded one."""
+    if name in LOG_COMMITS:
+        return LOG_COMMITS[name]
+    if name.endswith(".json"):
+        data = load(name)
+        meta = data.get("meta", {})
+        commit, dirty = data.get("git_commit") or meta.get("git_commit"), data.get("git_dirty", meta.get("git_dirty"))
+    elif name.endswith((".log", ".txt")) and (match := re.search(r"\bcommit ([0-9a-f]{7,40})\b(.{0,12})", text(name))):
+        commit, dirty = match.group(1), "dirty" in match.group(2) and "dirty 0" not in match.group(2)
+    else:
+        return None
+    return commit and commit[:7] + ", dirty" * bool(dirty)
+
+
+def commit_cell(name: str) -> str:
+    """A source cell's commit: `` `abc1234` `` or that the file records none."""
+    commit = commit_of(name)
+    return f"`{commit}`" if commit else "no commit recorded"
+
+
 def versions_of(name: str) -> str:
     data = load(name) if name.endswith(".json") else {}
     versions = data.get("versions") or data.get("meta", {}).get("versions") or {}
@@ -184,7 +208,7 @@ class Notes:
 
     def source(self, name: str) -> str:
         """A row's source: the file, linked, with its stage (and the note's marker)."""
-        cell = f"[{name}]({name})" + (f" · `{SOURCES[name]}`" if SOURCES[name] else "")
+        cell = f"[{name}]({name})" + (f" · `{SOURCES[name]}`" if SOURCES[name] else "") + f" · {commit_cell(name)}"
         if name in NOTES:
             self.names += [name] * (name not in self.names)
             cell += f" {self.mark(self.names.index(name))}"
@@ -1420,8 +1444,9 @@ def result_files() -> list[str]:
         else:
             command = command_of(name)
         where = f"`{stage}`" if stage else "plot" if name.endswith(".png") else "CPU"
-        rows.append([f"[{name}]({name})", where, f"`{command}`" if command else "—", versions_of(name)])
-    return table(["file", "stage", "command it records", "versions"], rows)
+        commit = commit_cell(name) if not name.endswith(".png") else "—"
+        rows.append([f"[{name}]({name})", where, f"`{command}`" if command else "—", versions_of(name), commit])
+    return table(["file", "stage", "command it records", "versions", "commit"], rows)
 
 
 SECTIONS = [  # (heading level, title, section, what it measures)
@@ -1565,9 +1590,11 @@ def results_readme() -> str:
         "",
         "<!-- Written by benchmarks/results_tables.py: edit benchmarks/results_registry.py, not this file. -->",
         "",
-        "Every number below is read from a result file in this folder; each row links its file and the stage of "
-        f"[`{SCRIPT}`](../run_h200.sh) that made it ([Result files](#result-files) lists each file's command and "
-        "versions). GPU: one NVIDIA H200 (files named `_h100_`: one H100 80GB, the same 989 TFLOP/s dense bf16 peak "
+        "Every number below is read from a result file in this folder; each row links its file, the stage of "
+        f"[`{SCRIPT}`](../run_h200.sh) that made it and the commit of the code it measured ([Result files]"
+        "(#result-files) lists each file's command, versions and commit). A row that says *no commit recorded* comes "
+        "from a file written before the benchmarks recorded their commit: older code, kept until it is measured "
+        "again. GPU: one NVIDIA H200 (files named `_h100_`: one H100 80GB, the same 989 TFLOP/s dense bf16 peak "
         "with less and slower memory), torch 2.11.0+cu130, trl 1.16.0. Models: random-weight bf16 models with the "
         "named shapes (no download). Ratios are measured side by side in one process unless a row says otherwise.",
         "",

@@ -88,3 +88,24 @@ def test_a_changed_registry_or_number_changes_the_output(monkeypatch):
     monkeypatch.setitem(pair, "median", pair["median"] / 2)
     readme = (REPO / "README.md").read_text()
     assert results_tables.with_readme_table(readme) != readme
+
+
+def test_every_source_names_the_commit_it_measured():
+    """A JSON's `git_commit`, a log's header line, `LOG_COMMITS` over a log's stale checkout line, or that the file
+    records none; every source cell of the tables and every row of the file list says which."""
+    assert results_tables.commit_of("async_grpo_h100_qwen3-1.7b_default.json") == "1f9235b"
+    assert results_tables.commit_of("h200_gpu_tests_all.log") == "339207f"
+    assert "commit 3b95163" in (RESULTS / "h100_gpu_tests_deepspeed.log").read_text()  # the stale checkout's line
+    assert results_tables.commit_of("h100_gpu_tests_deepspeed.log") == "e112227"
+    assert results_tables.commit_of("levels_h200.json") is None
+    assert results_tables.commit_of("prefix_reuse_work_cpu.json") == "e6c77ed, dirty"
+    readme = (RESULTS / "README.md").read_text()
+    tables, files = readme.split("## Result files")
+    for name in results_registry.SOURCES:
+        expected = results_tables.commit_cell(name)
+        for cell in re.findall(rf"\[{re.escape(name)}\]\({re.escape(name)}\)[^|]*", tables):
+            if " · " in cell:  # a row's source cell (not a link in a note's text)
+                assert expected in cell, f"{name}: its source cell {cell!r} does not name {expected}"
+        if not name.endswith(".png"):
+            (row,) = [line for line in files.splitlines() if line.startswith(f"| [{name}]")]
+            assert row.rstrip(" |").endswith(expected), f"{name}: the file list does not name {expected}"
