@@ -248,6 +248,46 @@ def test_liger_with_an_asked_compile_is_refused():
         decide_compile(_args(liger=True), _accelerator("inductor", True), _model(DENSE))
 
 
+PREFIX_REUSE_NOTES = {  # case: (tree_prefix_reuse, decision, warned, logged)
+    "asked": (True, compile_setting.CompileDecision({"backend": "aot_eager", "dynamic": True}, "accelerate", ""),
+              True, True),
+    "asked under FSDP": (True, compile_setting.CompileDecision(None, "accelerate", ""), True, True),
+    "the CUDA default": (True, compile_setting.CompileDecision(dict(compile_setting.DEFAULT_COMPILE), "default", ""),
+                         False, True),
+    "layers eager": (True, compile_setting.CompileDecision(None, "none", ""), False, False),
+    "TRL's path": (True, None, False, False),
+    "no prefix reuse": (False, compile_setting.CompileDecision(dict(compile_setting.DEFAULT_COMPILE), "default", ""),
+                        False, False),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(PREFIX_REUSE_NOTES))
+def test_prefix_reuse_says_its_chunks_run_eager_layers(case, caplog):
+    """Prefix reuse's chunks run the eager layers: a compile the user asked for is then not applied everywhere, and
+    the trainer says so with a warning; the CUDA default says it at INFO; nothing without both."""
+    reuse, decision, warned, logged = PREFIX_REUSE_NOTES[case]
+    with warnings.catch_warnings(record=True) as seen, caplog.at_level("INFO", logger=compile_setting.__name__):
+        warnings.simplefilter("always")
+        note = compile_setting.prefix_reuse_note(SimpleNamespace(tree_prefix_reuse=reuse), decision)
+    said = "runs its chunks on the eager decoder layers"
+    assert (note is not None and said in note) == logged
+    assert any(said in str(w.message) for w in seen) == warned and len(seen) == warned
+    assert (said in caplog.text) == (logged and not warned)
+
+
+def test_a_tree_trainers_init_warns_of_prefix_reuses_eager_chunks():
+    """The trainers' compile step (`TreeTrainerMixin._tree_compile_layers`) says it, after compiling the layers."""
+    from hf_tree_attn.trainer.core import TreeTrainerMixin
+
+    args = SimpleNamespace(**vars(_args()), tree_prefix_reuse=True)
+    trainer = SimpleNamespace(tree_packing=True, args=args, accelerator=_accelerator("aot_eager", True),
+                              model=_model(DENSE))  # fmt: skip
+    with pytest.warns(UserWarning, match="tree_prefix_reuse=True: a forest larger than one chunk"):
+        TreeTrainerMixin._tree_compile_layers(trainer)
+    assert trainer.tree_compile.source == "accelerate"
+    assert compiled_layers(trainer.model) == decoder_layers(trainer.model) != []
+
+
 @pytest.mark.parametrize("value, want", [("auto", "auto"), ("True", True), ("no", False), (False, False)])
 def test_tree_compile_values(value, want, tmp_path):
     from hf_tree_attn.trainer import TreeSFTConfig

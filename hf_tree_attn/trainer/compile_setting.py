@@ -38,7 +38,7 @@ from ..compile import compile_decoder_layers
 from ..recompute import _EXPERT_FIELDS
 from ..support import config_field, unwrap_model
 
-__all__ = ["CompileDecision", "apply_compile", "decide_compile", "default_flash_backend"]
+__all__ = ["CompileDecision", "apply_compile", "decide_compile", "default_flash_backend", "prefix_reuse_note"]
 
 logger = logging.getLogger(__name__)
 
@@ -154,6 +154,27 @@ def apply_compile(accelerator, decision: CompileDecision, models) -> None:
 
         accelerator.state.dynamo_plugin = replace(plugin, backend=DynamoBackend.NO)
     logger.info("Compiled decoder layers (%s): %s.", decision.note, decision.kwargs)
+
+
+_PREFIX_REUSE_EAGER = (
+    "tree_prefix_reuse=True: a forest larger than one chunk (under FSDP2, every forest) runs its chunks on the eager "
+    "decoder layers, not the compiled ones. A chunk's attention reads the keys and values that earlier chunks kept, "
+    "state held in Python that breaks a compiled layer's graph, and a graph break inside a checkpointed layer leaves "
+    "that layer eager anyway. Forests of one chunk run compiled."
+)
+
+
+def prefix_reuse_note(args, decision: CompileDecision | None) -> str | None:
+    """What compiled layers leave out under `tree_prefix_reuse=True`, said once at init: a warning where the user
+    asked for the compile (it is not applied everywhere they asked), at INFO where it is the CUDA default. None
+    without prefix reuse or without compiled layers."""
+    if not getattr(args, "tree_prefix_reuse", False) or decision is None or decision.source == "none":
+        return None
+    if decision.source == "accelerate":
+        warnings.warn(_PREFIX_REUSE_EAGER, stacklevel=3)
+    else:
+        logger.info(_PREFIX_REUSE_EAGER)
+    return _PREFIX_REUSE_EAGER
 
 
 def _flash_attention_4_installed() -> bool:

@@ -41,7 +41,7 @@ from ..attention import ATTN_IMPLEMENTATION
 from ..reuse_planner import budget_error, plan_prefix_reuse
 from ..support import check_tree_model, config_support_error, fsdp2_sharded, tree_support_error, unwrap_model
 from . import trl_compat
-from .compile_setting import apply_compile, decide_compile, default_flash_backend
+from .compile_setting import apply_compile, decide_compile, default_flash_backend, prefix_reuse_note
 
 __all__ = [
     "CompileOptions",
@@ -650,6 +650,7 @@ class TreeTrainerMixin:
         if self.tree_compile is not None:
             apply_compile(self.accelerator, self.tree_compile, (self.model, getattr(self, "ref_model", None)))
         default_flash_backend(self.args, self.accelerator, self.tree_compile, self.model)
+        prefix_reuse_note(self.args, self.tree_compile)
 
     def _tree_card_rows(self) -> list[tuple[str, object]]:
         """The trainer's own settings for the card, after the options every tree trainer has."""
