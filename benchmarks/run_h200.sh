@@ -550,9 +550,11 @@ c.set_checkpoint_debug_enabled(True).__enter__(); sys.exit(pytest.main(sys.argv[
     async-grpo-default-8b)  # the Qwen3-8B shape on the same terms as `async-grpo-default-1.7b`, against TRL with
       # accelerate's regional compile (its fastest setting), GRPO groups, one profiled step per side (an H200: the
       # 8B shape's optimizer state does not fit an H100 beside it; carry .fa4/2 and .whl, after `fa4-site-1`). A call
-      # that runs out of time leaves its sides in /tmp; the same stage again on the warm machine resumes from them
+      # that runs out of time leaves its sides in /tmp; the same stage again on the warm machine resumes from them,
+      # and on a fresh one from the file the last call sent back, carried as .partial/ (git-ignored)
       with_fa4 || continue
-      cp /tmp/async_grpo_${card}_qwen3-8b_default.json "$OUT/" 2>/dev/null
+      cp /tmp/async_grpo_${card}_qwen3-8b_default.json "$OUT/" 2>/dev/null \
+        || cp .partial/async_grpo_${card}_qwen3-8b_default.json "$OUT/" 2>/dev/null
       timeout 580 python3 benchmarks/bench_async_grpo.py --warmup 2 --steps 8 --resume --profile --models qwen3-8b \
         --workloads grpo_mixed --sides reference tree trl_compiled \
         --out "$OUT/async_grpo_${card}_qwen3-8b_default.json" 2>&1 | grep -E "^qwen|^  |rror:"
@@ -560,7 +562,8 @@ c.set_checkpoint_debug_enabled(True).__enter__(); sys.exit(pytest.main(sys.argv[
     async-grpo-default-8b-agent)  # the same on τ²-like agent conversations (an H200; carry .fa4/2 and .whl, after
       # `fa4-site-1` on the same machine; resumes as `async-grpo-default-8b` does)
       with_fa4 || continue
-      cp /tmp/async_grpo_${card}_qwen3-8b_default_tau2.json "$OUT/" 2>/dev/null
+      cp /tmp/async_grpo_${card}_qwen3-8b_default_tau2.json "$OUT/" 2>/dev/null \
+        || cp .partial/async_grpo_${card}_qwen3-8b_default_tau2.json "$OUT/" 2>/dev/null
       timeout 580 python3 benchmarks/bench_async_grpo.py --warmup 2 --steps 8 --resume --profile --models qwen3-8b \
         --workloads tau2_like --sides reference tree trl_compiled \
         --out "$OUT/async_grpo_${card}_qwen3-8b_default_tau2.json" 2>&1 | grep -E "^qwen|^  |rror:"
