@@ -295,8 +295,6 @@ PREFIX_REUSE_WORK = "prefix_reuse_work_cpu.json"
 PREFIX_REUSE_KEPT = ["prefix_reuse_kept_cpu_qwen3-0.6b.json"]
 # The same on the harness (each side in its own process, paired per step, agreement checked).
 BEYOND_PAIRED = ["trees_beyond_grpo_h200_paired.json"]
-# Files whose rows a later measurement of the same model and workload replaced (kept for their history, their numbers
-# shown nowhere): file -> (the file that replaced it, what it held).
 # Logs whose own `commit` line names another commit than the code that ran: the machine's copy of the repository
 # carried stale git metadata (benchmarks/harness.py `provenance`), and the run took the code of the commit sent.
 LOG_COMMITS = {
@@ -304,6 +302,8 @@ LOG_COMMITS = {
     "deepspeed_main_job_zero3_h100.log": "e112227",
 }
 
+# Files whose rows a later measurement of the same model and workload replaced (kept for their history, their numbers
+# shown nowhere): file -> (the file that replaced it, what it held).
 SUPERSEDED = {
     "tree_vs_flat_h200_qwen3.5-0.8b_agent20_fla_triton.json": (
         "tree_vs_flat_h100_qwen3.5-0.8b_agent20_fla_triton_paired.json",
