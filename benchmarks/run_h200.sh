@@ -548,7 +548,8 @@ c.set_checkpoint_debug_enabled(True).__enter__(); sys.exit(pytest.main(sys.argv[
         --workloads tau2_like --sides reference trl_compiled tree trl \
         --out "$OUT/async_grpo_${card}_qwen3-1.7b_default_tau2.json" 2>&1 | grep -E "^qwen|^  |rror:" ;;
     async-grpo-default-8b)  # the Qwen3-8B shape on the same terms as `async-grpo-default-1.7b`, against TRL with
-      # accelerate's regional compile (its fastest setting), GRPO groups, one profiled step per side (an H200: the
+      # accelerate's regional compile (its fastest setting), then at its defaults (the side left for a second call
+      # where the first runs out of time), GRPO groups, one profiled step per side (an H200: the
       # 8B shape's optimizer state does not fit an H100 beside it; carry .fa4/2 and .whl, after `fa4-site-1`). A call
       # that runs out of time leaves its sides in /tmp; the same stage again on the warm machine resumes from them,
       # and on a fresh one from the file the last call sent back, carried as .partial/ (git-ignored)
@@ -556,7 +557,7 @@ c.set_checkpoint_debug_enabled(True).__enter__(); sys.exit(pytest.main(sys.argv[
       cp /tmp/async_grpo_${card}_qwen3-8b_default.json "$OUT/" 2>/dev/null \
         || cp .partial/async_grpo_${card}_qwen3-8b_default.json "$OUT/" 2>/dev/null
       timeout 580 python3 benchmarks/bench_async_grpo.py --warmup 2 --steps 8 --resume --profile --models qwen3-8b \
-        --workloads grpo_mixed --sides reference tree trl_compiled \
+        --workloads grpo_mixed --sides reference tree trl_compiled trl \
         --out "$OUT/async_grpo_${card}_qwen3-8b_default.json" 2>&1 | grep -E "^qwen|^  |rror:"
       cp "$OUT/async_grpo_${card}_qwen3-8b_default.json" /tmp/ 2>/dev/null ;;
     async-grpo-default-8b-agent)  # the same on τ²-like agent conversations (an H200; carry .fa4/2 and .whl, after
@@ -565,7 +566,7 @@ c.set_checkpoint_debug_enabled(True).__enter__(); sys.exit(pytest.main(sys.argv[
       cp /tmp/async_grpo_${card}_qwen3-8b_default_tau2.json "$OUT/" 2>/dev/null \
         || cp .partial/async_grpo_${card}_qwen3-8b_default_tau2.json "$OUT/" 2>/dev/null
       timeout 580 python3 benchmarks/bench_async_grpo.py --warmup 2 --steps 8 --resume --profile --models qwen3-8b \
-        --workloads tau2_like --sides reference tree trl_compiled \
+        --workloads tau2_like --sides reference tree trl_compiled trl \
         --out "$OUT/async_grpo_${card}_qwen3-8b_default_tau2.json" 2>&1 | grep -E "^qwen|^  |rror:"
       cp "$OUT/async_grpo_${card}_qwen3-8b_default_tau2.json" /tmp/ 2>/dev/null ;;
     async-grpo-fa4-1.7b)  # the shared-prefix attention on FlashAttention-4's varlen kernels (HF_TREE_ATTN_PREFIX_KERNEL)
