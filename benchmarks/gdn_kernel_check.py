@@ -28,6 +28,7 @@ import gdn_kernels
 import torch
 import torch.nn.functional as F
 import transformers.models.qwen3_5.modeling_qwen3_5 as qwen3_5
+from harness import provenance
 
 from hf_tree_attn import transformers_compat
 
@@ -167,10 +168,9 @@ def main():
     args = parser.parse_args()
     gdn_kernels.install_probes()
     result = {
-        "command": "python " + " ".join(sys.argv),
+        **provenance(**{k: v for k, v in gdn_kernels.versions().items() if k not in ("torch", "transformers", "gpu")}),
         "label": args.label or args.route,
         "route": args.route,
-        "versions": gdn_kernels.versions(),
         "resolved": gdn_kernels.resolved_kernels(),
         "segments": SEGMENTS,
         "cases": [],

@@ -15,6 +15,7 @@ import json
 
 import torch
 from bench_tree_vs_flat import METHODS, MODELS, build_model, build_workloads, tree_step
+from harness import provenance
 
 GROUPS = {"embed": "embed_tokens", "layer0": "layers.0.", "last_down": "mlp.down_proj"}
 
@@ -65,7 +66,7 @@ def main():
     reference = {m: probes(model, fn, wl, budget, device) for m, fn in methods.items()}
     del model
     torch.cuda.empty_cache()
-    results = {"command": "python " + " ".join(__import__("sys").argv), "eager": {}}
+    results = {**provenance(), "eager": {}}
     for m in methods:
         results["eager"][m] = {
             g: torch.nn.functional.cosine_similarity(reference[m][g], reference[args.methods[0]][g], dim=0).item()

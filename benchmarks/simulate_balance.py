@@ -16,11 +16,11 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import sys
 import time
 
 import numpy as np
 from bench_tree_vs_flat import MODELS
+from harness import provenance
 from transformers import Qwen3Config
 
 from hf_tree_attn.trainer.balance import assign_blocks, block_costs, step_imbalance
@@ -112,7 +112,7 @@ def main():
 
     config = Qwen3Config(**MODELS["qwen3-1.7b"])
     results = {
-        "command": "python " + " ".join(sys.argv),
+        **provenance(),
         "machine": f"CPU ({platform.machine()}), python {platform.python_version()}, numpy {np.__version__}",
         "model_shape": "qwen3-1.7b",
         "cost": "hf_tree_attn.estimate_flops tree_flops of each group (forward; backward has the same ratio)",
