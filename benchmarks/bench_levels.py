@@ -151,6 +151,8 @@ def measure(sequences, heads: int, dim: int, device, dtype, repeats: int, route:
         "one_call_s": _time(one_call, repeats, device),
         "kernels": gdn_kernels.describe(probe.calls),
     }
+    if not any(probe.calls.values()):  # no route selected (a CPU run): the kernel this measures, uncounted
+        result["kernels"] = f"uncounted kernel: {gdn_kernels.resolved_kernels()[qwen3_5.__name__]}"
     if route is not None and (problem := gdn_kernels.route_problem(route, probe.calls)) is not None:
         result["route_problem"] = problem
     result["two_pass_s"], result["two_pass_host_s"] = two_pass_s, two_pass_host_s

@@ -759,7 +759,7 @@ def generation_modes() -> list[str]:
 
 def gdn_kernels(described: str | None) -> str:
     """The Gated DeltaNet kernels a run recorded (`gdn_kernels.describe`); older runs ran the torch ones."""
-    if not described or described.startswith("torch"):
+    if not described or described.startswith("torch") or described.endswith(".torch_chunk_gated_delta_rule"):
         return "transformers' torch reference"
     return re.sub(r" \(fwd .*?(, dqkwg on (\w+) in .*)?\)$", lambda m: f", dqkwg on {m[2]}" if m[2] else "", described)
 
