@@ -26,12 +26,14 @@ if ! python3 -c "import trl, datasets" 2>/dev/null; then
     .whl/async/multiprocess-0.70.19-*.whl || exit 1
 fi
 export PYTHONPATH=/tmp/site:$PWD
-# .whl/common (when carried): the transformers release CI tests with (and its tokenizers / safetensors), ahead of the
-# image's; .whl/hub the huggingface_hub it needs, where the image's is too old for it.
+# .whl/common (when carried): the transformers release CI tests with (and its tokenizers / safetensors, its
+# huggingface_hub, and `kernels` with tomlkit: transformers 5.25's from_pretrained swaps Hub kernels in by default and
+# refuses to load a model without that package), ahead of the image's; .whl/hub what that huggingface_hub imports.
 if compgen -G ".whl/common/*.whl" >/dev/null && [ ! -d /tmp/common/transformers ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/common \
     .whl/common/*.whl || exit 1
-  if ! PYTHONPATH=/tmp/common python3 -c "import transformers" 2>/dev/null && compgen -G ".whl/hub/*.whl" >/dev/null; then
+  # huggingface_hub 2.x imports httpx2 lazily (transformers imports without it, a download fails): always install it
+  if compgen -G ".whl/hub/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/common \
       .whl/hub/*.whl || exit 1
   fi

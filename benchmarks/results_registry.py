@@ -67,6 +67,7 @@ SOURCES = {
     "trees_beyond_grpo_h200_paired.json": "beyond-grpo-paired",
     "async_grpo_h200_qwen3-1.7b_paired.json": "compile-async-1.7b",
     "async_grpo_h200_qwen3-1.7b_profiled.json": "compile-async-1.7b-profiled",
+    "h100_gpu_tests_all.log": "gpu-tests-all-current",
     "h200_gpu_tests_all.log": "gpu-tests-all",
     "h200_gpu_tests_prefix_reuse.log": "gpu-tests-prefix-reuse",
     "h200_gpu_tests_async_rest.log": "gpu-tests-rest",
@@ -383,6 +384,11 @@ TILES = "attention_tiles_cpu.json"
 PLANNER = "planner_cpu.json"  # bench_planner.py: TRL's planner on its rows and on PlannerRow
 GRAD_CHECKS = [name for name in SOURCES if name.startswith("grad_check_")]
 GPU_TEST_LOGS = {  # log: the tests it ran
+    "h100_gpu_tests_all.log": "every `gpu`-marked test but `test_gpu_recurrent.py` and `test_gpu_deepspeed.py` on the "
+    "present code: `test_precision.py` (144 cases), `test_gpu_coverage.py` (128 families), `test_gpu_prefix_reuse.py`, "
+    "`test_gpu.py`, `test_gpu_async_grpo.py`, `test_gpu_trees.py`, `test_grpo_trainer.py`, `test_prefix_attention.py`, "
+    "`test_kernels.py`, `test_varlen_attention.py`, `test_recompute.py`; 8 pytest workers on one H100 80GB, "
+    "transformers 5.25 (carried)",
     "h200_gpu_tests_all.log": "every `gpu`-marked test but `test_gpu_recurrent.py` (the hybrid kernels, their own "
     "scripts below) and `test_gpu_deepspeed.py` (DeepSpeed is not in the image): `test_precision.py` (144 cases), "
     "`test_gpu_coverage.py`, `test_gpu.py`, `test_gpu_async_grpo.py`, `test_gpu_trees.py`, `test_grpo_trainer.py` "
@@ -647,6 +653,14 @@ NOTES = {
     "prefix reuse, off in every row). The tree's first step holds the compile of its layers (50 to 90 s). TRL's "
     "trainers pad each micro-batch to its longest sequence, so a row's ratio can pass its token ceiling (the tree "
     "saves the shared tokens and the padding both), as TRL's MFU shows.",
+    "h100_gpu_tests_all.log": "every test that ran on a model passed: all 144 `test_precision.py` cells, the 128 "
+    "families of `test_gpu_coverage.py`, the 19 prefix-reuse tests. The 8 failures are every test that loads a "
+    "saved model through `from_pretrained` (the trainers against TRL's, the async hybrid and compile-once tests), "
+    "all at loading, before any tree code: transformers 5.25, carried as wheels without its dependencies, swaps "
+    "Hub kernels in by default (`use_kernels`) and raised `Kernels are not available` on a machine without the "
+    "`kernels` package. `.whl/common` now carries `kernels`; those 8 have not run on this commit (their last "
+    "passes: `h100_gpu_tests_async_fa4.log`, `h100_gpu_tests_kernels.log`, `trees_beyond_grpo_h200.log`, on "
+    "transformers 5.17). Skipped: FlashAttention-4 and Liger, not installed.",
     "h200_gpu_tests_all.log": "7 of 316 failed. Five `test_precision.py` cells, GPT-OSS with bf16 weights on the "
     "two-level forest in training mode (checkpointing `all` / `auto`, and bf16 autocast): the tree's log-prob error "
     "against float32 is 0.122, flat's 0.038, over the bound 0.103; the same model in eval mode, on the deep forest, "

@@ -23,7 +23,8 @@ export PYTHONPATH=/tmp/site:$PWD
 if compgen -G ".whl/common/*.whl" >/dev/null && [ ! -d /tmp/common/transformers ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/common \
     .whl/common/*.whl >/dev/null 2>&1 || exit 1
-  if ! PYTHONPATH=/tmp/common python3 -c "import transformers" 2>/dev/null && compgen -G ".whl/hub/*.whl" >/dev/null; then
+  # huggingface_hub 2.x imports httpx2 lazily (transformers imports without it, a download fails): always install it
+  if compgen -G ".whl/hub/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/common \
       .whl/hub/*.whl >/dev/null 2>&1 || exit 1
   fi
@@ -391,7 +392,7 @@ for stage in "$@"; do
         --ignore tests/test_gpu_recurrent.py --ignore tests/test_gpu_deepspeed.py 2>&1 | grep -v DEBUG \
         > "$OUT/h200_gpu_tests_all.log" ;;
     gpu-tests-all-current)  # the same on the present code, on either card, the log headed by its command, card,
-      # versions and commit (carry .whl: transformers 5.25 from .whl/common, trl from .whl/async)
+      # versions and commit (carry .whl: transformers 5.25 and `kernels` from .whl/common, trl from .whl/async)
       log="$OUT/${card}_gpu_tests_all.log"
       { echo "# python3 -m pytest -v -rfEs -m gpu -p no:cacheprovider -n 8 --timeout 300 tests --ignore tests/test_gpu_recurrent.py --ignore tests/test_gpu_deepspeed.py   (stage gpu-tests-all-current of benchmarks/run_h200.sh)"
         python3 -c "import torch, transformers, trl, accelerate; print('# one', torch.cuda.get_device_name(), 'torch',
