@@ -384,11 +384,11 @@ TILES = "attention_tiles_cpu.json"
 PLANNER = "planner_cpu.json"  # bench_planner.py: TRL's planner on its rows and on PlannerRow
 GRAD_CHECKS = [name for name in SOURCES if name.startswith("grad_check_")]
 GPU_TEST_LOGS = {  # log: the tests it ran
-    "h100_gpu_tests_all.log": "every `gpu`-marked test but `test_gpu_recurrent.py` and `test_gpu_deepspeed.py` on the "
-    "present code: `test_precision.py` (144 cases), `test_gpu_coverage.py` (128 families), `test_gpu_prefix_reuse.py`, "
-    "`test_gpu.py`, `test_gpu_async_grpo.py`, `test_gpu_trees.py`, `test_grpo_trainer.py`, `test_prefix_attention.py`, "
-    "`test_kernels.py`, `test_varlen_attention.py`, `test_recompute.py`; 8 pytest workers on one H100 80GB, "
-    "transformers 5.25 (carried)",
+    "h100_gpu_tests_all.log": "every `gpu`-marked test but `test_gpu_recurrent.py` and `test_gpu_deepspeed.py` on "
+    "the present code: `test_precision.py` (144 cases), `test_gpu_coverage.py` (128 families), "
+    "`test_gpu_prefix_reuse.py`, `test_gpu.py`, `test_gpu_async_grpo.py`, `test_gpu_trees.py`, "
+    "`test_grpo_trainer.py`, `test_prefix_attention.py`, `test_kernels.py`, `test_varlen_attention.py`, "
+    "`test_recompute.py`; 8 pytest workers on one H100 80GB, transformers 5.25 (carried)",
     "h200_gpu_tests_all.log": "every `gpu`-marked test but `test_gpu_recurrent.py` (the hybrid kernels, their own "
     "scripts below) and `test_gpu_deepspeed.py` (DeepSpeed is not in the image): `test_precision.py` (144 cases), "
     "`test_gpu_coverage.py`, `test_gpu.py`, `test_gpu_async_grpo.py`, `test_gpu_trees.py`, `test_grpo_trainer.py` "
