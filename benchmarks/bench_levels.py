@@ -208,7 +208,7 @@ def main():
         runs = {name: measure(seqs, args.heads, args.dim, device, dtype, args.repeats, args.gdn_route)
                 for name, seqs in workloads.items()}  # fmt: skip
     results = {
-        **provenance(**{k: v for k, v in gdn_kernels.versions().items() if k not in ("torch", "transformers", "gpu")}),
+        **provenance(**gdn_kernels.provenance_versions()),
         "device": torch.cuda.get_device_name() if device.type == "cuda" else cpu,
         "gdn_route": args.gdn_route, "heads": args.heads, "dim": args.dim, "dtype": str(dtype), "scale": args.scale,
         "runs": runs,

@@ -168,7 +168,7 @@ def main():
     args = parser.parse_args()
     gdn_kernels.install_probes()
     result = {
-        **provenance(**{k: v for k, v in gdn_kernels.versions().items() if k not in ("torch", "transformers", "gpu")}),
+        **provenance(**gdn_kernels.provenance_versions()),
         "label": args.label or args.route,
         "route": args.route,
         "resolved": gdn_kernels.resolved_kernels(),

@@ -353,6 +353,11 @@ def fla_log() -> list[str]:
     return [m for m in _FLA_LOG.messages if "FLA Backend" in m]
 
 
+def provenance_versions() -> dict[str, str | None]:
+    """`versions()` less what `harness.provenance` records itself (torch, transformers, the GPU): its extras."""
+    return {k: v for k, v in versions().items() if k not in ("torch", "transformers", "gpu")}
+
+
 def versions() -> dict[str, str | None]:
     """Versions of everything that decides which kernel runs."""
     out = {}

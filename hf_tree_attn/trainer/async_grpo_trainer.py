@@ -53,7 +53,7 @@ from ..support import config_support_error, peft_config_error, rope_split_length
 from ..tree import PackedForest
 from . import trl_compat
 from .async_grpo_config import TreeAsyncGRPOConfig
-from .compile_setting import apply_compile, decide_compile, default_flash_backend, prefix_reuse_note
+from .compile_setting import compile_tree_layers
 from .core import prefix_reuse_chunks, prefix_reuse_gradient_sync, prefix_reuse_refusal, tree_args
 from .forest_step import recompute_plan, score_forests
 from .rollout_forest import StepForest, TreeDataCollatorForRollout, rank_forest, step_forest
@@ -349,10 +349,7 @@ class TreeAsyncGRPOTrainer(AsyncGRPOTrainer):
         if args.tree_prefix_reuse:
             self._check_prefix_reuse()
         # Compiled decoder layers: the user's dynamo settings, or the CUDA default (`compile_setting.py`).
-        self.tree_compile = decide_compile(args, self.accelerator, self.model)
-        apply_compile(self.accelerator, self.tree_compile, (self.model,))
-        default_flash_backend(args, self.accelerator, self.tree_compile, self.model)
-        prefix_reuse_note(args, self.tree_compile)
+        self.tree_compile = compile_tree_layers(args, self.accelerator, (self.model,))
 
     def _check_prefix_reuse(self) -> None:
         """Refuse `tree_prefix_reuse=True` where it cannot be exact (`core.prefix_reuse_refusal`, and TRL's MoE

@@ -38,7 +38,14 @@ from ..compile import compile_decoder_layers
 from ..recompute import _EXPERT_FIELDS
 from ..support import config_field, unwrap_model
 
-__all__ = ["CompileDecision", "apply_compile", "decide_compile", "default_flash_backend", "prefix_reuse_note"]
+__all__ = [
+    "CompileDecision",
+    "apply_compile",
+    "compile_tree_layers",
+    "decide_compile",
+    "default_flash_backend",
+    "prefix_reuse_note",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +124,7 @@ def decide_compile(args, accelerator, model) -> CompileDecision:
                 "regional compilation); tree trainers compile the decoder layers instead (regional compilation, "
                 f"{kwargs}): a whole-model graph would break where the tree masks are built and specialise on each "
                 "forest.",
-                stacklevel=3,
+                stacklevel=4,
             )
         return CompileDecision(kwargs, "accelerate", "the user's dynamo settings, on the decoder layers")
     mode = args.tree_compile
@@ -171,10 +178,23 @@ def prefix_reuse_note(args, decision: CompileDecision | None) -> str | None:
     if not getattr(args, "tree_prefix_reuse", False) or decision is None or decision.source == "none":
         return None
     if decision.source == "accelerate":
-        warnings.warn(_PREFIX_REUSE_EAGER, stacklevel=3)
+        warnings.warn(_PREFIX_REUSE_EAGER, stacklevel=4)
     else:
         logger.info(_PREFIX_REUSE_EAGER)
     return _PREFIX_REUSE_EAGER
+
+
+def compile_tree_layers(args, accelerator, models, trees: bool = True) -> CompileDecision | None:
+    """What a tree trainer's init does with compilation, in order: decide (`decide_compile`, on the policy
+    `models[0]`), compile the decoder layers of `models` in place (`apply_compile`), the FLASH backend default
+    (`default_flash_backend`, which also undoes an earlier trainer's), and what prefix reuse leaves eager
+    (`prefix_reuse_note`). `trees=False` (TRL's path): nothing compiled, None returned."""
+    decision = decide_compile(args, accelerator, models[0]) if trees else None
+    if decision is not None:
+        apply_compile(accelerator, decision, models)
+    default_flash_backend(args, accelerator, decision, models[0])
+    prefix_reuse_note(args, decision)
+    return decision
 
 
 def _flash_attention_4_installed() -> bool:

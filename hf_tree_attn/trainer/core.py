@@ -41,7 +41,7 @@ from ..attention import ATTN_IMPLEMENTATION
 from ..reuse_planner import budget_error, plan_prefix_reuse
 from ..support import check_tree_model, config_support_error, fsdp2_sharded, tree_support_error, unwrap_model
 from . import trl_compat
-from .compile_setting import apply_compile, decide_compile, default_flash_backend, prefix_reuse_note
+from .compile_setting import compile_tree_layers
 
 __all__ = [
     "CompileOptions",
@@ -646,11 +646,8 @@ class TreeTrainerMixin:
     def _tree_compile_layers(self) -> None:
         """Compile the decoder layers the trees run (`self.tree_compile`, None on TRL's path): the user's dynamo
         settings, or the CUDA default (`compile_setting.py`)."""
-        self.tree_compile = decide_compile(self.args, self.accelerator, self.model) if self.tree_packing else None
-        if self.tree_compile is not None:
-            apply_compile(self.accelerator, self.tree_compile, (self.model, getattr(self, "ref_model", None)))
-        default_flash_backend(self.args, self.accelerator, self.tree_compile, self.model)
-        prefix_reuse_note(self.args, self.tree_compile)
+        models = (self.model, getattr(self, "ref_model", None))
+        self.tree_compile = compile_tree_layers(self.args, self.accelerator, models, self.tree_packing)
 
     def _tree_card_rows(self) -> list[tuple[str, object]]:
         """The trainer's own settings for the card, after the options every tree trainer has."""
