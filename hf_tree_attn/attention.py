@@ -358,12 +358,6 @@ def tree_flex_attention(
     forest = kwargs.get("tree_forest")
     context = kwargs.get("tree_context")
     if torch.compiler.is_compiling():
-        if context is not None:
-            raise RuntimeError(
-                "Prefix reuse (`tree_context`) runs its decoder layers eagerly: its keys and values of earlier chunks "
-                "are Python-side state a compiled graph would freeze. Do not torch.compile the whole model for it "
-                "(decoder layers compiled by hf_tree_attn are run eagerly there by themselves)."
-            )
         # Regionally compiled layers (masks are built outside, by `tree_flex_mask`): the checks below read
         # Python-side mask tags and would make every new forest a recompilation, so only `tree_forest` counts here.
         depth = forest.position_ids[0] if forest is not None else None

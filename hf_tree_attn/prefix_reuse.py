@@ -10,12 +10,16 @@ gradients for any loss of them, at the memory of one chunk's activations plus th
   context rows' keys and values, gathered from the store; its own]` with the chunk's mask `(1, 1, S, P + S)`
   (`hf_tree_attn.masks.ContextMaskSource`). Each token is scored by the chunk holding its parent row.
 - **backward**: the chunks in reverse, each recomputed with autograd on (those with a kept graph from it); one
-  `torch.autograd.backward` per chunk from its log-probs / entropies (the incoming gradients) and its own kept keys and
-  values (the gradients later chunks sent them). Each layer's context keys and values are gathered from the store by an
-  autograd node (`_GatherKept`) that adds the gradient it receives into a float32 gradient store at the context rows,
-  for the earlier chunks that computed them, when the backward reaches that layer: no layer's context is held until the
-  chunk's backward ends, and where the model checkpoints its layers only the running layer's is alive. Parameter
-  gradients accumulate in `.grad` as they would in one backward (the reentrant pattern of `torch.utils.checkpoint(...,
+  `torch.autograd.backward` per chunk from its log-probs / entropies (the incoming gradients; its final hidden states
+  at zero where none has one and later chunks sent its rows gradients). Each layer's `[context; own]` keys and values
+  come from one custom operator (`hf_tree_attn.context_kv`) whose backward, when autograd reaches that layer, adds
+  the context rows' gradients into a float32 gradient store for the earlier chunks that computed them, and adds to
+  the own rows' the gradients later chunks sent them: no layer's context is held until the chunk's backward ends,
+  and where the model checkpoints its layers only the running layer's is alive. The operator is opaque to
+  torch.compile, so decoder layers compiled by `hf_tree_attn.compile` run the chunks with no graph break, one graph
+  per grad mode for chunks of every context size; a hybrid's layers run eagerly here (their state-carrying kernels
+  read and write the stores from Python). Parameter gradients accumulate in `.grad` as they would in one backward
+  (the reentrant pattern of `torch.utils.checkpoint(...,
   use_reentrant=True)`, with its limits: `loss.backward()`, not `torch.autograd.grad`). So a data-parallel wrapper
   whose hooks expect one gradient per parameter per backward, and the same forwards on every rank, cannot reduce them:
   under DDP run the step under its `no_sync()` and average the `.grad`s over the ranks once per optimizer step, as the
@@ -52,8 +56,7 @@ states of each chunk's forward are restored for its recompute.
 What it refuses, before any forward (`prefix_reuse_error`): models `check_tree_model` refuses; chunked attention,
 layer kinds it does not know and attention temperature tuning (not verified with context rows). The way out is
 `prefix_reuse=False`. Transformers' non-reentrant activation checkpointing inside the model works; the
-reentrant one is refused (its forward keeps no graph). Decoder layers compiled by `hf_tree_attn.compile` run
-eagerly here.
+reentrant one is refused (its forward keeps no graph).
 
 Devices: on CPU the chunk masks are dense and attention runs through SDPA / HF's eager math (softcap, sinks). On CUDA
 `HF_TREE_ATTN_PREFIX_REUSE_CUDA` (or `CUDA_PATH`) picks the path: `flex` (the default: FlexAttention with a
@@ -74,6 +77,7 @@ import torch
 
 from .chunked import ChunkPlan, plan_chunks
 from .compile import eager_layers
+from .context_kv import module_token, running, tag_modules
 from .fsdp2_compat import regather_outer_params, separate_backward
 from .logprobs import _final_hidden_states, lm_head_logprobs
 from .masks import ContextMaskSource
@@ -401,6 +405,8 @@ class _Step:
         self._state_plan: tuple | None = None
         self._conv_plans: dict[int, tuple] = {}
         self.autocast = _autocast_state(self.device.type)
+        self.stateful = bool(_state_carrying(model))  # a hybrid's layers run eagerly (`_layers`)
+        tag_modules(model)  # before a compiled layer is traced (`hf_tree_attn.context_kv`)
         # What each chunk scores: the rows whose parent it holds (`plan.scored`), or the caller's pairs whose row it
         # holds; then a chunk that scores nothing may still hold rows later chunks read, and must run.
         self.pairs = pairs
@@ -439,7 +445,7 @@ class _Step:
         hold until their backward: `reuse_planner` prices it). A kept chunk also stores the rows later chunks read."""
         tables: list[torch.Tensor | None] | None = None
         first_kept = len(self.order) - (min(self.keep_graphs, len(self.order)) if keep else 0)
-        with torch.no_grad(), eager_layers(self.model), self._layer_hooks():
+        with torch.no_grad(), self._layers(), self._layer_hooks():
             for k, c in enumerate(self.order):
                 self.states[k] = _rng_state(self.device)
                 if k >= first_kept:
@@ -481,7 +487,7 @@ class _Step:
                     stack.enter_context(_restored_rng(self.device, self.states[k]))
                     for autocast in _autocasts(self.autocast):
                         stack.enter_context(autocast)
-                stack.enter_context(eager_layers(self.model))
+                stack.enter_context(self._layers())
                 stack.enter_context(self._layer_hooks())
                 if self.fsdp:  # each chunk's backward an FSDP2 pass of its own, inside the model's forward too
                     stack.enter_context(separate_backward(self.model))
@@ -499,10 +505,10 @@ class _Step:
                     for v, g in zip(values, grads)
                     if g is not None and v.is_floating_point() and g[items].any()
                 ]
-                for module, own in context.own.items():
-                    if module in self.kv_grad:  # a later chunk read these rows
-                        for tensor, grad in zip(own, self.kv_grad[module]):
-                            outputs.append((tensor, grad[:, :, context.own_slots].to(tensor.dtype)))
+                if not outputs and self.kv_grad and len(context.own_local):
+                    # The gradients later chunks sent the rows they read enter at each layer's keys and values
+                    # (`ChunkContext.scatter`): with no output to start from, start from the hidden states at zero.
+                    outputs.append((context.hidden, torch.zeros_like(context.hidden)))
                 for key, (tensor, slots) in context.rec_own.items():  # kept states / conv inputs later chunks read
                     if key in self.rec_grad:
                         outputs.append((tensor, self.rec_grad[key][slots].to(tensor.dtype)))
@@ -510,7 +516,8 @@ class _Step:
                     outputs.append((context.probe, torch.zeros_like(context.probe)))
                 outputs = [(t, g) for t, g in outputs if t.requires_grad]
                 if outputs:
-                    torch.autograd.backward([t for t, _ in outputs], [g for _, g in outputs])
+                    with running(context):
+                        torch.autograd.backward([t for t, _ in outputs], [g for _, g in outputs])
             for key, (leaf, slots) in context.rec_leaves.items():
                 if leaf.grad is None:
                     continue
@@ -525,18 +532,21 @@ class _Step:
         self.kv, self.kv_grad, self.rec, self.rec_grad, self.states, self.kept = {}, {}, {}, {}, {}, {}
         self.released = True
 
+    def _layers(self):
+        """Compiled decoder layers (`hf_tree_attn.compile`) run the chunks as they are, their context keys and
+        values through `hf_tree_attn.context_kv`'s operator; a hybrid's run eagerly: its state-carrying kernels
+        read and write the step's stores from Python."""
+        return eager_layers(self.model) if self.stateful else contextlib.nullcontext()
+
     @contextlib.contextmanager
     def _layer_hooks(self):
         """Forward pre-hooks on the model's state-carrying layers: `self.layer` is the one running (the key of its
         kept states; a checkpointed layer's recompute in the backward sets it again)."""
-        from .recurrent import TREE_LAYERS, _class_path
 
         def enter(module, args):
             self.layer = module
 
-        handles = [
-            m.register_forward_pre_hook(enter) for m in self.model.modules() if _class_path(type(m)) in TREE_LAYERS
-        ]
+        handles = [m.register_forward_pre_hook(enter) for m in _state_carrying(self.model)]
         try:
             yield
         finally:
@@ -580,7 +590,9 @@ class _Step:
         size = -(-n // pad) * pad
         fill = size - n
         context_rows = torch.from_numpy(plan.context[0 if dummy else c]).to(device)
-        context_fill = -(-len(context_rows) // pad) * pad - len(context_rows)
+        # At least 2 context rows, padding if need be: a compiled layer would specialize a width of 0 (or 1), and
+        # compile the first chunk's graphs apart from the others'.
+        context_fill = -(-max(len(context_rows), 2) // pad) * pad - len(context_rows)
 
         # Padding rows are fed the chunk's first token, for the reason `forest_forward_kwargs` gives.
         ids = torch.cat([self.ids[a:b], self.ids[a : a + 1].expand(fill)])
@@ -625,7 +637,10 @@ class _Step:
             "tree_context": context,
             "use_cache": False,
         }
-        hidden, _ = _final_hidden_states(self.model, inputs)
+        with running(context):
+            hidden, _ = _final_hidden_states(self.model, inputs)
+        if backward and len(context.own_local):
+            context.hidden = hidden
         items = self.items[0][:0] if dummy else self.items[c]
         if len(items) == 0 and not self.fsdp:
             return context, items, None
@@ -648,36 +663,15 @@ class _Step:
         return context, items, (outputs if len(items) else None)
 
 
-class _GatherKept(torch.autograd.Function):
-    """The kept keys (`index=0`) or values (`1`) of `module` at `slots` for a chunk's backward pass, `(1, kv_heads,
-    P, head_dim)`: their gradient is added, as autograd reaches this node, into the float32 store the earlier chunks
-    read theirs from (`step.kv_grad[module]`). Nothing is held per layer until the chunk's backward ends: where the
-    model checkpoints its layers, one layer's context keys and values are alive at a time."""
-
-    @staticmethod
-    def forward(ctx, anchor, step, module, index, slots):
-        # Weakly: the graph must not hold the step, which may hold the graph (its kept last chunk)
-        ctx.step, ctx.module, ctx.index, ctx.slots = weakref.ref(step), module, index, slots
-        return step.kv[module][index].index_select(2, slots)
-
-    @staticmethod
-    def backward(ctx, grad):
-        step, module = ctx.step(), ctx.module
-        if module not in step.kv_grad:
-            step.kv_grad[module] = tuple(torch.zeros_like(t, dtype=torch.float32) for t in step.kv[module])
-        step.kv_grad[module][ctx.index].index_add_(2, ctx.slots, grad.float())
-        return None, None, None, None, None
-
-
 class ChunkContext:
     """What `tree_flex_attention` needs to run one chunk of a prefix-reuse forward (passed as `tree_context`).
 
-    `attend(module, key, value)` returns `[context keys; own keys]` and the same for values, `(1, kv_heads, P + S,
-    head_dim)`, and records what the chunk's pass needs: in the forward, the own rows later chunks read go into the
-    store; in the backward, the context keys and values come from `_GatherKept`, whose gradients go back to the
-    chunks that computed them, and the own kept rows' keys and values (`own`) receive the gradients later chunks
-    sent them. A second call of one module in a backward pass is the recompute of non-reentrant activation
-    checkpointing: it gathers again (the same operations as the first call).
+    `attend(module, key, value)` returns `[context keys; padding; own keys]` and the same for values, `(1, kv_heads,
+    P + fill + S, head_dim)`, through `hf_tree_attn::chunk_context_kv` (`hf_tree_attn.context_kv`), whose body is
+    `gather` and whose backward's is `scatter`: in the forward, the own rows later chunks read go into the store; in
+    the backward, the context rows' gradients go back to the chunks that computed them, and the own kept rows'
+    receive the gradients later chunks sent them. A second call of one module in a backward pass is the recompute of
+    non-reentrant activation checkpointing: it gathers again (the same operations as the first call).
 
     Attributes:
         mask_source: the chunk's `ContextMaskSource` (its masks must be the ones the layers get).
@@ -689,7 +683,7 @@ class ChunkContext:
     def __init__(
         self, step, mask_source, context_slots, context_fill, own_local, own_slots, backward, rows, dummy, store
     ):
-        # Weakly, as `_GatherKept` does: the layers' checkpoints keep this context (their arguments) in the graph
+        # Weakly: the layers' checkpoints keep this context (their arguments) in the graph
         self._step = weakref.ref(step)
         self.dummy = dummy  # an FSDP dummy chunk (`_fsdp_dummies`): it keeps no state or input for later chunks
         self.probe: torch.Tensor | None = None  # under FSDP: a zero-weighted output every chunk's backward starts from
@@ -707,23 +701,38 @@ class ChunkContext:
         self.backward = backward
         self.store = store  # write the rows later chunks read into the step's stores (a forward, or a kept graph)
         self.attended: set[torch.nn.Module] = set()
-        self.own: dict[torch.nn.Module, tuple[torch.Tensor, torch.Tensor]] = {}
-        # What the context keys and values hang from in the backward (`_GatherKept`): it needs an input that
-        # requires a gradient for autograd to reach it.
-        self.anchor = torch.zeros((), device=step.device, requires_grad=True) if backward else None
+        self.hidden: torch.Tensor | None = None  # in a backward: the chunk's final hidden states (`_Step.backward`)
+        # The operator's `width` (`hf_tree_attn.context_kv`): its length is the context rows' and padding's.
+        self.width = torch.empty(len(context_slots) + context_fill, dtype=torch.uint8, device=step.device)
 
     def release(self) -> None:
         """Drop what ties the chunk's graph to it (after its backward)."""
-        self.own, self.rec_own, self.rec_leaves, self._convs = {}, {}, {}, {}
-        self.mask_source = self.probe = None
+        self.rec_own, self.rec_leaves, self._convs = {}, {}, {}
+        self.mask_source = self.probe = self.hidden = None
 
     @property
     def step(self) -> _Step:
         return self._step()
 
-    @torch.compiler.disable
     def attend(self, module, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        own = (key[:, :, self.own_local], value[:, :, self.own_local])
+        compiling = torch.compiler.is_compiling()
+        if not compiling and self.backward and module not in self.attended and not torch.is_grad_enabled():
+            raise NotImplementedError(
+                "The model runs its decoder layers under reentrant activation checkpointing (use_reentrant="
+                "True), whose forward keeps no graph for prefix reuse's backward to start from. Enable "
+                "checkpointing with gradient_checkpointing_kwargs={'use_reentrant': False}, or use "
+                "prefix_reuse=False."
+            )
+        return torch.ops.hf_tree_attn.chunk_context_kv(key, value, module_token(module), self.width)
+
+    def gather(self, module, key: torch.Tensor, value: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`hf_tree_attn::chunk_context_kv`'s body: `[context; padding; own]` `(1, kv_heads, width + S, head_dim)`
+        each; in a forward that stores, the own rows later chunks read go into the step's store first."""
+        if width != len(self.context_slots) + self.context_fill:
+            raise RuntimeError(
+                f"chunk_context_kv got width {width} for a chunk of {len(self.context_slots)} "
+                f"context rows and {self.context_fill} of padding."
+            )
         if module in self.attended:
             if not self.backward:
                 raise NotImplementedError(
@@ -731,16 +740,8 @@ class ChunkContext:
                     "forward (an attention block shared between layers): prefix reuse keeps one set of keys per "
                     "attention module. " + _FIX
                 )
-            # A checkpoint's recompute: the same operations as the first call (it counts the tensors autograd
-            # saves); the first call's `own` stays what the chunk's backward starts from.
+            # A checkpoint's recompute: the same operations as the first call, which stored what it had to.
         else:
-            if self.backward and not torch.is_grad_enabled():
-                raise NotImplementedError(
-                    "The model runs its decoder layers under reentrant activation checkpointing (use_reentrant="
-                    "True), whose forward keeps no graph for prefix reuse's backward to start from. Enable "
-                    "checkpointing with gradient_checkpointing_kwargs={'use_reentrant': False}, or use "
-                    "prefix_reuse=False."
-                )
             self.attended.add(module)
             store = self.step.kv.get(module)
             if store is None:
@@ -748,26 +749,38 @@ class ChunkContext:
                 store = self.step.kv[module] = tuple(
                     t.new_zeros(t.shape[0], t.shape[1], slots, t.shape[3]) for t in (key, value)
                 )
-            if self.backward and len(self.own_local):  # none: no later chunk sends gradients (nor a graph cycle)
-                self.own[module] = own
             if self.store:
-                for kept, rows in zip(store, own):
-                    kept.index_copy_(2, self.own_slots, rows.detach().to(kept.dtype))
-        if self.backward:
-            context_key, context_value = (
-                _GatherKept.apply(self.anchor, self.step, module, i, self.context_slots) for i in range(2)
+                for kept, own in zip(store, (key, value)):
+                    kept.index_copy_(2, self.own_slots, own[:, :, self.own_local].to(kept.dtype))
+        return tuple(
+            torch.cat(
+                [
+                    kept.index_select(2, self.context_slots).to(own.dtype),
+                    own.new_zeros(*own.shape[:2], self.context_fill, own.shape[3]),
+                    own,
+                ],
+                dim=2,
             )
-        else:
-            context_key, context_value = (t.index_select(2, self.context_slots) for t in self.step.kv[module])
-        if self.context_fill:
-            context_key, context_value = (
-                torch.cat([t, t.new_zeros(*t.shape[:2], self.context_fill, t.shape[3])], dim=2)
-                for t in (context_key, context_value)
-            )
-        return (
-            torch.cat([context_key.to(key.dtype), key], dim=2),
-            torch.cat([context_value.to(value.dtype), value], dim=2),
+            for kept, own in zip(self.step.kv[module], (key, value))
         )
+
+    def scatter(self, module, grad_key: torch.Tensor, grad_value: torch.Tensor, width: int):
+        """`hf_tree_attn::chunk_context_kv_grad`'s body: the context rows' gradients added into the step's float32
+        store (for the earlier chunks that computed them); returns the own rows' `(1, kv_heads, S, head_dim)` each,
+        plus the gradients later chunks sent those they read."""
+        step, p = self.step, len(self.context_slots)
+        grads = step.kv_grad.get(module)
+        if grads is None and (p or module in step.kv):
+            grads = step.kv_grad[module] = tuple(torch.zeros_like(t, dtype=torch.float32) for t in step.kv[module])
+        own = []
+        for i, grad in enumerate((grad_key, grad_value)):
+            if p:
+                grads[i].index_add_(2, self.context_slots, grad[:, :, :p].float())
+            rows = grad[:, :, width:].clone()
+            if grads is not None and len(self.own_local):
+                rows[:, :, self.own_local] += grads[i][:, :, self.own_slots].to(rows.dtype)
+            own.append(rows)
+        return tuple(own)
 
     # -- state-carrying layers (`hf_tree_attn.recurrent.ChunkRows`)
 
@@ -921,6 +934,13 @@ class ChunkContext:
         if store is None:
             store = self.step.rec[key] = values.new_zeros((total, *values.shape[1:]))
         store.index_copy_(0, slots, values.detach().to(store.dtype))
+
+
+def _state_carrying(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules of `model` that carry a state along the rows (`hf_tree_attn.recurrent.TREE_LAYERS`)."""
+    from .recurrent import TREE_LAYERS, _class_path
+
+    return [m for m in model.modules() if _class_path(type(m)) in TREE_LAYERS]
 
 
 def _fsdp_dummies(model: torch.nn.Module, chunks: int, device: torch.device, keep_graphs: int) -> tuple[int, int]:

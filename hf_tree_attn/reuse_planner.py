@@ -11,10 +11,10 @@ backward, while one chunk is recomputed with autograd on and every kept key and 
          + kv_grad = the same in float32         their gradients, on their way back to the chunks that made them
 
 `P_c` is the chunk's context (the ancestors of its first row) and `K_c` its own rows later chunks read. A layer
-gathers its context keys and values when it runs and lets them go with it (`prefix_reuse._GatherKept`): a layer
+gathers its context keys and values when it runs and lets them go with it (`hf_tree_attn.context_kv`): a layer
 that is not checkpointed keeps their concatenation with its own keys for its backward; the layer running in the
-backward holds them gathered, concatenated, their gradient and its float32 copy. The chunk also holds copies of its
-own kept rows with the gradients later chunks sent them. The largest chunk counts, padded to `block` rows.
+backward holds them gathered, concatenated, their gradient and its float32 copy, and its own kept rows with the
+gradients later chunks sent them. The largest chunk counts, padded to `block` rows.
 
 Smaller chunks hold fewer activations but usually keep more rows: every chunk boundary keeps the root path above it,
 so more boundaries keep more of the tries' prompts and long sequences. Usually, not always: which rows are kept
@@ -204,7 +204,7 @@ def _kept_graphs(arrays, chunk_rows: int, block: int, prices: tuple, headroom: i
     per_token, row, _, uncheckpointed, num_layers, outside = prices
     starts = np.arange(0, len(end), chunk_rows, dtype=np.int64)
     padded = -(-(np.minimum(starts + chunk_rows, len(end)) - starts) // block) * block
-    graph = padded * (per_token + outside) + depth[starts] * row * uncheckpointed // num_layers
+    graph = padded * (per_token + outside) + _context_rows(depth, starts, block) * row * uncheckpointed // num_layers
     held = np.cumsum(graph[:-1][::-1])  # the second-to-last chunk's graph, then the one before, ...
     extra = int(np.searchsorted(held, headroom, side="right"))
     return 1 + extra, int(held[extra - 1]) if extra else 0
@@ -218,13 +218,19 @@ def _estimate(arrays, chunk_rows: int, block: int, prices: tuple) -> tuple[int, 
     kept = (rows // chunk_rows + 1) * chunk_rows < end  # the first boundary after the row is inside its subtree
     starts = np.arange(0, num_rows, chunk_rows, dtype=np.int64)
     padded = -(-(np.minimum(starts + chunk_rows, num_rows) - starts) // block) * block
-    context = depth[starts]  # a row's ancestors are the rows above it in its sequence
+    context = _context_rows(depth, starts, block)
     own = np.bincount(rows[kept] // chunk_rows, minlength=len(starts))
     layers = padded * per_token
     held = context * (row * uncheckpointed + 3 * row + row_fp32) // num_layers + 2 * own * row
     peak = int(np.argmax(layers + held))
     count = int(kept.sum())
     return int(layers[peak]), int(held[peak]), count * row, count * row_fp32
+
+
+def _context_rows(depth: np.ndarray, starts: np.ndarray, block: int) -> np.ndarray:
+    """The context rows each chunk attends over: its first row's ancestors (the rows above it in its sequence),
+    padded as `prefix_reuse` pads them (to a multiple of `block`, at least 2 rows)."""
+    return -(-np.maximum(depth[starts], 2) // block) * block
 
 
 def _prices(model: torch.nn.Module, dtype: torch.dtype | None) -> tuple[int, int, int, int, int, int]:

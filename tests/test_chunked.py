@@ -11,13 +11,16 @@ import numpy as np
 import pytest
 import torch
 from helpers import TOLERANCES, DictTrie, flat_logprobs, forest_case, hybrid_twin_models, trie_node_count, twin_models
+from test_compile import CountingBackend
 from test_coverage import tiny_config as coverage_config
+from torch._dynamo.utils import counters
 from transformers import AutoModelForCausalLM
 
 import hf_tree_attn.attention
-from hf_tree_attn import forest_logprobs, gather_sequences, pack_forest, sequence_logprobs
+from hf_tree_attn import context_kv, forest_logprobs, gather_sequences, pack_forest, sequence_logprobs
 from hf_tree_attn import prefix_reuse as prefix_reuse_module
 from hf_tree_attn.chunked import plan_chunks
+from hf_tree_attn.compile import compile_decoder_layers
 from hf_tree_attn.prefix_reuse import chunked_forest_logprobs, kept_kv_bytes, prefix_reuse_error
 
 ATOL = TOLERANCES["logps_atol"]
@@ -334,18 +337,18 @@ def test_checkpointed_chunk_holds_one_layers_context_at_a_time(monkeypatch):
     tree.train()
     _enable_checkpointing(tree, use_reentrant=False)
     gathered, alive_at_gather = [], []
-    forward = prefix_reuse_module._GatherKept.forward
+    gather = prefix_reuse_module.ChunkContext.gather
 
-    def recording(ctx, anchor, step, module, index, slots):
-        out = forward(ctx, anchor, step, module, index, slots)
-        if len(slots):
+    def recording(self, module, key, value, width):
+        out = gather(self, module, key, value, width)
+        if self.backward and len(self.context_slots):
             alive_at_gather.append({m for m, ref_ in gathered if ref_() is not None and m is not module})
-            gathered.append((module, weakref.ref(out)))
+            gathered.append((module, weakref.ref(out[0])))
         return out
 
-    monkeypatch.setattr(prefix_reuse_module._GatherKept, "forward", staticmethod(recording))
+    monkeypatch.setattr(prefix_reuse_module.ChunkContext, "gather", recording)
     _check_against_flat(tree, ref, _trie(3, seed=31))
-    assert len({m for m, _ in gathered}) == 4 and len(alive_at_gather) >= 16  # 4 layers x K, V x 2 chunks x 2 runs
+    assert len({m for m, _ in gathered}) == 4 and len(alive_at_gather) >= 8  # 4 layers x 2 chunks x 2 runs
     assert all(not others for others in alive_at_gather), [len(o) for o in alive_at_gather]
 
 
@@ -502,6 +505,66 @@ def test_chunk_block_masks_compile_once_for_every_context_size_and_grad_mode():
                 assert mask.shape == (1, 1, 2, (context + 256) // 128)
                 assert bool(mask[0, 0, :, : context // 128].all()), "a context block every query sees is not full"
     assert counters["stats"]["unique_graphs"] == graphs, "a chunk's context size or grad mode compiled a new graph"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Compiled decoder layers: the context keys and values through one operator (`hf_tree_attn.context_kv`)
+
+
+def _compiled_twins(checkpointing: bool):
+    """`(tree, ref, counting)`: 4-layer twins, the tree's decoder layers compiled in place (dynamic shapes, through
+    AOTAutograd: the backward is a compiled graph too) on a fresh dynamo cache and counters."""
+    tree, ref = twin_models("qwen3", num_hidden_layers=4, layer_types=["full_attention"] * 4)
+    if checkpointing:
+        tree.train()
+        _enable_checkpointing(tree, use_reentrant=False)
+    torch._dynamo.reset()
+    counters.clear()
+    counting = CountingBackend()
+    compile_decoder_layers(tree, backend=counting.backend, dynamic=True)
+    return tree, ref, counting
+
+
+COMPILED_TRIES = ((3, 31), (4, 7))  # (chunks, seed): two plans, every context size new to the second
+
+
+@pytest.mark.parametrize("setting", ["whole layers", "checkpointed layers", "every graph kept"])
+def test_compiled_layers_run_every_chunk_without_a_graph_break(setting):
+    """Decoder layers compiled in place run the chunks — forwards, recomputes, backwards — with no graph break: each
+    layer's context keys and values come through `hf_tree_attn::chunk_context_kv`, opaque to the compiler. The
+    results equal the flat forwards', every chunk's backward runs the compiled layers, and chunks of any context
+    size (the first chunk's, of none, too) compile no more graphs than whole forests do in the same grad modes."""
+    tree, ref, counting = _compiled_twins(setting == "checkpointed layers")
+    chunks = 0
+    for num_chunks, seed in COMPILED_TRIES:
+        tree.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+        sequences = _trie(num_chunks, seed=seed)
+        chunks += _num_chunks(sequences)
+        if setting == "every graph kept":
+            _check_kept_graphs(tree, ref, sequences, keep_graphs=num_chunks)
+        else:
+            _check_against_flat(tree, ref, sequences)
+    assert counting.calls["backward"] == 4 * chunks
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    chunk_graphs = counters["stats"]["unique_graphs"]
+
+    tree, _, _ = _compiled_twins(setting == "checkpointed layers")
+    for num_chunks, seed in COMPILED_TRIES:
+        (forest,) = pack_forest(_trie(num_chunks, seed=seed), two_level=False)
+        if setting != "every graph kept":  # the chunks' forward without autograd
+            with torch.no_grad():
+                forest_logprobs(tree, forest)
+        forest_logprobs(tree, forest)[0].sum().backward()
+    assert chunk_graphs == counters["stats"]["unique_graphs"]
+
+
+def test_the_context_operator_outside_a_chunk_says_how_to_run_it():
+    tree, _ = twin_models("qwen3")
+    key = torch.zeros(1, 2, 3, 4)
+    token = context_kv.module_token(tree.model.layers[0].self_attn)
+    with pytest.raises(RuntimeError, match="ran outside a prefix-reuse chunk: call the model through"):
+        torch.ops.hf_tree_attn.chunk_context_kv(key, key, token, torch.empty(2, dtype=torch.uint8))
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -262,27 +262,31 @@ PREFIX_REUSE_NOTES = {  # case: (tree_prefix_reuse, decision, warned, logged)
 
 
 @pytest.mark.parametrize("case", list(PREFIX_REUSE_NOTES))
-def test_prefix_reuse_says_its_chunks_run_eager_layers(case, caplog):
-    """Prefix reuse's chunks run the eager layers: a compile the user asked for is then not applied everywhere, and
-    the trainer says so with a warning; the CUDA default says it at INFO; nothing without both."""
+def test_prefix_reuse_says_a_hybrids_chunks_run_eager_layers(case, caplog):
+    """A hybrid's prefix-reuse chunks run the eager layers: a compile the user asked for is then not applied
+    everywhere, and the trainer says so with a warning; the CUDA default says it at INFO; nothing without both, and
+    nothing for a model whose layers are attention alone (its chunks run the compiled layers)."""
     reuse, decision, warned, logged = PREFIX_REUSE_NOTES[case]
+    hybrid, dense = _model("hybrid"), _model(DENSE)
     with warnings.catch_warnings(record=True) as seen, caplog.at_level("INFO", logger=compile_setting.__name__):
         warnings.simplefilter("always")
-        note = compile_setting.prefix_reuse_note(SimpleNamespace(tree_prefix_reuse=reuse), decision)
+        assert compile_setting.prefix_reuse_note(SimpleNamespace(tree_prefix_reuse=reuse), decision, dense) is None
+        assert not seen and not caplog.text
+        note = compile_setting.prefix_reuse_note(SimpleNamespace(tree_prefix_reuse=reuse), decision, hybrid)
     said = "runs its chunks on the eager decoder layers"
     assert (note is not None and said in note) == logged
     assert any(said in str(w.message) for w in seen) == warned and len(seen) == warned
     assert (said in caplog.text) == (logged and not warned)
 
 
-def test_a_tree_trainers_init_warns_of_prefix_reuses_eager_chunks():
+def test_a_tree_trainers_init_warns_of_a_hybrids_eager_chunks():
     """The trainers' compile step (`TreeTrainerMixin._tree_compile_layers`) says it, after compiling the layers."""
     from hf_tree_attn.trainer.core import TreeTrainerMixin
 
     args = SimpleNamespace(**vars(_args()), tree_prefix_reuse=True)
     trainer = SimpleNamespace(tree_packing=True, args=args, accelerator=_accelerator("aot_eager", True),
-                              model=_model(DENSE))  # fmt: skip
-    with pytest.warns(UserWarning, match="tree_prefix_reuse=True: a forest larger than one chunk"):
+                              model=_model("hybrid"))  # fmt: skip
+    with pytest.warns(UserWarning, match="tree_prefix_reuse=True with a model whose layers carry a state"):
         TreeTrainerMixin._tree_compile_layers(trainer)
     assert trainer.tree_compile.source == "accelerate"
     assert compiled_layers(trainer.model) == decoder_layers(trainer.model) != []
@@ -376,6 +380,38 @@ def test_async_grpo_compiled_run_is_trls_without_recompiling(ask_compile, tmp_pa
         assert_gradients_close(got, want)
     lengths, graphs = zip(*seen)
     assert len(set(lengths)) > 1 and set(graphs) == {graphs[0]}, seen  # new lengths compiled nothing new
+
+
+def test_async_grpo_compiled_prefix_reuse_is_trls_without_a_graph_break(ask_compile, tmp_path, monkeypatch):
+    """`tree_prefix_reuse=True` under an accelerate compile setting: each optimizer step's rows, one forest larger
+    than the token budget, run in chunks through the compiled layers (their context keys and values through
+    `hf_tree_attn::chunk_context_kv`), with no graph break, and the run is TRL's at its defaults."""
+    from async_grpo_helpers import save_model, train
+    from test_async_grpo import REUSE_BUDGET, _reuse_samples, assert_gradients_close
+
+    from hf_tree_attn.prefix_reuse import ChunkContext
+
+    path = save_model(tiny_config("qwen3"), tmp_path / "model")
+    samples = _reuse_samples(path)
+    run = dict(max_steps=2, gradient_accumulation_steps=3, token_budget=REUSE_BUDGET)
+    trl, trl_losses, trl_grads = train(False, path, samples, tmp_path, **run)
+    ask_compile()
+    gather, gathered = ChunkContext.gather, []
+
+    def counting(self, module, key, value, width):
+        gathered.append(len(compiled_layers(self.step.model)))  # none while `eager_layers` holds them back
+        return gather(self, module, key, value, width)
+
+    monkeypatch.setattr(ChunkContext, "gather", counting)
+    tree, tree_losses, tree_grads = train(True, path, samples, tmp_path, tree_prefix_reuse=True, **run)
+    _assert_compiled(tree)
+    assert gathered and set(gathered) == {len(decoder_layers(tree.model))}  # every chunk, through compiled layers
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert len(tree_losses) == len(trl_losses) == 6
+    for step, (got, want) in enumerate(zip(tree_losses, trl_losses)):
+        assert math.isclose(got, want, abs_tol=TOLERANCES["logps_atol"]), (step, got, want)
+    for got, want in zip(tree_grads.steps, trl_grads.steps):
+        assert_gradients_close(got, want)
 
 
 def test_grpo_compiled_run_is_trls_and_generates_eagerly(ask_compile, tiny, tmp_path, monkeypatch):

@@ -4,8 +4,8 @@ concatenated context and own keys) and `dense` (SDPA on dense masks), forward an
 The CPU tests (`tests/test_chunked.py`) prove the plan and the chunked step exact on the dense path; here each CUDA
 path runs the same forests on its real kernels: a trie split 2, 3 and 8 ways, a sequence four times the budget, edge
 cases (identical sequences, a prefix of another, 1-token sequences, several tries), a branch changed inside one
-chunk's context (no leakage into its siblings), a bf16 model against the float32 reference, and the trie with the
-last chunks' forward graphs kept for the backward (`keep_graphs`).
+chunk's context (no leakage into its siblings), a bf16 model against the float32 reference, the trie with the
+last chunks' forward graphs kept for the backward (`keep_graphs`), and decoder layers compiled with inductor.
 
 `pytest -m gpu tests/test_gpu_prefix_reuse.py` — skipped without CUDA (CI).
 """
@@ -19,10 +19,12 @@ import torch
 from helpers import TOLERANCES as CPU_TOLERANCES
 from helpers import flat_logprobs, twin_models
 from test_chunked import BUDGET, _edge_cases, _num_chunks, _tokens, _trie, check_branch_change_moves_only_its_subtree
+from torch._dynamo.utils import counters
 
 import hf_tree_attn.attention
 from hf_tree_attn import forest_logprobs, gather_sequences, pack_forest, sequence_logprobs
 from hf_tree_attn import prefix_reuse as prefix_reuse_module
+from hf_tree_attn.compile import compile_decoder_layers, compiled_layers, decoder_layers
 
 pytestmark = pytest.mark.gpu
 
@@ -92,10 +94,15 @@ def _check_against_flat(cuda_path, sequences, family: str = "qwen3", keep_graphs
     path, calls = cuda_path
     atol, grad_rel, min_cos = FP32_TOLERANCES[path]
     tree, ref = _cuda_twins(family)
-    logps, entropies, grads = _chunked(tree, sequences, keep_graphs)
-    want_logps, want_entropies, want_grads = _flat(ref, sequences)
+    got = _chunked(tree, sequences, keep_graphs)
     assert (len(calls) > 0) == (path == "flex"), f"{path}: FlexAttention called {len(calls)} times"
-    for i in range(len(sequences)):
+    _assert_close_to_flat(got, _flat(ref, sequences), atol, grad_rel, min_cos)
+
+
+def _assert_close_to_flat(got, want, atol: float, grad_rel: float | None, min_cos: float) -> None:
+    """`_chunked`'s log-probs, entropies and gradients against `_flat`'s, within the path's bounds."""
+    (logps, entropies, grads), (want_logps, want_entropies, want_grads) = got, want
+    for i in range(len(want_logps)):
         torch.testing.assert_close(logps[i], want_logps[i], atol=atol, rtol=0, msg=lambda m, i=i: f"logps {i}: {m}")
         torch.testing.assert_close(
             entropies[i], want_entropies[i], atol=atol, rtol=0, msg=lambda m, i=i: f"entropy {i}: {m}"
@@ -181,6 +188,35 @@ def test_bf16_is_as_close_to_fp32_as_the_unsplit_forest(cuda_path):
         assert error <= 2 * one_error + U_BF16 * want.abs().max().item(), (error, one_error)
     error, one_error = _relative_error(grads, want_grads), _relative_error(one_grads, want_grads)
     assert error <= 2 * one_error + U_BF16, (error, one_error)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["whole layers", "checkpointed layers"])
+def test_layers_compiled_with_inductor_run_the_chunks(checkpointing):
+    """Decoder layers compiled in place with inductor and dynamic shapes (the trainers' CUDA default) run the chunks
+    on the flex path, their context keys and values through `hf_tree_attn::chunk_context_kv`: tries split 2, 3 and
+    8 ways give the flat forwards' results within the flex bounds, with no graph break and no compile past dynamo's
+    recompile limit."""
+    prefix_reuse_module.CUDA_PATH, path = "flex", prefix_reuse_module.CUDA_PATH
+    torch._dynamo.reset()
+    counters.clear()
+    atol, grad_rel, min_cos = FP32_TOLERANCES["flex"]
+    tree, ref = _cuda_twins("qwen3")
+    if checkpointing:
+        tree.train()
+        tree.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    compile_decoder_layers(tree, backend="inductor", dynamic=True)
+    try:
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+            for num_chunks in (2, 3, 8):
+                sequences = _trie(num_chunks, seed=200 + num_chunks)
+                assert _num_chunks(sequences) == num_chunks
+                tree.zero_grad(set_to_none=True)
+                ref.zero_grad(set_to_none=True)
+                _assert_close_to_flat(_chunked(tree, sequences), _flat(ref, sequences), atol, grad_rel, min_cos)
+    finally:
+        prefix_reuse_module.CUDA_PATH = path
+    assert compiled_layers(tree) == decoder_layers(tree)  # no failure sent them back to eager
+    assert counters["stats"]["unique_graphs"] >= 1 and not counters["graph_break"], dict(counters["graph_break"])
 
 
 def test_steps_of_changing_chunks_stay_compiled_and_free_their_memory():

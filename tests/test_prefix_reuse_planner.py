@@ -50,7 +50,8 @@ FORESTS = {"tiny": TINY, "trie": _trie(4, seed=3), "edge": _edge_cases()}
 
 def _oracle(model, forest, chunk_rows: int, block: int, kv_dtype: torch.dtype):
     """The estimate from the plan itself: kept rows counted by hand (rows x layers x 2 x kv_heads x head_dim x
-    bytes), each chunk's context and own kept rows from `plan_chunks`, its rows padded to the block by hand."""
+    bytes), each chunk's context and own kept rows from `plan_chunks`, its rows and its context (at least 2 rows)
+    padded to the block by hand."""
     plan = plan_chunks(forest, chunk_rows)
     row = LAYERS * 2 * KV_HEADS * HEAD_DIM
     kept = len(plan.kept_rows)
@@ -68,7 +69,8 @@ def _oracle(model, forest, chunk_rows: int, block: int, kv_dtype: torch.dtype):
         per_layer = row // LAYERS
         kept_by_layers = (0 if checkpointing else LAYERS) * per_layer * kv_dtype.itemsize
         running = 3 * per_layer * kv_dtype.itemsize + per_layer * 4
-        context = len(plan.context[c]) * (kept_by_layers + running) + 2 * own * row * kv_dtype.itemsize
+        width = -(-max(len(plan.context[c]), 2) // block) * block  # padded as the run pads it
+        context = width * (kept_by_layers + running) + 2 * own * row * kv_dtype.itemsize
         peaks.append((padded * per_token, context))
     activations, context = max(peaks, key=sum)
     return activations, context, kept * row * kv_dtype.itemsize, kept * row * 4
@@ -86,7 +88,9 @@ def test_docstring_example():
     assert plan_chunks(forest, 3).kept_rows.tolist() == [0, 1, 2]
     assert reuse_estimate(model, forest, 2)[2] == 2 * row
     assert reuse_estimate(model, forest, 3)[2] == 3 * row
-    assert reuse_estimate(model, forest, 5)[1:] == (0, 0, 0)  # one chunk: nothing kept, no context
+    # one chunk: nothing kept; its context is the 2 padding rows the run attends over, which every layer keeps
+    # (none is checkpointed) and the layer running in the backward holds 3 times and once at float32 width
+    assert reuse_estimate(model, forest, 5)[1:] == (2 * (LAYERS + 3 + 1) * row // LAYERS, 0, 0)
 
 
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["whole", "checkpointed"])
@@ -126,7 +130,7 @@ def test_estimate_bounds_what_the_run_stores(dtype, kv_heads, keep, monkeypatch)
 
     def measured(step, c, backward, store=False):
         rows = int(plan.chunks.bounds[c + 1] - plan.chunks.bounds[c])
-        keys = rows + len(plan.chunks.context[c])
+        keys = rows + max(len(plan.chunks.context[c]), 2)  # the context padded to 2 rows at least
         storages = {}
 
         def pack(tensor):
@@ -223,9 +227,11 @@ def test_kept_graphs_fill_the_rest_of_the_budget(checkpointing):
     assert base.chunks.num_chunks == 4 and (base.keep_graphs, base.graphs) == (1, 0)
     bounds = base.chunks.bounds
     # Graphs of the chunks before the last, from the second-to-last back: rows x per-row activations, and where the
-    # layers are not checkpointed their context's keys and values (rows x layers x 2 x kv_heads x head_dim x bytes).
+    # layers are not checkpointed their context's keys and values (rows, at least 2 with the padding, x layers x 2 x
+    # kv_heads x head_dim x bytes).
     context = [
-        0 if checkpointing else len(base.chunks.context[c]) * LAYERS * 2 * KV_HEADS * HEAD_DIM * 4 for c in (2, 1, 0)
+        0 if checkpointing else max(len(base.chunks.context[c]), 2) * LAYERS * 2 * KV_HEADS * HEAD_DIM * 4
+        for c in (2, 1, 0)
     ]
     outside = 64 * 4 + (64 + 2 * HEAD_DIM) * 4 + 32  # the final norm's and the head's inputs, RoPE, scalars
     rows = [bounds[c + 1] - bounds[c] for c in (2, 1, 0)]

@@ -164,18 +164,24 @@ def apply_compile(accelerator, decision: CompileDecision, models) -> None:
 
 
 _PREFIX_REUSE_EAGER = (
-    "tree_prefix_reuse=True: a forest larger than one chunk (under FSDP2, every forest) runs its chunks on the eager "
-    "decoder layers, not the compiled ones. A chunk's attention reads the keys and values that earlier chunks kept, "
-    "state held in Python that breaks a compiled layer's graph, and a graph break inside a checkpointed layer leaves "
-    "that layer eager anyway. Forests of one chunk run compiled."
+    "tree_prefix_reuse=True with a model whose layers carry a state along the rows (a hybrid): a forest larger than "
+    "one chunk (under FSDP2, every forest) runs its chunks on the eager decoder layers, not the compiled ones. Its "
+    "state-carrying kernels read and write the states earlier chunks kept from Python, which a compiled layer's "
+    "graph would freeze. Forests of one chunk run compiled; so do every model's chunks whose layers are attention "
+    "alone."
 )
 
 
-def prefix_reuse_note(args, decision: CompileDecision | None) -> str | None:
-    """What compiled layers leave out under `tree_prefix_reuse=True`, said once at init: a warning where the user
-    asked for the compile (it is not applied everywhere they asked), at INFO where it is the CUDA default. None
-    without prefix reuse or without compiled layers."""
+def prefix_reuse_note(args, decision: CompileDecision | None, model) -> str | None:
+    """What compiled layers leave out under `tree_prefix_reuse=True`, said once at init: a hybrid's chunks run its
+    eager layers (`hf_tree_attn.prefix_reuse`). A warning where the user asked for the compile (it is not applied
+    everywhere they asked), INFO where it is the default. None without prefix reuse, without compiled layers, or
+    for a model without state-carrying layers (its chunks run the compiled layers)."""
+    from ..recurrent import _owns_state
+
     if not getattr(args, "tree_prefix_reuse", False) or decision is None or decision.source == "none":
+        return None
+    if not any(_owns_state(m) for m in unwrap_model(model).modules()):
         return None
     if decision.source == "accelerate":
         warnings.warn(_PREFIX_REUSE_EAGER, stacklevel=4)
@@ -187,13 +193,13 @@ def prefix_reuse_note(args, decision: CompileDecision | None) -> str | None:
 def compile_tree_layers(args, accelerator, models, trees: bool = True) -> CompileDecision | None:
     """What a tree trainer's init does with compilation, in order: decide (`decide_compile`, on the policy
     `models[0]`), compile the decoder layers of `models` in place (`apply_compile`), the FLASH backend default
-    (`default_flash_backend`, which also undoes an earlier trainer's), and what prefix reuse leaves eager
-    (`prefix_reuse_note`). `trees=False` (TRL's path): nothing compiled, None returned."""
+    (`default_flash_backend`, which also undoes an earlier trainer's), and what prefix reuse leaves eager for a
+    hybrid (`prefix_reuse_note`). `trees=False` (TRL's path): nothing compiled, None returned."""
     decision = decide_compile(args, accelerator, models[0]) if trees else None
     if decision is not None:
         apply_compile(accelerator, decision, models)
     default_flash_backend(args, accelerator, decision, models[0])
-    prefix_reuse_note(args, decision)
+    prefix_reuse_note(args, decision, models[0])
     return decision
 
 
