@@ -464,17 +464,23 @@ accelerate.__version__, end='; ')"
         --methods split reuse --warmup 1 --steps 1 --profile \
         --out "$OUT/prefix_reuse_gpu_${card}_qwen3-1.7b_profiled.json" 2>&1 | quiet 12 ;;
     async-prefix-reuse-1.7b-trl)  # TRL's AsyncGRPOTrainer (and its float32 reference) on long agent conversations
-      # that span a step's 4 rows of 65,536 tokens; then `async-prefix-reuse-1.7b-tree` on the same machine
+      # that span a step's 4 rows of 65,536 tokens; then `async-prefix-reuse-1.7b-tree` on the same machine. Either
+      # card. A call that runs out of time leaves its sides in /tmp; the stage again on the warm machine resumes from
+      # them, and on a fresh one from the file the last call sent back, carried as .partial/ (git-ignored)
+      cp /tmp/async_prefix_reuse_${card}_qwen3-1.7b.json "$OUT/" 2>/dev/null \
+        || cp .partial/async_prefix_reuse_${card}_qwen3-1.7b.json "$OUT/" 2>/dev/null
       timeout 560 python3 benchmarks/bench_async_grpo.py --warmup 2 --steps 8 --resume --models qwen3-1.7b \
         --workloads agent_2x20x4 --token-budget 65536 --accumulation 4 --sides reference trl \
-        --out "$OUT/async_prefix_reuse_h200_qwen3-1.7b.json" 2>&1 | grep -E "^qwen|^  |rror:"
-      cp "$OUT/async_prefix_reuse_h200_qwen3-1.7b.json" /tmp/ ;;
-    async-prefix-reuse-1.7b-tree)  # the tree without and with prefix reuse on the same rows, paired with TRL's
-      cp /tmp/async_prefix_reuse_h200_qwen3-1.7b.json "$OUT/" 2>/dev/null \
-        || cp benchmarks/results/async_prefix_reuse_h200_qwen3-1.7b.json "$OUT/"
+        --out "$OUT/async_prefix_reuse_${card}_qwen3-1.7b.json" 2>&1 | grep -E "^qwen|^  |rror:"
+      cp "$OUT/async_prefix_reuse_${card}_qwen3-1.7b.json" /tmp/ 2>/dev/null ;;
+    async-prefix-reuse-1.7b-tree)  # the tree without and with prefix reuse on the same rows, paired with TRL's (each
+      # side through the CUDA default: decoder layers compiled in place, prefix reuse's chunks too)
+      cp /tmp/async_prefix_reuse_${card}_qwen3-1.7b.json "$OUT/" 2>/dev/null \
+        || cp .partial/async_prefix_reuse_${card}_qwen3-1.7b.json "$OUT/" 2>/dev/null
       timeout 560 python3 benchmarks/bench_async_grpo.py --warmup 2 --steps 8 --resume --models qwen3-1.7b \
         --workloads agent_2x20x4 --token-budget 65536 --accumulation 4 --sides tree tree_reuse \
-        --out "$OUT/async_prefix_reuse_h200_qwen3-1.7b.json" 2>&1 | grep -E "^qwen|^  |rror:" ;;
+        --out "$OUT/async_prefix_reuse_${card}_qwen3-1.7b.json" 2>&1 | grep -E "^qwen|^  |rror:"
+      cp "$OUT/async_prefix_reuse_${card}_qwen3-1.7b.json" /tmp/ 2>/dev/null ;;
     fa4-site-1)  # the first half of FlashAttention-4's packed site (benchmarks/fa4_wheels.sh; carry .fa4/1), kept
       # in /tmp for `flex-flash-backend` on the same warm machine
       mkdir -p /tmp/fa4parts && cp .fa4/1/* /tmp/fa4parts/ && ls -la /tmp/fa4parts ;;
