@@ -26,7 +26,9 @@ or with `--optimizer` an AdamW step at learning rate 0, which holds and updates 
 The loss is the same for both: a fixed random weight per scored token times its log-probability, summed, over the
 step's scored tokens. Random-weight bf16 models of the named shapes (no download), every decoder layer checkpointed
 (non-reentrant), as the planner's estimates assume (`--checkpointing none`: no layer, so that prefix reuse recomputes
-each chunk once and not each layer again, at the memory of every chunk's activations). Both methods run in one process,
+each chunk once and not each layer again, at the memory of every chunk's activations); eager decoder layers, or with
+`--compile` both methods' compiled in place (inductor, dynamic shapes: the trainers' CUDA default; prefix reuse's
+chunks run them as the split's forests do). Both methods run in one process,
 one after the other, or each in its own (`--methods split`, then `--methods reuse --resume`, both with `--first-dir`:
 the second run keeps the first's steps and reads its first step back for the agreement check; where that first step is
 missing, it runs one unmeasured step of the first's method for it, `agreement_steps_rerun`), each with `--warmup`
@@ -67,6 +69,7 @@ from harness import LOGPROB_BOUND, agreement, earlier_runs, paired, provenance  
 
 from hf_tree_attn import forest_logprobs, gather_sequences, pack_forest, prefix_reuse, sequence_logprobs  # noqa: E402
 from hf_tree_attn.chunked import plan_chunks  # noqa: E402
+from hf_tree_attn.compile import compile_decoder_layers, eager_layers  # noqa: E402
 from hf_tree_attn.metrics import estimate_flops  # noqa: E402
 from hf_tree_attn.support import rope_split_lengths  # noqa: E402
 
@@ -180,7 +183,8 @@ def reference(model, sequences) -> tuple[dict, dict]:
     """The `reference` method: `({"seconds", "dtype"}, {"logps"})`, the step's log-probabilities from a float32 copy
     of `model` (its weights upcast), unsplit forests, no gradients."""
     start = time.perf_counter()
-    exact = copy.deepcopy(model).float()
+    with eager_layers(model):  # a copy of the eager layers (`--compile` compiles them in place)
+        exact = copy.deepcopy(model).float()
     with torch.no_grad():
         logps = sequence_logprobs(exact, sequences)
     first = {"logps": torch.cat(logps).cpu().tolist()}
@@ -232,6 +236,8 @@ def measure(model_name: str, workload: str, args, save, earlier: dict) -> dict:
     sequences = build()
     dtype = getattr(torch, args.dtype)
     model = build_model(model_name, torch.device(args.device), checkpointing=args.checkpointing, dtype=dtype)
+    if args.compile:  # the trainers' CUDA default, for both methods
+        compile_decoder_layers(model, backend="inductor", dynamic=True)
     (forest,) = pack_forest(sequences, two_level=False)
     scored = sum(len(s) - 1 for s in sequences)
     g = torch.Generator().manual_seed(1)
@@ -344,6 +350,11 @@ def main() -> None:
              "chunk once, not each layer again in the backward; every chunk's activations held in its backward)",
     )  # fmt: skip
     parser.add_argument("--profile", action="store_true", help="one more step per method under the torch profiler")
+    parser.add_argument(
+        "--compile", action="store_true",
+        help="compile the decoder layers in place (inductor, dynamic shapes: the trainers' CUDA default) for every "
+             "method; prefix reuse's chunks run them too",
+    )  # fmt: skip
     parser.add_argument("--out", default="benchmarks/results/prefix_reuse_gpu.json")
     parser.add_argument(
         "--resume", action="store_true",
@@ -359,7 +370,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     results = {**provenance(), "peak_flops": PEAK_FLOPS, "cuda_path": prefix_reuse.CUDA_PATH,
                "dtype": args.dtype, "warmup": args.warmup, "steps": args.steps, "optimizer": args.optimizer,
-               "checkpointing": args.checkpointing,
+               "checkpointing": args.checkpointing, "compiled_layers": args.compile,
                "rows": []}  # fmt: skip
     earlier = {}
     if args.resume and out.exists():

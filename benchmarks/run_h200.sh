@@ -457,6 +457,11 @@ accelerate.__version__, end='; ')"
       timeout 590 python3 benchmarks/bench_prefix_reuse_gpu.py --models qwen3-1.7b --workloads agent_4x20 \
         --methods split reuse_kept --warmup 1 --steps 8 \
         --out "$OUT/prefix_reuse_gpu_${card}_qwen3-1.7b_kept.json" 2>&1 | quiet 12 ;;
+    prefix-reuse-gpu-1.7b-compiled)  # the step of `prefix-reuse-gpu-1.7b` with both layouts' decoder layers compiled
+      # in place (inductor, dynamic shapes: the trainers' CUDA default), prefix reuse's chunks included; either card
+      timeout 590 python3 benchmarks/bench_prefix_reuse_gpu.py --models qwen3-1.7b --workloads agent_4x20 \
+        --methods split reuse --compile --warmup 2 --steps 8 \
+        --out "$OUT/prefix_reuse_gpu_${card}_qwen3-1.7b_compiled.json" 2>&1 | quiet 12 ;;
     prefix-reuse-gpu-1.7b-profiled)  # where the time of `prefix-reuse-gpu-1.7b`'s steps goes: one warm step of each
       # layout under the torch profiler (prefix reuse ran 0.86x the split there, 0.99x by its executed FLOPs: it ran
       # them at 29.5% of the peak against the split's 34.1%, benchmarks/prefix_reuse_work.py)

@@ -11,8 +11,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench_prefix_reuse_gpu as bench  # noqa: E402
 
+from hf_tree_attn.compile import compile_decoder_layers  # noqa: E402
+
 ARGS = dict(device="cpu", dtype="float32", warmup=1, steps=8, budget=None, optimizer=True, methods=["split", "reuse"],
-            first_dir=None, checkpointing="all", profile=False)  # fmt: skip
+            first_dir=None, checkpointing="all", profile=False, compile=False)  # fmt: skip
 
 
 def _row() -> dict:
@@ -147,6 +149,27 @@ def test_without_the_models_checkpointing_reuse_still_agrees():
     the two layouts still agree."""
     args = argparse.Namespace(**{**ARGS, "checkpointing": "none", "optimizer": False})
     row = bench.measure("tiny", "smoke", args, save=lambda row: None, earlier={})
+    assert row["agreement"]["passed"] and row["agreement"]["gradient_cosine"] > 0.99999, row["agreement"]
+
+
+def test_compiled_layers_run_both_layouts_and_they_agree(monkeypatch):
+    """`--compile`: both layouts run the decoder layers compiled in place (here aot_eager: no C++ toolchain), the
+    chunks of prefix reuse too, with no graph break, and still agree."""
+    from torch._dynamo.utils import counters
+
+    compiled = []
+
+    def compile_layers(model, **kwargs):
+        compiled.append(kwargs)
+        return compile_decoder_layers(model, **{**kwargs, "backend": "aot_eager"})
+
+    monkeypatch.setattr(bench, "compile_decoder_layers", compile_layers)
+    torch._dynamo.reset()
+    counters.clear()
+    args = argparse.Namespace(**{**ARGS, "compile": True, "optimizer": False})
+    row = bench.measure("tiny", "smoke", args, save=lambda row: None, earlier={})
+    assert compiled == [{"backend": "inductor", "dynamic": True}]
+    assert counters["stats"]["unique_graphs"] >= 2 and not counters["graph_break"], dict(counters["graph_break"])
     assert row["agreement"]["passed"] and row["agreement"]["gradient_cosine"] > 0.99999, row["agreement"]
 
 
