@@ -74,6 +74,14 @@ PY
 }
 # The last lines of a pytest log that say what passed and what failed.
 summary() { grep -E "FAILED|ERROR|passed|failed" "$1" | tail -"${2:-20}"; }
+# A test log's head: its command (the first argument), then the card, versions and commit (HF_TREE_ATTN_COMMIT).
+log_head() {
+  echo "# $1"
+  python3 -c "import torch, transformers, trl, accelerate; print('# one', torch.cuda.get_device_name(), 'torch',
+torch.__version__, 'transformers', transformers.__version__, 'trl', trl.__version__, 'accelerate',
+accelerate.__version__, end='; ')"
+  echo "commit ${HF_TREE_ATTN_COMMIT:-unknown}, $([ "${HF_TREE_ATTN_DIRTY:-0}" = 1 ] && echo dirty || echo clean)"
+}
 
 for stage in "$@"; do
   echo "=== $stage"
@@ -394,18 +402,20 @@ for stage in "$@"; do
     gpu-tests-all-current)  # the same on the present code, on either card, the log headed by its command, card,
       # versions and commit (carry .whl: transformers 5.25 and `kernels` from .whl/common, trl from .whl/async)
       log="$OUT/${card}_gpu_tests_all.log"
-      { echo "# python3 -m pytest -v -rfEs -m gpu -p no:cacheprovider -n 8 --timeout 300 tests --ignore tests/test_gpu_recurrent.py --ignore tests/test_gpu_deepspeed.py   (stage gpu-tests-all-current of benchmarks/run_h200.sh)"
-        python3 -c "import torch, transformers, trl, accelerate; print('# one', torch.cuda.get_device_name(), 'torch',
-torch.__version__, 'transformers', transformers.__version__, 'trl', trl.__version__, 'accelerate',
-accelerate.__version__, end='; ')"
-        echo "commit ${HF_TREE_ATTN_COMMIT:-unknown}, $([ "${HF_TREE_ATTN_DIRTY:-0}" = 1 ] && echo dirty || echo clean)"
-      } > "$log"
+      log_head "python3 -m pytest -v -rfEs -m gpu -p no:cacheprovider -n 8 --timeout 300 tests --ignore tests/test_gpu_recurrent.py --ignore tests/test_gpu_deepspeed.py   (stage gpu-tests-all-current of benchmarks/run_h200.sh)" > "$log"
       timeout 560 python3 -m pytest -v -rfEs -m gpu -p no:cacheprovider -n 8 --timeout 300 tests \
         --ignore tests/test_gpu_recurrent.py --ignore tests/test_gpu_deepspeed.py 2>&1 | grep -v DEBUG >> "$log"
       summary "$log" 30 ;;
-    gpu-tests-prefix-reuse)  # prefix reuse on CUDA, both attention paths
+    gpu-tests-prefix-reuse)  # prefix reuse on CUDA, both attention paths (an older run, on the H200)
       timeout 300 python3 -m pytest -v -rfEs -m gpu -p no:cacheprovider tests/test_gpu_prefix_reuse.py 2>&1 \
         | grep -v DEBUG > "$OUT/h200_gpu_tests_prefix_reuse.log" ;;
+    gpu-tests-prefix-reuse-current)  # the same on the present code, on either card, inductor-compiled chunks included,
+      # the log headed by its command, card, versions and commit (carry .whl)
+      log="$OUT/${card}_gpu_tests_prefix_reuse_current.log"
+      log_head "python3 -m pytest -v -rfEs -m gpu -p no:cacheprovider tests/test_gpu_prefix_reuse.py   (stage gpu-tests-prefix-reuse-current of benchmarks/run_h200.sh)" > "$log"
+      timeout 400 python3 -m pytest -v -rfEs -m gpu -p no:cacheprovider tests/test_gpu_prefix_reuse.py 2>&1 \
+        | grep -v DEBUG >> "$log"
+      summary "$log" 30 ;;
     prefix-reuse-gpu-split)  # one step split into micro-batches (what the trainers do without prefix reuse), Qwen3-0.6B
       # shape on the agent workload whose split repeats most (~26 s a step: its attention spans histories of up to
       # 50k tokens); its own call, then `prefix-reuse-gpu` on the same machine
