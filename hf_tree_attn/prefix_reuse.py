@@ -770,7 +770,7 @@ class ChunkContext:
         plus the gradients later chunks sent those they read."""
         step, p = self.step, len(self.context_slots)
         grads = step.kv_grad.get(module)
-        if grads is None and (p or module in step.kv):
+        if grads is None and p:  # the first chunk to send this module's context a gradient
             grads = step.kv_grad[module] = tuple(torch.zeros_like(t, dtype=torch.float32) for t in step.kv[module])
         own = []
         for i, grad in enumerate((grad_key, grad_value)):
