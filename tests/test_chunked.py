@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import random
+import shutil
 import weakref
 
 import numpy as np
@@ -20,7 +21,7 @@ import hf_tree_attn.attention
 from hf_tree_attn import context_kv, forest_logprobs, gather_sequences, pack_forest, sequence_logprobs
 from hf_tree_attn import prefix_reuse as prefix_reuse_module
 from hf_tree_attn.chunked import plan_chunks
-from hf_tree_attn.compile import compile_decoder_layers
+from hf_tree_attn.compile import compile_decoder_layers, compiled_layers, decoder_layers
 from hf_tree_attn.prefix_reuse import chunked_forest_logprobs, kept_kv_bytes, prefix_reuse_error
 
 ATOL = TOLERANCES["logps_atol"]
@@ -557,6 +558,21 @@ def test_compiled_layers_run_every_chunk_without_a_graph_break(setting):
                 forest_logprobs(tree, forest)
         forest_logprobs(tree, forest)[0].sum().backward()
     assert chunk_graphs == counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="inductor's CPU code needs a C++ compiler")
+def test_inductor_compiled_checkpointed_layers_run_every_chunk():
+    """The same with inductor's own code (the trainers' compile backend) instead of AOTAutograd's eager graphs, the
+    layers checkpointed: the flat forwards' results, no graph break, and the layers still compiled after (a failure
+    would have sent them back to eager)."""
+    tree, ref, _ = _compiled_twins(checkpointing=True)
+    compile_decoder_layers(tree, backend="inductor", dynamic=True)
+    for num_chunks, seed in COMPILED_TRIES:
+        tree.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+        _check_against_flat(tree, ref, _trie(num_chunks, seed=seed))
+    assert compiled_layers(tree) == decoder_layers(tree) != []
+    assert counters["stats"]["unique_graphs"] >= 1 and not counters["graph_break"], dict(counters["graph_break"])
 
 
 def test_the_context_operator_outside_a_chunk_says_how_to_run_it():
