@@ -28,16 +28,17 @@ step's scored tokens. Random-weight bf16 models of the named shapes (no download
 (non-reentrant), as the planner's estimates assume (`--checkpointing none`: no layer, so that prefix reuse recomputes
 each chunk once and not each layer again, at the memory of every chunk's activations); eager decoder layers, or with
 `--compile` both methods' compiled in place (inductor, dynamic shapes: the trainers' CUDA default; prefix reuse's
-chunks run them as the split's forests do). Both methods run in one process,
-one after the other, or each in its own (`--methods split`, then `--methods reuse --resume`, both with `--first-dir`:
-the second run keeps the first's steps and reads its first step back for the agreement check; where that first step is
-missing, it runs one unmeasured step of the first's method for it, `agreement_steps_rerun`), each with `--warmup`
-unmeasured and `--steps` measured steps (CUDA-synchronized); `paired["split vs reuse"]` is the split's seconds over
-reuse's per measured step (`harness.paired`: min / median / max); peak memory after the warm-up. Agreement, on the
-first step: the per-token log-probabilities of the two methods (against the `reference` where it ran, above), and the
-cosine of their parameter gradients (each tensor's, the least reported; at least `GRAD_COSINE`); a row that fails is
-marked `failed`. MFU: 3x the forward FLOPs of the step's sequences as one prefix forest (`estimate_flops`'
-`tree_flops`; recompute not counted) per step second over 989 TFLOP/s.
+chunks run them as the split's forests do, `prefix_reuse.LAYERS = "compiled"`, which the trainers leave eager). Both
+methods run in one process, one after the other, or each in its own (`--methods split`, then `--methods reuse
+--resume`, both with `--first-dir`: the second run keeps the first's steps and reads its first step back for the
+agreement check; where that first step is missing, it runs one unmeasured step of the first's method for it,
+`agreement_steps_rerun`), each with `--warmup` unmeasured and `--steps` measured steps (CUDA-synchronized);
+`paired["split vs reuse"]` is the split's seconds over reuse's per measured step (`harness.paired`: min / median /
+max); peak memory after the warm-up. Agreement, on the first step: the per-token log-probabilities of the two methods
+(against the `reference` where it ran, above), and the cosine of their parameter gradients (each tensor's, the least
+reported; at least `GRAD_COSINE`); a row that fails is marked `failed`. MFU: 3x the forward FLOPs of the step's
+sequences as one prefix forest (`estimate_flops`' `tree_flops`; recompute not counted) per step second over 989
+TFLOP/s.
 
     python benchmarks/bench_prefix_reuse_gpu.py --models qwen3-1.7b --workloads agent_2x20x4 \\
         --out benchmarks/results/prefix_reuse_gpu_h200_qwen3-1.7b.json
@@ -236,8 +237,9 @@ def measure(model_name: str, workload: str, args, save, earlier: dict) -> dict:
     sequences = build()
     dtype = getattr(torch, args.dtype)
     model = build_model(model_name, torch.device(args.device), checkpointing=args.checkpointing, dtype=dtype)
-    if args.compile:  # the trainers' CUDA default, for both methods
+    if args.compile:  # the trainers' CUDA default, for both methods; prefix reuse's chunks on them too
         compile_decoder_layers(model, backend="inductor", dynamic=True)
+        prefix_reuse.LAYERS = "compiled"
     (forest,) = pack_forest(sequences, two_level=False)
     scored = sum(len(s) - 1 for s in sequences)
     g = torch.Generator().manual_seed(1)
@@ -353,7 +355,7 @@ def main() -> None:
     parser.add_argument(
         "--compile", action="store_true",
         help="compile the decoder layers in place (inductor, dynamic shapes: the trainers' CUDA default) for every "
-             "method; prefix reuse's chunks run them too",
+             "method; prefix reuse's chunks run them too (HF_TREE_ATTN_PREFIX_REUSE_LAYERS=compiled)",
     )  # fmt: skip
     parser.add_argument("--out", default="benchmarks/results/prefix_reuse_gpu.json")
     parser.add_argument(

@@ -68,6 +68,7 @@ SOURCES = {
     "async_grpo_h200_qwen3-1.7b_paired.json": "compile-async-1.7b",
     "async_grpo_h200_qwen3-1.7b_profiled.json": "compile-async-1.7b-profiled",
     "h100_gpu_tests_all.log": "gpu-tests-all-current",
+    "h100_gpu_tests_prefix_reuse_current.log": "gpu-tests-prefix-reuse-current",
     "h200_gpu_tests_all.log": "gpu-tests-all",
     "h200_gpu_tests_prefix_reuse.log": "gpu-tests-prefix-reuse",
     "h200_gpu_tests_async_rest.log": "gpu-tests-rest",
@@ -140,6 +141,7 @@ SOURCES = {
     "prefix_reuse_gpu_h200_qwen3-0.6b.json": "prefix-reuse-gpu-kept",
     "prefix_reuse_gpu_h200_qwen3-1.7b.json": "prefix-reuse-gpu-1.7b",
     "prefix_reuse_gpu_h100_qwen3-1.7b_profiled.json": "prefix-reuse-gpu-1.7b-profiled",
+    "prefix_reuse_gpu_h100_qwen3-1.7b_compiled.json": "prefix-reuse-gpu-1.7b-compiled",
     "prefix_reuse_gpu_h200_qwen3-8b_trajectory.json": "prefix-reuse-gpu-8b-trajectory",
     "prefix_reuse_kept_cpu_qwen3-0.6b.json": None,
     "prefix_reuse_work_cpu.json": None,
@@ -288,6 +290,7 @@ PREFIX_REUSE_PLAN = "prefix_reuse_plan_cpu.json"
 PREFIX_REUSE_GPU = [
     "prefix_reuse_gpu_h200_qwen3-0.6b.json",
     "prefix_reuse_gpu_h200_qwen3-1.7b.json",
+    "prefix_reuse_gpu_h100_qwen3-1.7b_compiled.json",
     "prefix_reuse_gpu_h200_qwen3-8b_trajectory.json",
 ]
 # prefix_reuse_work.py over PREFIX_REUSE_GPU's files: each layout's executed FLOPs, predicted vs measured speed (CPU).
@@ -396,6 +399,8 @@ GPU_TEST_LOGS = {  # log: the tests it ran
     "`test_recompute.py`; 8 pytest workers on one GPU, transformers 5.24",
     "h200_gpu_tests_prefix_reuse.log": "`test_gpu_prefix_reuse.py`: prefix reuse on CUDA (dense masks and "
     "FlexAttention) against per-sequence fp32 forwards",
+    "h100_gpu_tests_prefix_reuse_current.log": "`test_gpu_prefix_reuse.py` on the present code, one H100 80GB: the "
+    "same, and the chunks on decoder layers compiled with inductor (whole and checkpointed layers)",
     "h200_gpu_tests_async_rest.log": "`test_gpu_async_grpo.py`'s hybrid log-probs test and its compile-once test "
     "(rows of 15 or 16 blocks: one compile for every forest length), each alone on the GPU",
     "h200_gpu_tests_precision_gpt_oss.log": "`test_precision.py`'s 24 GPT-OSS CUDA cells on the continuous-routing "
@@ -621,6 +626,18 @@ NOTES = {
     "22.9 s, compiled its layers on a machine whose inductor cache earlier calls of other shapes had filled. At 8B "
     "random weights each bf16 side is far from float32 on single tokens (largest error 7.49 tree, 7.36 TRL; mean "
     "1.39 both), equally so: the check passes.",
+    "prefix_reuse_gpu_h100_qwen3-1.7b_compiled.json": "one H100 80GB, both layouts on decoder layers compiled in "
+    "place (inductor, dynamic shapes; `--compile`, prefix reuse's chunks through `hf_tree_attn::chunk_context_kv`). "
+    "The call's 540 s ran out after prefix reuse's third measured step, so there is no paired ratio. Its steps took "
+    "35.8 s, more than the eager layers' 29.2 s on the same card (`prefix_reuse_gpu_h100_qwen3-1.7b_profiled.json`, "
+    "one step, older code), while compiling took the split from 25.3 s (the same file) to 21.2 s: so the trainers "
+    "run the chunks on eager layers by default (`HF_TREE_ATTN_PREFIX_REUSE_LAYERS`). No profile of the compiled "
+    "chunks was taken; one warm step of each compiled layout under the profiler (`--compile --profile`) would say "
+    "where the time goes.",
+    "h100_gpu_tests_prefix_reuse_current.log": "all 21 passed, the two with inductor-compiled layers among them "
+    "(tries split 2, 3 and 8 ways within the flex path's float32 bounds, no graph break, no compile past dynamo's "
+    "recompile limit). They ran while compiled chunks were the default; that default is eager now, and the tests "
+    "ask for compiled chunks themselves.",
     "prefix_reuse_gpu_h200_qwen3-1.7b.json": "two calls made back to back on one machine (the split's in "
     "`earlier_runs`). Prefix reuse ran slower than the split here: at 1.29x forwarded over unique tokens, the rows "
     "the split repeats cost less than the chunk recompute prefix reuse adds in the backward (its chunks but the last, "

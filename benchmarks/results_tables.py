@@ -486,15 +486,22 @@ def prefix_reuse_plan() -> list[str]:
 
 
 def prefix_reuse_gpu() -> list[str]:
-    """bench_prefix_reuse_gpu.py: each layout's step on the H200, and the paired ratio where both ran."""
+    """bench_prefix_reuse_gpu.py: each layout's step on the GPU, and the paired ratio where both ran."""
     notes, rows = Notes(), []
     for name in PREFIX_REUSE_GPU:
-        for row in load(name)["rows"]:
+        data = load(name)
+        for row in data["rows"]:
             cells = []
             for method in ("split", "reuse", "reuse_kept"):
                 run = row["methods"].get(method)
+                measured = run["step_s"][data["warmup"] :] if run is not None and "incomplete" in run else []
                 if run is None and method == "split" and row["longest"] > row["budget"]:
                     cells.append("refused (a sequence longer than the budget)")
+                elif measured:
+                    cells.append(
+                        f"cut off after {len(measured)} measured steps: {secs(statistics.median(measured))} "
+                        f"[{min(measured):.2f}, {max(measured):.2f} s]"
+                    )
                 elif run is None or "incomplete" in run:
                     cells.append("*not yet timed*")
                 elif "refused" in run:
@@ -506,11 +513,14 @@ def prefix_reuse_gpu() -> list[str]:
                         f"{x(run['forwarded_over_unique'])} forwarded, MFU {pct(run['mfu'], 1)}, "
                         f"{run['peak_gib']:.1f} GiB"
                     )
+            layers = "compiled layers" if data.get("compiled_layers") else "eager layers"
             rows.append([
-                MODELS[row["model"]], f"`{row['workload']}`", f"{row['budget']:,}", *cells, ranged(row.get("paired")),
+                f"{MODELS[row['model']]}, {data['gpu']}, {layers}", f"`{row['workload']}`", f"{row['budget']:,}",
+                *cells, ranged(row.get("paired")),
                 ranged(row.get("paired_kept")), notes.source(name),
             ])  # fmt: skip
-    headers = ["model shape", "workload", "budget", "split: median step [range], forwarded / unique, MFU, peak",
+    headers = ["model shape, device, decoder layers", "workload", "budget",
+               "split: median step [range], forwarded / unique, MFU, peak",
                "prefix reuse: the same", "prefix reuse, every chunk's graph kept: the same",
                "split over reuse, per step", "split over reuse with graphs kept, per step", "source"]  # fmt: skip
     return table(headers, rows) + notes.lines()

@@ -16,11 +16,12 @@ gradients for any loss of them, at the memory of one chunk's activations plus th
   the context rows' gradients into a float32 gradient store for the earlier chunks that computed them, and adds to
   the own rows' the gradients later chunks sent them: no layer's context is held until the chunk's backward ends,
   and where the model checkpoints its layers only the running layer's is alive. The operator is opaque to
-  torch.compile, so decoder layers compiled by `hf_tree_attn.compile` run the chunks with no graph break, one graph
-  per grad mode for chunks of every context size; a hybrid's layers run eagerly here (their state-carrying kernels
-  read and write the stores from Python). Parameter gradients accumulate in `.grad` as they would in one backward
-  (the reentrant pattern of `torch.utils.checkpoint(...,
-  use_reentrant=True)`, with its limits: `loss.backward()`, not `torch.autograd.grad`). So a data-parallel wrapper
+  torch.compile, so decoder layers compiled by `hf_tree_attn.compile` can run the chunks with no graph break, one
+  graph per grad mode for chunks of every context size (`LAYERS="compiled"`); by default the chunks run the eager
+  layers, faster where measured (`LAYERS`), and a hybrid's always do (their state-carrying kernels read and write
+  the stores from Python). Parameter gradients accumulate in `.grad` as they would in one backward (the reentrant
+  pattern of `torch.utils.checkpoint(..., use_reentrant=True)`, with its limits: `loss.backward()`, not
+  `torch.autograd.grad`). So a data-parallel wrapper
   whose hooks expect one gradient per parameter per backward, and the same forwards on every rank, cannot reduce them:
   under DDP run the step under its `no_sync()` and average the `.grad`s over the ranks once per optimizer step, as the
   trainers do (`trainer.core.prefix_reuse_gradient_sync`). FSDP2 (`fully_shard`) reduces each backward's gradients
@@ -87,12 +88,14 @@ from .tree import PackedForest
 
 __all__ = [
     "CUDA_PATH",
+    "LAYERS",
     "chunked_forest_logprobs",
     "chunked_forest_scores",
     "cuda_path_error",
     "kept_kv_bytes",
     "kept_state_bytes",
     "kv_row_bytes",
+    "layers_error",
     "prefix_reuse_error",
 ]
 
@@ -100,6 +103,15 @@ __all__ = [
 # HF_TREE_ATTN_PREFIX_REUSE_CUDA at import; may be set at run time (`cuda_path_error` checks it where it is read).
 _CUDA_PATHS = ("flex", "dense")
 CUDA_PATH = (os.environ.get("HF_TREE_ATTN_PREFIX_REUSE_CUDA") or "flex").strip().lower()
+
+# Which decoder layers the chunks run where the model's are compiled (`hf_tree_attn.compile`): "eager" (the default)
+# or "compiled" (through `hf_tree_attn.context_kv`'s operator: exact, no graph break). Eager by default as measured:
+# on one H100, Qwen3-1.7B shape, a 188k-row agent step of 65,536-row chunks took 35.8 s with compiled chunks against
+# 29.2 s with eager ones (the split into micro-batches: 21.2 s compiled, 25.3 s eager;
+# benchmarks/results/prefix_reuse_gpu_h100_qwen3-1.7b_compiled.json), not yet explained by a profile. From
+# HF_TREE_ATTN_PREFIX_REUSE_LAYERS at import; may be set at run time (`layers_error` checks it where it is read).
+_LAYER_MODES = ("eager", "compiled")
+LAYERS = (os.environ.get("HF_TREE_ATTN_PREFIX_REUSE_LAYERS") or "eager").strip().lower()
 
 _ATTENTION_KINDS = ("full_attention", "sliding_attention")
 _PER_TOKEN_KINDS = ("mlp", "moe", "dense", "sparse")
@@ -308,6 +320,16 @@ def cuda_path_error() -> str | None:
     )
 
 
+def layers_error() -> str | None:
+    """Why `LAYERS` names no decoder layers the chunks can run, or None."""
+    if LAYERS in _LAYER_MODES:
+        return None
+    return (
+        f"HF_TREE_ATTN_PREFIX_REUSE_LAYERS={LAYERS!r} names no decoder layers prefix reuse's chunks run: set it to "
+        "eager (the default) or compiled (the model's compiled layers, where it has them), or unset it."
+    )
+
+
 def _positive(keep_graphs: int) -> int:
     if isinstance(keep_graphs, bool) or not isinstance(keep_graphs, int | np.integer) or keep_graphs < 1:
         raise ValueError(f"keep_graphs={keep_graphs!r} must be a positive int (1: the last chunk's graph).")
@@ -321,6 +343,8 @@ def _checked(model, forest: PackedForest, temperature: float, pad_multiple: int 
     if error is not None:
         raise NotImplementedError(error)
     check_forest_inputs(unwrap_model(model), forest, temperature)
+    if (error := layers_error()) is not None:
+        raise ValueError(error)
     device = forest.input_ids.device
     if device.type == "cuda" and (error := cuda_path_error()) is not None:
         raise ValueError(error)
@@ -533,10 +557,11 @@ class _Step:
         self.released = True
 
     def _layers(self):
-        """Compiled decoder layers (`hf_tree_attn.compile`) run the chunks as they are, their context keys and
-        values through `hf_tree_attn.context_kv`'s operator; a hybrid's run eagerly: its state-carrying kernels
-        read and write the step's stores from Python."""
-        return eager_layers(self.model) if self.stateful else contextlib.nullcontext()
+        """The decoder layers the chunks run: the eager ones (`LAYERS`, the default), or with `LAYERS="compiled"`
+        the model's compiled ones (`hf_tree_attn.compile`), their context keys and values through
+        `hf_tree_attn.context_kv`'s operator; a hybrid's always eagerly: its state-carrying kernels read and write
+        the step's stores from Python."""
+        return eager_layers(self.model) if self.stateful or LAYERS != "compiled" else contextlib.nullcontext()
 
     @contextlib.contextmanager
     def _layer_hooks(self):

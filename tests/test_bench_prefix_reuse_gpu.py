@@ -154,7 +154,7 @@ def test_without_the_models_checkpointing_reuse_still_agrees():
 
 def test_compiled_layers_run_both_layouts_and_they_agree(monkeypatch):
     """`--compile`: both layouts run the decoder layers compiled in place (here aot_eager: no C++ toolchain), the
-    chunks of prefix reuse too, with no graph break, and still agree."""
+    chunks of prefix reuse too (`prefix_reuse.LAYERS = "compiled"`), with no graph break, and still agree."""
     from torch._dynamo.utils import counters
 
     compiled = []
@@ -164,11 +164,12 @@ def test_compiled_layers_run_both_layouts_and_they_agree(monkeypatch):
         return compile_decoder_layers(model, **{**kwargs, "backend": "aot_eager"})
 
     monkeypatch.setattr(bench, "compile_decoder_layers", compile_layers)
+    monkeypatch.setattr(bench.prefix_reuse, "LAYERS", "eager")  # what the flag sets, put back after the test
     torch._dynamo.reset()
     counters.clear()
     args = argparse.Namespace(**{**ARGS, "compile": True, "optimizer": False})
     row = bench.measure("tiny", "smoke", args, save=lambda row: None, earlier={})
-    assert compiled == [{"backend": "inductor", "dynamic": True}]
+    assert compiled == [{"backend": "inductor", "dynamic": True}] and bench.prefix_reuse.LAYERS == "compiled"
     assert counters["stats"]["unique_graphs"] >= 2 and not counters["graph_break"], dict(counters["graph_break"])
     assert row["agreement"]["passed"] and row["agreement"]["gradient_cosine"] > 0.99999, row["agreement"]
 

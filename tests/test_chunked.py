@@ -512,6 +512,12 @@ def test_chunk_block_masks_compile_once_for_every_context_size_and_grad_mode():
 # Compiled decoder layers: the context keys and values through one operator (`hf_tree_attn.context_kv`)
 
 
+@pytest.fixture
+def compiled_chunks(monkeypatch):
+    """Prefix reuse's chunks on the model's compiled layers (`HF_TREE_ATTN_PREFIX_REUSE_LAYERS=compiled`)."""
+    monkeypatch.setattr(prefix_reuse_module, "LAYERS", "compiled")
+
+
 def _compiled_twins(checkpointing: bool):
     """`(tree, ref, counting)`: 4-layer twins, the tree's decoder layers compiled in place (dynamic shapes, through
     AOTAutograd: the backward is a compiled graph too) on a fresh dynamo cache and counters."""
@@ -530,7 +536,7 @@ COMPILED_TRIES = ((3, 31), (4, 7))  # (chunks, seed): two plans, every context s
 
 
 @pytest.mark.parametrize("setting", ["whole layers", "checkpointed layers", "every graph kept"])
-def test_compiled_layers_run_every_chunk_without_a_graph_break(setting):
+def test_compiled_layers_run_every_chunk_without_a_graph_break(setting, compiled_chunks):
     """Decoder layers compiled in place run the chunks — forwards, recomputes, backwards — with no graph break: each
     layer's context keys and values come through `hf_tree_attn::chunk_context_kv`, opaque to the compiler. The
     results equal the flat forwards', every chunk's backward runs the compiled layers, and chunks of any context
@@ -561,7 +567,7 @@ def test_compiled_layers_run_every_chunk_without_a_graph_break(setting):
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="inductor's CPU code needs a C++ compiler")
-def test_inductor_compiled_checkpointed_layers_run_every_chunk():
+def test_inductor_compiled_checkpointed_layers_run_every_chunk(compiled_chunks):
     """The same with inductor's own code (the trainers' compile backend) instead of AOTAutograd's eager graphs, the
     layers checkpointed: the flat forwards' results, no graph break, and the layers still compiled after (a failure
     would have sent them back to eager)."""
@@ -573,6 +579,24 @@ def test_inductor_compiled_checkpointed_layers_run_every_chunk():
         _check_against_flat(tree, ref, _trie(num_chunks, seed=seed))
     assert compiled_layers(tree) == decoder_layers(tree) != []
     assert counters["stats"]["unique_graphs"] >= 1 and not counters["graph_break"], dict(counters["graph_break"])
+
+
+def test_by_default_the_chunks_run_the_eager_layers():
+    """`HF_TREE_ATTN_PREFIX_REUSE_LAYERS` unset: with the model's layers compiled, the chunks run the eager ones (no
+    compiled graph runs), still exactly, and the compiled layers are back after the step."""
+    assert prefix_reuse_module.LAYERS == "eager"
+    tree, ref, counting = _compiled_twins(checkpointing=False)
+    _check_against_flat(tree, ref, _trie(3, seed=31))
+    assert counting.calls == {"forward": 0, "backward": 0}
+    assert compiled_layers(tree) == decoder_layers(tree)
+
+
+def test_a_layers_setting_that_names_none_is_refused(monkeypatch):
+    monkeypatch.setattr(prefix_reuse_module, "LAYERS", "inductor")
+    tree, _ = twin_models("qwen3")
+    (forest,) = pack_forest(_trie(2, seed=1), two_level=False)
+    with pytest.raises(ValueError, match=r"HF_TREE_ATTN_PREFIX_REUSE_LAYERS='inductor' names no decoder layers"):
+        chunked_forest_logprobs(tree, forest, BUDGET)
 
 
 def test_the_context_operator_outside_a_chunk_says_how_to_run_it():

@@ -262,21 +262,27 @@ PREFIX_REUSE_NOTES = {  # case: (tree_prefix_reuse, decision, warned, logged)
 
 
 @pytest.mark.parametrize("case", list(PREFIX_REUSE_NOTES))
-def test_prefix_reuse_says_a_hybrids_chunks_run_eager_layers(case, caplog):
-    """A hybrid's prefix-reuse chunks run the eager layers: a compile the user asked for is then not applied
-    everywhere, and the trainer says so with a warning; the CUDA default says it at INFO; nothing without both, and
-    nothing for a model whose layers are attention alone (its chunks run the compiled layers)."""
+def test_prefix_reuse_says_when_its_chunks_run_eager_layers(case, caplog, monkeypatch):
+    """Prefix reuse's chunks run the eager layers by default, a hybrid's always: a compile the user asked for is then
+    not applied everywhere, and the trainer says so with a warning; the CUDA default says it at INFO; nothing without
+    both, and nothing where the chunks run the compiled layers (`HF_TREE_ATTN_PREFIX_REUSE_LAYERS=compiled`, a model
+    whose layers are attention alone)."""
+    from hf_tree_attn import prefix_reuse
+
     reuse, decision, warned, logged = PREFIX_REUSE_NOTES[case]
-    hybrid, dense = _model("hybrid"), _model(DENSE)
-    with warnings.catch_warnings(record=True) as seen, caplog.at_level("INFO", logger=compile_setting.__name__):
-        warnings.simplefilter("always")
-        assert compile_setting.prefix_reuse_note(SimpleNamespace(tree_prefix_reuse=reuse), decision, dense) is None
-        assert not seen and not caplog.text
-        note = compile_setting.prefix_reuse_note(SimpleNamespace(tree_prefix_reuse=reuse), decision, hybrid)
-    said = "runs its chunks on the eager decoder layers"
-    assert (note is not None and said in note) == logged
-    assert any(said in str(w.message) for w in seen) == warned and len(seen) == warned
-    assert (said in caplog.text) == (logged and not warned)
+    models = {"dense": _model(DENSE), "hybrid": _model("hybrid")}
+    for kind, layers in [("dense", "eager"), ("hybrid", "eager"), ("hybrid", "compiled"), ("dense", "compiled")]:
+        monkeypatch.setattr(prefix_reuse, "LAYERS", layers)
+        says = logged and (kind == "hybrid" or layers == "eager")
+        caplog.clear()
+        with warnings.catch_warnings(record=True) as seen, caplog.at_level("INFO", logger=compile_setting.__name__):
+            warnings.simplefilter("always")
+            note = compile_setting.prefix_reuse_note(SimpleNamespace(tree_prefix_reuse=reuse), decision, models[kind])
+        said = "runs its chunks on the eager decoder layers"
+        why = "carry a state along the rows" if kind == "hybrid" else "ran slower than eager ones where measured"
+        assert (note is not None and said in note and why in note) == says, (kind, layers)
+        assert any(said in str(w.message) for w in seen) == (says and warned) and len(seen) == (says and warned)
+        assert (said in caplog.text) == (says and not warned), (kind, layers)
 
 
 def test_a_tree_trainers_init_warns_of_a_hybrids_eager_chunks():
@@ -286,7 +292,7 @@ def test_a_tree_trainers_init_warns_of_a_hybrids_eager_chunks():
     args = SimpleNamespace(**vars(_args()), tree_prefix_reuse=True)
     trainer = SimpleNamespace(tree_packing=True, args=args, accelerator=_accelerator("aot_eager", True),
                               model=_model("hybrid"))  # fmt: skip
-    with pytest.warns(UserWarning, match="tree_prefix_reuse=True with a model whose layers carry a state"):
+    with pytest.warns(UserWarning, match="tree_prefix_reuse=True: a forest larger than one chunk.* carry a state"):
         TreeTrainerMixin._tree_compile_layers(trainer)
     assert trainer.tree_compile.source == "accelerate"
     assert compiled_layers(trainer.model) == decoder_layers(trainer.model) != []
@@ -383,14 +389,17 @@ def test_async_grpo_compiled_run_is_trls_without_recompiling(ask_compile, tmp_pa
 
 
 def test_async_grpo_compiled_prefix_reuse_is_trls_without_a_graph_break(ask_compile, tmp_path, monkeypatch):
-    """`tree_prefix_reuse=True` under an accelerate compile setting: each optimizer step's rows, one forest larger
-    than the token budget, run in chunks through the compiled layers (their context keys and values through
-    `hf_tree_attn::chunk_context_kv`), with no graph break, and the run is TRL's at its defaults."""
+    """`tree_prefix_reuse=True` under an accelerate compile setting, `HF_TREE_ATTN_PREFIX_REUSE_LAYERS=compiled`:
+    each optimizer step's rows, one forest larger than the token budget, run in chunks through the compiled layers
+    (their context keys and values through `hf_tree_attn::chunk_context_kv`), with no graph break, and the run is
+    TRL's at its defaults."""
     from async_grpo_helpers import save_model, train
     from test_async_grpo import REUSE_BUDGET, _reuse_samples, assert_gradients_close
 
+    from hf_tree_attn import prefix_reuse
     from hf_tree_attn.prefix_reuse import ChunkContext
 
+    monkeypatch.setattr(prefix_reuse, "LAYERS", "compiled")
     path = save_model(tiny_config("qwen3"), tmp_path / "model")
     samples = _reuse_samples(path)
     run = dict(max_steps=2, gradient_accumulation_steps=3, token_budget=REUSE_BUDGET)

@@ -191,11 +191,12 @@ def test_bf16_is_as_close_to_fp32_as_the_unsplit_forest(cuda_path):
 
 
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["whole layers", "checkpointed layers"])
-def test_layers_compiled_with_inductor_run_the_chunks(checkpointing):
+def test_layers_compiled_with_inductor_run_the_chunks(checkpointing, monkeypatch):
     """Decoder layers compiled in place with inductor and dynamic shapes (the trainers' CUDA default) run the chunks
-    on the flex path, their context keys and values through `hf_tree_attn::chunk_context_kv`: tries split 2, 3 and
-    8 ways give the flat forwards' results within the flex bounds, with no graph break and no compile past dynamo's
-    recompile limit."""
+    (`HF_TREE_ATTN_PREFIX_REUSE_LAYERS=compiled`) on the flex path, their context keys and values through
+    `hf_tree_attn::chunk_context_kv`: tries split 2, 3 and 8 ways give the flat forwards' results within the flex
+    bounds, with no graph break and no compile past dynamo's recompile limit."""
+    monkeypatch.setattr(prefix_reuse_module, "LAYERS", "compiled")
     prefix_reuse_module.CUDA_PATH, path = "flex", prefix_reuse_module.CUDA_PATH
     torch._dynamo.reset()
     counters.clear()

@@ -373,7 +373,8 @@ def prefix_reuse_refusal(trainer, models) -> str | None:
     its static graph and communication hooks, which that average would not reproduce; reentrant activation
     checkpointing keeps no graph for a chunk's backward; a model without exact chunks (`prefix_reuse_error`); the
     MoE load-balancing loss, whose router statistics the chunked forward does not return; on CUDA, a
-    `HF_TREE_ATTN_PREFIX_REUSE_CUDA` that names no path (`prefix_reuse.cuda_path_error`).
+    `HF_TREE_ATTN_PREFIX_REUSE_CUDA` that names no path (`prefix_reuse.cuda_path_error`); a
+    `HF_TREE_ATTN_PREFIX_REUSE_LAYERS` that names no layers (`prefix_reuse.layers_error`).
     """
     args = trainer.args
     for loaded in models:
@@ -404,7 +405,7 @@ def prefix_reuse_refusal(trainer, models) -> str | None:
         )
     if trainer.accelerator.device.type == "cuda" and (error := prefix_reuse.cuda_path_error()) is not None:
         return error
-    return None
+    return prefix_reuse.layers_error()
 
 
 def _fsdp_refusal(trainer) -> str | None:
