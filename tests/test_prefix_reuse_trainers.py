@@ -385,6 +385,8 @@ FSDP2 = dict(SEVERAL, distributed_type=DistributedType.FSDP, is_fsdp_enabled=Tru
         (dict(device="cuda"), None),  # the flex path by default (tests/test_gpu_prefix_reuse.py)
         (dict(device="cuda", cuda_path="flash"), r"HF_TREE_ATTN_PREFIX_REUSE_CUDA='flash' is not a path.*flex.*dense"),
         (dict(cuda_path="flash"), None),  # read on CUDA only
+        (dict(layers="inductor"), r"HF_TREE_ATTN_PREFIX_REUSE_LAYERS='inductor' names no decoder layers.*compiled"),
+        (dict(layers="compiled"), None),
         (dict(SEVERAL, distributed_type=DistributedType.XLA), r"2 processes as XLA.*MULTI_CPU / MULTI_GPU"),
         (dict(SEVERAL, parallelism_config=object()), r"2 processes with tensor, context or sharded"),
         (dict(SEVERAL, is_distributed_loading_by_transformers=True), r"2 processes with tensor, context or sharded"),
@@ -400,9 +402,11 @@ FSDP2 = dict(SEVERAL, distributed_type=DistributedType.FSDP, is_fsdp_enabled=Tru
 def test_run_refusals(setting, match, monkeypatch):
     """What the trainers ask `prefix_reuse_refusal` at init, for settings a CPU test cannot start: DeepSpeed, FSDP1,
     FSDP2 over a `parallelism_config` (FSDP2 otherwise, hybrids too: accepted, its DDP checks not asked), CUDA with
-    a `HF_TREE_ATTN_PREFIX_REUSE_CUDA` that names no path (flex, the default, and dense: accepted), several processes
-    other than plain DDP (DDP: accepted)."""
+    a `HF_TREE_ATTN_PREFIX_REUSE_CUDA` that names no path (flex, the default, and dense: accepted), a
+    `HF_TREE_ATTN_PREFIX_REUSE_LAYERS` that names no layers (eager, the default, and compiled: accepted), several
+    processes other than plain DDP (DDP: accepted)."""
     monkeypatch.setattr(prefix_reuse, "CUDA_PATH", setting.get("cuda_path", "flex"))
+    monkeypatch.setattr(prefix_reuse, "LAYERS", setting.get("layers", "eager"))
     model, _ = hybrid_twin_models("qwen3_5") if setting.get("hybrid") else twin_models("qwen3")
     accelerator = SimpleNamespace(
         num_processes=setting.get("num_processes", 1),
