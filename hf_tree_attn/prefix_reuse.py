@@ -429,7 +429,8 @@ class _Step:
         self._state_plan: tuple | None = None
         self._conv_plans: dict[int, tuple] = {}
         self.autocast = _autocast_state(self.device.type)
-        self.stateful = bool(_state_carrying(model))  # a hybrid's layers run eagerly (`_layers`)
+        # The state-carrying modules (`_layer_hooks`), found once; a hybrid's layers run eagerly (`_layers`)
+        self.stateful = _state_carrying(model)
         tag_modules(model)  # before a compiled layer is traced (`hf_tree_attn.context_kv`)
         # What each chunk scores: the rows whose parent it holds (`plan.scored`), or the caller's pairs whose row it
         # holds; then a chunk that scores nothing may still hold rows later chunks read, and must run.
@@ -571,7 +572,7 @@ class _Step:
         def enter(module, args):
             self.layer = module
 
-        handles = [m.register_forward_pre_hook(enter) for m in _state_carrying(self.model)]
+        handles = [m.register_forward_pre_hook(enter) for m in self.stateful]
         try:
             yield
         finally:
