@@ -473,10 +473,19 @@ for stage in "$@"; do
         --methods split reuse --compile --warmup 2 --steps 8 \
         --out "$OUT/prefix_reuse_gpu_${card}_qwen3-1.7b_compiled.json" 2>&1 | quiet 12 ;;
     prefix-reuse-gpu-1.7b-compiled-profiled)  # where the compiled layouts' time goes: one warm step of each of
-      # `prefix-reuse-gpu-1.7b-compiled` under the torch profiler (prefix reuse's compiled chunks ran slower than eager)
-      timeout 560 python3 benchmarks/bench_prefix_reuse_gpu.py --models qwen3-1.7b --workloads agent_4x20 \
-        --methods split reuse --compile --warmup 1 --steps 1 --profile \
+      # `prefix-reuse-gpu-1.7b-compiled` under the torch profiler (prefix reuse's compiled chunks ran slower than
+      # eager), and of prefix reuse with every chunk's graph kept (no chunk recomputed)
+      timeout 590 python3 benchmarks/bench_prefix_reuse_gpu.py --models qwen3-1.7b --workloads agent_4x20 \
+        --methods split reuse reuse_kept --compile --warmup 1 --steps 1 --profile \
         --out "$OUT/prefix_reuse_gpu_${card}_qwen3-1.7b_compiled_profiled.json" 2>&1 | quiet 12 ;;
+    prefix-reuse-gpu-1.7b-compiled-kept)  # prefix reuse with every chunk's graph kept on compiled layers, paired
+      # with the compiled split of `prefix-reuse-gpu-1.7b-compiled` (its steps read back from that file; one split
+      # step rerun for the agreement check), on the card of that file (an H100)
+      cp "benchmarks/results/prefix_reuse_gpu_${card}_qwen3-1.7b_compiled.json" \
+        "$OUT/prefix_reuse_gpu_${card}_qwen3-1.7b_compiled_kept.json"
+      timeout 590 python3 benchmarks/bench_prefix_reuse_gpu.py --models qwen3-1.7b --workloads agent_4x20 \
+        --methods reuse_kept --compile --resume --warmup 2 --steps 8 \
+        --out "$OUT/prefix_reuse_gpu_${card}_qwen3-1.7b_compiled_kept.json" 2>&1 | quiet 12 ;;
     prefix-reuse-gpu-1.7b-profiled)  # where the time of `prefix-reuse-gpu-1.7b`'s steps goes: one warm step of each
       # layout under the torch profiler (prefix reuse ran 0.86x the split there, 0.99x by its executed FLOPs: it ran
       # them at 29.5% of the peak against the split's 34.1%, benchmarks/prefix_reuse_work.py)
