@@ -472,11 +472,12 @@ for stage in "$@"; do
       timeout 590 python3 benchmarks/bench_prefix_reuse_gpu.py --models qwen3-1.7b --workloads agent_4x20 \
         --methods split reuse --compile --warmup 2 --steps 8 \
         --out "$OUT/prefix_reuse_gpu_${card}_qwen3-1.7b_compiled.json" 2>&1 | quiet 12 ;;
-    prefix-reuse-gpu-1.7b-compiled-profiled)  # where the compiled layouts' time goes: one warm step of each of
-      # `prefix-reuse-gpu-1.7b-compiled` under the torch profiler (prefix reuse's compiled chunks ran slower than
-      # eager), and of prefix reuse with every chunk's graph kept (no chunk recomputed)
-      timeout 590 python3 benchmarks/bench_prefix_reuse_gpu.py --models qwen3-1.7b --workloads agent_4x20 \
-        --methods split reuse reuse_kept --compile --warmup 1 --steps 1 --profile \
+    prefix-reuse-gpu-1.7b-compiled-profiled)  # where prefix reuse's time goes on compiled layers: one warm step
+      # under the torch profiler of `prefix-reuse-gpu-1.7b-compiled`'s prefix reuse (its compiled chunks ran slower
+      # than eager ones, whose profile is `prefix-reuse-gpu-1.7b-profiled`'s), then with every chunk's graph kept (no
+      # chunk recomputed); either card
+      timeout 400 python3 benchmarks/bench_prefix_reuse_gpu.py --models qwen3-1.7b --workloads agent_4x20 \
+        --methods reuse reuse_kept --compile --warmup 1 --steps 1 --profile \
         --out "$OUT/prefix_reuse_gpu_${card}_qwen3-1.7b_compiled_profiled.json" 2>&1 | quiet 12 ;;
     prefix-reuse-gpu-1.7b-compiled-kept)  # prefix reuse with every chunk's graph kept on compiled layers, paired
       # with the compiled split of `prefix-reuse-gpu-1.7b-compiled` (its steps read back from that file; one split
