@@ -632,8 +632,8 @@ NOTES = {
     "35.8 s, more than the eager layers' 29.2 s on the same card (`prefix_reuse_gpu_h100_qwen3-1.7b_profiled.json`, "
     "one step, older code), while compiling took the split from 25.3 s (the same file) to 21.2 s: so the trainers "
     "run the chunks on eager layers by default (`HF_TREE_ATTN_PREFIX_REUSE_LAYERS`). No profile of the compiled "
-    "chunks was taken; one warm step of each compiled layout under the profiler (`--compile --profile`) would say "
-    "where the time goes.",
+    "chunks was taken; one warm step of compiled prefix reuse under the profiler (`--compile --profile`, beside "
+    "the eager layouts' profile) would say where the time goes.",
     "h100_gpu_tests_prefix_reuse_current.log": "all 21 passed, the two with inductor-compiled layers among them "
     "(tries split 2, 3 and 8 ways within the flex path's float32 bounds, no graph break, no compile past dynamo's "
     "recompile limit). They ran while compiled chunks were the default; that default is eager now, and the tests "

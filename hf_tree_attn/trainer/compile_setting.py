@@ -165,15 +165,16 @@ def apply_compile(accelerator, decision: CompileDecision, models) -> None:
 
 _PREFIX_REUSE_EAGER = (
     "tree_prefix_reuse=True: a forest larger than one chunk (under FSDP2, every forest) runs its chunks on the eager "
-    "decoder layers, not the compiled ones. "
+    "decoder layers, not the compiled ones. {why} Forests of one chunk run compiled."
 )
-_EAGER_WHY = {
-    "hybrid": "This model's layers carry a state along the rows, whose kernels read and write the states earlier "
-    "chunks kept from Python, which a compiled layer's graph would freeze. Forests of one chunk run compiled.",
-    "default": "Compiled chunks are exact (HF_TREE_ATTN_PREFIX_REUSE_LAYERS=compiled runs them) but ran slower than "
-    "eager ones where measured (one H100, Qwen3-1.7B shape: 35.8 s a step against 29.2 s). Forests of one chunk run "
-    "compiled.",
-}
+_EAGER_HYBRID = (
+    "This model's layers carry a state along the rows, whose kernels read and write the states earlier chunks kept "
+    "from Python, which a compiled layer's graph would freeze."
+)
+_EAGER_DEFAULT = (
+    "Compiled chunks are exact (HF_TREE_ATTN_PREFIX_REUSE_LAYERS=compiled runs them) but ran slower than eager ones "
+    "where measured (one H100, Qwen3-1.7B shape: 35.8 s a step against 29.2 s)."
+)
 
 
 def prefix_reuse_note(args, decision: CompileDecision | None, model) -> str | None:
@@ -187,9 +188,9 @@ def prefix_reuse_note(args, decision: CompileDecision | None, model) -> str | No
     if not getattr(args, "tree_prefix_reuse", False) or decision is None or decision.source == "none":
         return None
     if any(_owns_state(m) for m in unwrap_model(model).modules()):
-        note = _PREFIX_REUSE_EAGER + _EAGER_WHY["hybrid"]
+        note = _PREFIX_REUSE_EAGER.format(why=_EAGER_HYBRID)
     elif prefix_reuse.LAYERS != "compiled":
-        note = _PREFIX_REUSE_EAGER + _EAGER_WHY["default"]
+        note = _PREFIX_REUSE_EAGER.format(why=_EAGER_DEFAULT)
     else:
         return None
     if decision.source == "accelerate":
