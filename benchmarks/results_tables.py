@@ -564,14 +564,14 @@ def prefix_reuse_profiled() -> list[str]:
                 profile, kinds = run["profile"], run["profile"]["by_kind"]
                 flex = [k for k in profile["top_kernels"] if k["name"].startswith("triton_tem_fused_flex_attention_")]
                 calls = sum(k["calls"] for k in flex if k["kind"] == "attention_forward")
-                each = sum(k["s"] for k in flex if k["kind"] == "attention_forward") / calls
+                each = sum(k["s"] for k in flex if k["kind"] == "attention_forward") / max(calls, 1)
                 rows.append([
                     f"{MODELS[row['model']]}, {data['gpu']}", f"`{row['workload']}`", method,
                     secs(profile["wall_profiled_s"]), secs(profile["kernel_s"]),
                     *(f"{secs(kinds[k]['s'])} ({pct(kinds[k]['share'])})"
                       for k in ("attention_forward", "attention_backward", "matmul")),
                     f"{secs(kinds['elementwise_reduce']['s'] + kinds['copy_fill']['s'])}",
-                    f"{calls:,}, {1e3 * each:.1f} ms each",
+                    f"{calls:,}, {1e3 * each:.1f} ms each" if calls else "none named so in the top kernels",
                     notes.source(name),
                 ])  # fmt: skip
     headers = ["model shape, device", "workload", "layout", "profiled step", "kernel time", "attention fwd",
