@@ -562,16 +562,20 @@ def prefix_reuse_profiled() -> list[str]:
         for row in data["rows"]:
             for method, run in row["methods"].items():
                 profile, kinds = run["profile"], run["profile"]["by_kind"]
-                flex = [k for k in profile["top_kernels"] if k["name"].startswith("triton_tem_fused_flex_attention_")]
-                calls = sum(k["calls"] for k in flex if k["kind"] == "attention_forward")
-                each = sum(k["s"] for k in flex if k["kind"] == "attention_forward") / max(calls, 1)
+                flex = [
+                    k for k in profile["top_kernels"]
+                    if k["kind"] == "attention_forward" and k["name"].startswith("triton_tem_fused_flex_attention_")
+                ]  # fmt: skip
+                calls = sum(k["calls"] for k in flex)
+                per_call = (f"{calls:,}, {1e3 * sum(k['s'] for k in flex) / calls:.1f} ms each" if calls
+                            else "none named so in the top kernels")  # fmt: skip
                 rows.append([
                     f"{MODELS[row['model']]}, {data['gpu']}", f"`{row['workload']}`", method,
                     secs(profile["wall_profiled_s"]), secs(profile["kernel_s"]),
                     *(f"{secs(kinds[k]['s'])} ({pct(kinds[k]['share'])})"
                       for k in ("attention_forward", "attention_backward", "matmul")),
                     f"{secs(kinds['elementwise_reduce']['s'] + kinds['copy_fill']['s'])}",
-                    f"{calls:,}, {1e3 * each:.1f} ms each" if calls else "none named so in the top kernels",
+                    per_call,
                     notes.source(name),
                 ])  # fmt: skip
     headers = ["model shape, device", "workload", "layout", "profiled step", "kernel time", "attention fwd",
