@@ -61,6 +61,7 @@ import time
 from pathlib import Path
 
 import torch  # noqa: E402
+from torch._dynamo.utils import counters  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
@@ -137,8 +138,9 @@ def run_method(model, sequences, budget, method, weights, scored, args, progress
         forests = pack_forest(sequences, split_lengths=splits, two_level=False)
         forwarded = sum(plan_chunks(f, budget).forwarded_rows if f.seq_len > budget else f.num_tree_tokens
                         for f in forests)  # fmt: skip
-    seconds, first = [], {}
+    seconds, compiled, first = [], [], {}
     for k in range(args.warmup + args.steps):
+        graphs = counters["stats"]["unique_graphs"]
         _sync()
         start = time.perf_counter()
         logps = step(model, sequences, budget, method, weights, scored)
@@ -146,6 +148,7 @@ def run_method(model, sequences, budget, method, weights, scored, args, progress
             optimizer.step()
         _sync()
         seconds.append(time.perf_counter() - start)
+        compiled.append(counters["stats"]["unique_graphs"] - graphs)
         if progress is not None:
             progress(seconds)
         if k == 0 and (len(args.methods) > 1 or args.first_dir or args.resume):  # the agreement check's
@@ -155,6 +158,7 @@ def run_method(model, sequences, budget, method, weights, scored, args, progress
     result = {
         "step_s": seconds, "first_step_s": seconds[0], "measured_step_s": seconds[args.warmup:],
         "median_step_s": statistics.median(seconds[args.warmup:]),
+        "graphs_compiled": compiled,  # torch.compile graphs each step compiled: a measured step's should be 0
         "peak_gib": torch.cuda.max_memory_allocated() / GIB if device == "cuda" else None,
     }  # fmt: skip
     result["forwards" if method == "split" else "forests"] = len(forests)
@@ -282,6 +286,8 @@ def measure(model_name: str, workload: str, args, save, earlier: dict) -> dict:
         save(row)
         print(f"  {method}: {result['median_step_s']:.3f} s (first {result['first_step_s']:.1f} s)  "
               f"mfu {100 * result['mfu']:.1f}%  peak {result['peak_gib'] or 0:.1f} GiB", flush=True)  # fmt: skip
+        if any(late := result["graphs_compiled"][args.warmup :]):
+            print(f"  {method}: measured steps compiled graphs {late}: their times include compiling", flush=True)
     measured = {m for m, r in row["methods"].items() if "refused" not in r}
     if "reference" in measured and "reference" not in firsts:  # run earlier, its first step not in --first-dir
         firsts["reference"] = reference(model, sequences)[1]

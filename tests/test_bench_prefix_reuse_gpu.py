@@ -154,7 +154,8 @@ def test_without_the_models_checkpointing_reuse_still_agrees():
 
 def test_compiled_layers_run_both_layouts_and_they_agree(monkeypatch):
     """`--compile`: both layouts run the decoder layers compiled in place (here aot_eager: no C++ toolchain), the
-    chunks of prefix reuse too (`prefix_reuse.LAYERS = "compiled"`), with no graph break, and still agree."""
+    chunks of prefix reuse too (`prefix_reuse.LAYERS = "compiled"`), with no graph break, and still agree; each
+    step's count of the graphs it compiled is recorded (a measured step that compiled would time the compiler)."""
     from torch._dynamo.utils import counters
 
     compiled = []
@@ -172,6 +173,10 @@ def test_compiled_layers_run_both_layouts_and_they_agree(monkeypatch):
     assert compiled == [{"backend": "inductor", "dynamic": True}] and bench.prefix_reuse.LAYERS == "compiled"
     assert counters["stats"]["unique_graphs"] >= 2 and not counters["graph_break"], dict(counters["graph_break"])
     assert row["agreement"]["passed"] and row["agreement"]["gradient_cosine"] > 0.99999, row["agreement"]
+    # each step's count of graphs it compiled: every graph in the warm-up, none in a measured step
+    per_step = {method: row["methods"][method]["graphs_compiled"] for method in ("split", "reuse")}
+    assert sum(map(sum, per_step.values())) == counters["stats"]["unique_graphs"], per_step
+    assert all(steps[0] >= 1 and not any(steps[1:]) for steps in per_step.values()), per_step
 
 
 def _bf16_row(monkeypatch, off_method: str | None = None, shift: float = 0.0) -> dict:
