@@ -54,6 +54,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import logging
 import random
 import statistics
 import sys
@@ -117,6 +118,36 @@ def step(model, sequences, budget: int, method: str, weights: list[torch.Tensor]
     return out
 
 
+class Recompiles(logging.Handler):
+    """Dynamo's recompile messages (the guards that failed), kept while the block runs. Turns dynamo's `recompiles`
+    log on where it is off (as `TORCH_LOGS=recompiles`: the messages go to stderr too) until `close()`."""
+
+    LOGGER = "torch._dynamo.guards.__recompiles"
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+        self.turned_on = not torch._logging._internal.log_state.is_artifact_enabled("recompiles")
+        if self.turned_on:
+            torch._logging.set_logs(recompiles=True)
+
+    def close(self) -> None:
+        if self.turned_on:
+            torch._logging.set_logs()
+            self.turned_on = False
+        super().close()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage()[:600])
+
+    def __enter__(self):
+        logging.getLogger(self.LOGGER).addHandler(self)
+        return self
+
+    def __exit__(self, *exc):
+        logging.getLogger(self.LOGGER).removeHandler(self)
+
+
 def run_method(model, sequences, budget, method, weights, scored, args, progress=None) -> tuple[dict, dict | None]:
     """`method`'s steps: its times and peak memory, and its first step's log-probs and gradients (None where the
     method refuses the workload: `({"refused": why}, None)`). `progress(seconds)` after every step."""
@@ -138,27 +169,32 @@ def run_method(model, sequences, budget, method, weights, scored, args, progress
         forests = pack_forest(sequences, split_lengths=splits, two_level=False)
         forwarded = sum(plan_chunks(f, budget).forwarded_rows if f.seq_len > budget else f.num_tree_tokens
                         for f in forests)  # fmt: skip
-    seconds, compiled, first = [], [], {}
+    seconds, compiled, reasons, first = [], [], [], {}
+    recompiles = Recompiles()
     for k in range(args.warmup + args.steps):
-        graphs = counters["stats"]["unique_graphs"]
+        graphs, logged = counters["stats"]["unique_graphs"], len(recompiles.messages)
         _sync()
         start = time.perf_counter()
-        logps = step(model, sequences, budget, method, weights, scored)
-        if optimizer is not None:
-            optimizer.step()
-        _sync()
+        with recompiles:
+            logps = step(model, sequences, budget, method, weights, scored)
+            if optimizer is not None:
+                optimizer.step()
+            _sync()
         seconds.append(time.perf_counter() - start)
         compiled.append(counters["stats"]["unique_graphs"] - graphs)
+        reasons.append(recompiles.messages[logged:])
         if progress is not None:
             progress(seconds)
         if k == 0 and (len(args.methods) > 1 or args.first_dir or args.resume):  # the agreement check's
             first = first_step(model, logps)
         if k == args.warmup - 1 and device == "cuda":  # the peak after the warm-up (compile and autotuning left out)
             torch.cuda.reset_peak_memory_stats()
+    recompiles.close()
     result = {
         "step_s": seconds, "first_step_s": seconds[0], "measured_step_s": seconds[args.warmup:],
         "median_step_s": statistics.median(seconds[args.warmup:]),
         "graphs_compiled": compiled,  # torch.compile graphs each step compiled: a measured step's should be 0
+        "recompile_reasons": reasons,  # per step, dynamo's message for each recompile (the guards that failed)
         "peak_gib": torch.cuda.max_memory_allocated() / GIB if device == "cuda" else None,
     }  # fmt: skip
     result["forwards" if method == "split" else "forests"] = len(forests)

@@ -155,7 +155,8 @@ def test_without_the_models_checkpointing_reuse_still_agrees():
 def test_compiled_layers_run_both_layouts_and_they_agree(monkeypatch):
     """`--compile`: both layouts run the decoder layers compiled in place (here aot_eager: no C++ toolchain), the
     chunks of prefix reuse too (`prefix_reuse.LAYERS = "compiled"`), with no graph break, and still agree; each
-    step's count of the graphs it compiled is recorded (a measured step that compiled would time the compiler)."""
+    step's count of the graphs it compiled is recorded (a measured step that compiled would time the compiler), with
+    dynamo's reason for each recompile."""
     from torch._dynamo.utils import counters
 
     compiled = []
@@ -177,6 +178,9 @@ def test_compiled_layers_run_both_layouts_and_they_agree(monkeypatch):
     per_step = {method: row["methods"][method]["graphs_compiled"] for method in ("split", "reuse")}
     assert sum(map(sum, per_step.values())) == counters["stats"]["unique_graphs"], per_step
     assert all(steps[0] >= 1 and not any(steps[1:]) for steps in per_step.values()), per_step
+    # and the guards that failed for each recompile: prefix reuse's chunks run without and with grad, one graph each
+    reasons = row["methods"]["reuse"]["recompile_reasons"]
+    assert any("grad_mode" in message for message in reasons[0]) and not any(reasons[1:]), reasons
 
 
 def _bf16_row(monkeypatch, off_method: str | None = None, shift: float = 0.0) -> dict:
