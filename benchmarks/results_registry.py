@@ -142,6 +142,7 @@ SOURCES = {
     "prefix_reuse_gpu_h200_qwen3-1.7b.json": "prefix-reuse-gpu-1.7b",
     "prefix_reuse_gpu_h100_qwen3-1.7b_profiled.json": "prefix-reuse-gpu-1.7b-profiled",
     "prefix_reuse_gpu_h100_qwen3-1.7b_compiled.json": "prefix-reuse-gpu-1.7b-compiled",
+    "prefix_reuse_gpu_h100_qwen3-1.7b_compiled_profiled.json": "prefix-reuse-gpu-1.7b-compiled-profiled",
     "prefix_reuse_gpu_h200_qwen3-8b_trajectory.json": "prefix-reuse-gpu-8b-trajectory",
     "prefix_reuse_kept_cpu_qwen3-0.6b.json": None,
     "prefix_reuse_work_cpu.json": None,
@@ -381,7 +382,10 @@ FLASH_ASYNC = [
     "async_grpo_h100_qwen3-1.7b_fa4.json",
 ]
 # One warm step of each prefix-reuse layout under the torch profiler (bench_prefix_reuse_gpu.py --profile).
-PREFIX_REUSE_PROFILED = ["prefix_reuse_gpu_h100_qwen3-1.7b_profiled.json"]
+PREFIX_REUSE_PROFILED = [
+    "prefix_reuse_gpu_h100_qwen3-1.7b_profiled.json",
+    "prefix_reuse_gpu_h100_qwen3-1.7b_compiled_profiled.json",
+]
 # FlexAttention's tile use on the same seeded forests (attention_gathered_paths.py --tiles, CPU).
 TILES = "attention_tiles_cpu.json"
 PLANNER = "planner_cpu.json"  # bench_planner.py: TRL's planner on its rows and on PlannerRow
@@ -631,9 +635,21 @@ NOTES = {
     "The call's 540 s ran out after prefix reuse's third measured step, so there is no paired ratio. Its steps took "
     "35.8 s, more than the eager layers' 29.2 s on the same card (`prefix_reuse_gpu_h100_qwen3-1.7b_profiled.json`, "
     "one step, older code), while compiling took the split from 25.3 s (the same file) to 21.2 s: so the trainers "
-    "run the chunks on eager layers by default (`HF_TREE_ATTN_PREFIX_REUSE_LAYERS`). No profile of the compiled "
-    "chunks was taken; one warm step of compiled prefix reuse under the profiler (`--compile --profile`, beside "
-    "the eager layouts' profile) would say where the time goes.",
+    "run the chunks on eager layers by default (`HF_TREE_ATTN_PREFIX_REUSE_LAYERS`). Where the time goes: "
+    "`prefix_reuse_gpu_h100_qwen3-1.7b_compiled_profiled.json`.",
+    "prefix_reuse_gpu_h100_qwen3-1.7b_compiled_profiled.json": "one H100 80GB, prefix reuse on compiled decoder layers"
+    " (`--compile`), one warm step of each method under the profiler, after one timed warm-up and one timed step. "
+    "FlexAttention is where compiled chunks lose: the same 224 forward and 84 backward calls as in the eager layers' "
+    "profile (`prefix_reuse_gpu_h100_qwen3-1.7b_profiled.json`, older code) take 16.2 s of attention forward instead "
+    "of 9.2 s (224 calls at 72 ms against 41 ms; inductor fuses the query's norm into 140 of them, but the 84 it does "
+    "not take as long) and 14.5 s of backward instead of 10.6 s (84 calls at 172 ms against 126 ms), while elementwise"
+    " and copy kernels fall from 5.0 s to 0.4 s and matmuls stay at 3.9 s. So the FlexAttention kernels inductor "
+    "generates inside the dynamic-shape layer graph run slower than those of FlexAttention compiled on its own; which "
+    "of their settings differs (block sizes, the divisibility of symbolic lengths) is not yet measured. Keeping every "
+    "chunk's graph (`reuse_kept`) saves the recomputed forwards: 31.3 s unprofiled, against the compiled split's 21.2 "
+    "s (`prefix_reuse_gpu_h100_qwen3-1.7b_compiled.json`). The timed step of prefix reuse compiled 2 more graphs (40.6"
+    " s, `graphs_compiled`), though its data was the warm-up's; this run does not record which guards failed (the "
+    "bench records them now, `recompile_reasons`).",
     "h100_gpu_tests_prefix_reuse_current.log": "all 21 passed, the two with inductor-compiled layers among them "
     "(tries split 2, 3 and 8 ways within the flex path's float32 bounds, no graph break, no compile past dynamo's "
     "recompile limit). They ran while compiled chunks were the default; that default is eager now, and the tests "

@@ -562,15 +562,17 @@ def prefix_reuse_profiled() -> list[str]:
         for row in data["rows"]:
             for method, run in row["methods"].items():
                 profile, kinds = run["profile"], run["profile"]["by_kind"]
-                flex = [
+                flex = [  # inductor's FlexAttention kernels, a fused prologue's ops named within
                     k for k in profile["top_kernels"]
-                    if k["kind"] == "attention_forward" and k["name"].startswith("triton_tem_fused_flex_attention_")
+                    if k["kind"] == "attention_forward" and k["name"].startswith("triton_tem_fused_")
+                    and "flex_attention" in k["name"]
                 ]  # fmt: skip
                 calls = sum(k["calls"] for k in flex)
                 per_call = (f"{calls:,}, {1e3 * sum(k['s'] for k in flex) / calls:.1f} ms each" if calls
                             else "none named so in the top kernels")  # fmt: skip
+                layers = "compiled layers" if data.get("compiled_layers") else "eager layers"
                 rows.append([
-                    f"{MODELS[row['model']]}, {data['gpu']}", f"`{row['workload']}`", method,
+                    f"{MODELS[row['model']]}, {data['gpu']}, {layers}", f"`{row['workload']}`", method,
                     secs(profile["wall_profiled_s"]), secs(profile["kernel_s"]),
                     *(f"{secs(kinds[k]['s'])} ({pct(kinds[k]['share'])})"
                       for k in ("attention_forward", "attention_backward", "matmul")),
@@ -578,7 +580,8 @@ def prefix_reuse_profiled() -> list[str]:
                     per_call,
                     notes.source(name),
                 ])  # fmt: skip
-    headers = ["model shape, device", "workload", "layout", "profiled step", "kernel time", "attention fwd",
+    headers = ["model shape, device, decoder layers", "workload", "layout", "profiled step", "kernel time",
+               "attention fwd",
                "attention bwd", "matmul", "elementwise + copies", "FlexAttention forward: calls, time each",
                "source"]  # fmt: skip
     return ["", "Where each layout's step goes: one warm step under the torch profiler (`bench_prefix_reuse_gpu.py "

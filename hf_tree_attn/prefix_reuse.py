@@ -108,7 +108,10 @@ CUDA_PATH = (os.environ.get("HF_TREE_ATTN_PREFIX_REUSE_CUDA") or "flex").strip()
 # or "compiled" (through `hf_tree_attn.context_kv`'s operator: exact, no graph break). Eager by default as measured:
 # on one H100, Qwen3-1.7B shape, a 188k-row agent step of 65,536-row chunks took 35.8 s with compiled chunks against
 # 29.2 s with eager ones (the split into micro-batches: 21.2 s compiled, 25.3 s eager;
-# benchmarks/results/prefix_reuse_gpu_h100_qwen3-1.7b_compiled.json), not yet explained by a profile. From
+# benchmarks/results/prefix_reuse_gpu_h100_qwen3-1.7b_compiled.json). A profile of the compiled chunks puts the loss in
+# FlexAttention: the kernels inductor builds inside the dynamic-shape layer graph took 72 ms a forward call against
+# 41 ms compiled on their own, 172 ms a backward against 126 ms, more than the fused elementwise work saves
+# (benchmarks/results/prefix_reuse_gpu_h100_qwen3-1.7b_compiled_profiled.json). From
 # HF_TREE_ATTN_PREFIX_REUSE_LAYERS at import; may be set at run time (`layers_error` checks it where it is read).
 _LAYER_MODES = ("eager", "compiled")
 LAYERS = (os.environ.get("HF_TREE_ATTN_PREFIX_REUSE_LAYERS") or "eager").strip().lower()
