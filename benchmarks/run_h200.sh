@@ -479,6 +479,24 @@ for stage in "$@"; do
       timeout 400 python3 benchmarks/bench_prefix_reuse_gpu.py --models qwen3-1.7b --workloads agent_4x20 \
         --methods reuse reuse_kept --compile --warmup 1 --steps 1 --profile \
         --out "$OUT/prefix_reuse_gpu_${card}_qwen3-1.7b_compiled_profiled.json" 2>&1 | quiet 12 ;;
+    prefix-reuse-gpu-1.7b-flex-configs)  # the settings inductor gave the FlexAttention kernels (block sizes, warps,
+      # stages, IS_DIVISIBLE, ...) of prefix reuse's chunks on eager layers (FlexAttention compiled on its own) and on
+      # compiled layers (inside the layer graphs, where `prefix-reuse-gpu-1.7b-compiled-profiled` found them 1.4-1.8x
+      # slower), and of the compiled split: each run into a fresh inductor cache, one warm-up and one timed step (the
+      # compiled ones record dynamo's recompile reasons per step); either card
+      for side in reuse_eager reuse_compiled split_compiled; do rm -rf "/tmp/ind_$side"; done
+      TORCHINDUCTOR_CACHE_DIR=/tmp/ind_reuse_eager timeout 150 python3 benchmarks/bench_prefix_reuse_gpu.py \
+        --models qwen3-1.7b --workloads agent_4x20 --methods reuse --warmup 1 --steps 1 \
+        --out "$OUT/prefix_reuse_gpu_${card}_qwen3-1.7b_flex_reuse_eager.json" 2>&1 | quiet 4
+      TORCHINDUCTOR_CACHE_DIR=/tmp/ind_reuse_compiled timeout 210 python3 benchmarks/bench_prefix_reuse_gpu.py \
+        --models qwen3-1.7b --workloads agent_4x20 --methods reuse --compile --warmup 1 --steps 1 \
+        --out "$OUT/prefix_reuse_gpu_${card}_qwen3-1.7b_flex_reuse_compiled.json" 2>&1 | quiet 4
+      TORCHINDUCTOR_CACHE_DIR=/tmp/ind_split_compiled timeout 150 python3 benchmarks/bench_prefix_reuse_gpu.py \
+        --models qwen3-1.7b --workloads agent_4x20 --methods split --compile --warmup 1 --steps 1 \
+        --out "$OUT/prefix_reuse_gpu_${card}_qwen3-1.7b_flex_split_compiled.json" 2>&1 | quiet 4
+      python3 benchmarks/flex_kernel_configs.py reuse_eager=/tmp/ind_reuse_eager \
+        reuse_compiled=/tmp/ind_reuse_compiled split_compiled=/tmp/ind_split_compiled \
+        --out "$OUT/flex_kernel_configs_${card}_qwen3-1.7b.json" 2>&1 | tail -30 ;;
     prefix-reuse-gpu-1.7b-compiled-kept)  # prefix reuse with every chunk's graph kept on compiled layers, paired
       # with the compiled split of `prefix-reuse-gpu-1.7b-compiled` (its steps read back from that file; one split
       # step rerun for the agreement check), on the card of that file (an H100)
