@@ -581,9 +581,8 @@ def prefix_reuse_profiled() -> list[str]:
                     notes.source(name),
                 ])  # fmt: skip
     headers = ["model shape, device, decoder layers", "workload", "layout", "profiled step", "kernel time",
-               "attention fwd",
-               "attention bwd", "matmul", "elementwise + copies", "FlexAttention forward: calls, time each",
-               "source"]  # fmt: skip
+               "attention fwd", "attention bwd", "matmul", "elementwise + copies",
+               "FlexAttention forward: calls, time each", "source"]  # fmt: skip
     return ["", "Where each layout's step goes: one warm step under the torch profiler (`bench_prefix_reuse_gpu.py "
             "--profile`), GPU seconds by kernel kind:", "", *table(headers, rows), *notes.lines()]  # fmt: skip
 
