@@ -11,8 +11,8 @@ Run the bench with a fresh `TORCHINDUCTOR_CACHE_DIR` per layout, then compare wh
     TORCHINDUCTOR_CACHE_DIR=/tmp/ind_compiled python benchmarks/bench_prefix_reuse_gpu.py ... --compile
     python benchmarks/flex_kernel_configs.py eager=/tmp/ind_eager compiled=/tmp/ind_compiled --out configs.json
 
-Each kernel is one entry: its name, the file's directory under the cache, `num_warps`, `num_stages` and every
-`NAME : tl.constexpr = value` line of the kernel's body (values as written there).
+Each distinct kernel is one entry: its name, `num_warps`, `num_stages`, every `NAME : tl.constexpr = value` line of
+its body (values as written there), how many files hold it and one of them (`example`, under the cache).
 """
 
 from __future__ import annotations

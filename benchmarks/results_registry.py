@@ -646,10 +646,10 @@ NOTES = {
     " and copy kernels fall from 5.0 s to 0.4 s and matmuls stay at 3.9 s. So the FlexAttention kernels inductor "
     "generates inside the dynamic-shape layer graph run slower than those of FlexAttention compiled on its own; which "
     "of their settings differs (block sizes, the divisibility of symbolic lengths) is not yet measured. Keeping every "
-    "chunk's graph (`reuse_kept`) saves the recomputed forwards: 31.3 s unprofiled, against the compiled split's 21.2 "
-    "s (`prefix_reuse_gpu_h100_qwen3-1.7b_compiled.json`). The timed step of prefix reuse compiled 2 more graphs (40.6"
-    " s, `graphs_compiled`), though its data was the warm-up's; this run does not record which guards failed (the "
-    "bench records them now, `recompile_reasons`).",
+    "chunk's graph (`reuse_kept`) saves the recomputed forwards: 31.3 s in its one timed step, against the compiled "
+    "split's 21.2 s in another call (`prefix_reuse_gpu_h100_qwen3-1.7b_compiled.json`; not paired, no ratio). The "
+    "timed step of prefix reuse compiled 2 more graphs (40.6 s, `graphs_compiled`), though its data was the warm-up's;"
+    " this run does not record which guards failed (the bench records them now, `recompile_reasons`).",
     "h100_gpu_tests_prefix_reuse_current.log": "all 21 passed, the two with inductor-compiled layers among them "
     "(tries split 2, 3 and 8 ways within the flex path's float32 bounds, no graph break, no compile past dynamo's "
     "recompile limit). They ran while compiled chunks were the default; that default is eager now, and the tests "

@@ -485,6 +485,11 @@ def prefix_reuse_plan() -> list[str]:
     )
 
 
+def decoder_layers(data: dict) -> str:
+    """How a bench_prefix_reuse_gpu.py file ran the decoder layers (`--compile` or not)."""
+    return "compiled layers" if data.get("compiled_layers") else "eager layers"
+
+
 def prefix_reuse_gpu() -> list[str]:
     """bench_prefix_reuse_gpu.py: each layout's step on the GPU, and the paired ratio where both ran."""
     notes, rows = Notes(), []
@@ -513,9 +518,9 @@ def prefix_reuse_gpu() -> list[str]:
                         f"{x(run['forwarded_over_unique'])} forwarded, MFU {pct(run['mfu'], 1)}, "
                         f"{run['peak_gib']:.1f} GiB"
                     )
-            layers = "compiled layers" if data.get("compiled_layers") else "eager layers"
             rows.append([
-                f"{MODELS[row['model']]}, {data['gpu']}, {layers}", f"`{row['workload']}`", f"{row['budget']:,}",
+                f"{MODELS[row['model']]}, {data['gpu']}, {decoder_layers(data)}", f"`{row['workload']}`",
+                f"{row['budget']:,}",
                 *cells, ranged(row.get("paired")),
                 ranged(row.get("paired_kept")), notes.source(name),
             ])  # fmt: skip
@@ -570,9 +575,8 @@ def prefix_reuse_profiled() -> list[str]:
                 calls = sum(k["calls"] for k in flex)
                 per_call = (f"{calls:,}, {1e3 * sum(k['s'] for k in flex) / calls:.1f} ms each" if calls
                             else "none named so in the top kernels")  # fmt: skip
-                layers = "compiled layers" if data.get("compiled_layers") else "eager layers"
                 rows.append([
-                    f"{MODELS[row['model']]}, {data['gpu']}, {layers}", f"`{row['workload']}`", method,
+                    f"{MODELS[row['model']]}, {data['gpu']}, {decoder_layers(data)}", f"`{row['workload']}`", method,
                     secs(profile["wall_profiled_s"]), secs(profile["kernel_s"]),
                     *(f"{secs(kinds[k]['s'])} ({pct(kinds[k]['share'])})"
                       for k in ("attention_forward", "attention_backward", "matmul")),
