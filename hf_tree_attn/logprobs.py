@@ -188,8 +188,16 @@ def _in_forward_of(module: torch.nn.Module, fn, *args):
 
 
 def _fused_lm_head():
-    """TRL's chunked log-prob autograd function (the one its flat GRPO trainer uses), or None without trl."""
+    """TRL's chunked log-prob autograd function (the one its flat GRPO trainer uses), or None without trl.
+
+    It imports `trl.trainer.utils` too, which the function's backward imports at call time (1.16.0). That module
+    defines a `ModelOutput` subclass, and transformers registers each as a pytree node; dynamo guards every compiled
+    graph on the number of pytree node types, so that registration in the first backward would fail the guards of
+    every compiled layer and FlexAttention graph and compile each again in the next step. `PackedForest` calls this
+    when it is built, before any compiled call can carry it.
+    """
     try:
+        import trl.trainer.utils  # noqa: F401  (registers its pytree nodes now, see above)
         from trl.kernels import ChunkedLogProbFunction
     except ImportError:
         return None

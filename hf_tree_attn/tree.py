@@ -100,9 +100,11 @@ class PackedForest:
     _scan_cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self):
+        from .logprobs import _fused_lm_head
         from .transformers_compat import install
 
         install()  # before any call can carry this forest as `tree_forest` (see hf_tree_attn.transformers_compat)
+        _fused_lm_head()  # its imports register pytree nodes: before any compiled call, not in its first backward
         if self.segment_starts is None or self.segment_parent is None or self.segment_level is None:
             real = slice(0, self.num_tree_tokens)
             arrays = _segments(self.parent[real].cpu().numpy(), self.subtree_end[real].cpu().numpy().astype(np.int64))

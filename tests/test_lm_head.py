@@ -1,6 +1,9 @@
 """The LM head on parent rows: TRL's fused chunked kernel and the plain-torch chunks agree (values and grads)."""
 
 import copy
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -111,3 +114,33 @@ def test_compiled_lm_head_is_accepted_and_exact():
     hf_tree_attn.check_tree_model(model)
     for got, ref in zip(hf_tree_attn.sequence_logprobs(model, seqs), expected):
         torch.testing.assert_close(got, ref, atol=0, rtol=0)
+
+
+def test_the_fused_head_registers_its_pytree_nodes_before_the_first_model_call():
+    """TRL's kernel imports `trl.trainer.utils` in its backward, a module whose `ModelOutput` subclass transformers
+    registers as a pytree node. Dynamo guards compiled graphs on the number of pytree node types, so a registration
+    there fails every compiled graph's guards once (each layer compiled again in the second step). A fresh
+    interpreter: in this one the module is imported already."""
+    script = textwrap.dedent(
+        """
+        import torch
+        import torch.utils._pytree as pytree
+        from transformers import AutoModelForCausalLM, Qwen3Config
+        from hf_tree_attn import sequence_logprobs
+        config = Qwen3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                             num_key_value_heads=1, head_dim=16, vocab_size=97)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="tree_flex")
+        counts = []
+        model.model.register_forward_pre_hook(lambda *_: counts.append(len(pytree.SUPPORTED_NODES)))
+        torch.cat(sequence_logprobs(model, [[5, 6, 7, 8], [5, 6, 9]])).sum().backward()
+        counts.append(len(pytree.SUPPORTED_NODES))
+        import sys
+        print(counts, "trl.trainer.utils" in sys.modules)
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    counts, imported = done.stdout.split("]")
+    first_call, after_backward = map(int, counts.strip("[ ").split(","))
+    assert imported.split() == ["True"]  # the backward ran TRL's kernel (the module it imports is loaded)
+    assert after_backward == first_call, "a pytree node was registered between the first model call and its backward"
