@@ -12,21 +12,57 @@ Run the bench with a fresh `TORCHINDUCTOR_CACHE_DIR` per layout, then compare wh
     python benchmarks/flex_kernel_configs.py eager=/tmp/ind_eager compiled=/tmp/ind_compiled --out configs.json
 
 Each distinct kernel is one entry: its name, `num_warps`, `num_stages`, every `NAME : tl.constexpr = value` line of
-its body (values as written there), how many files hold it and one of them (`example`, under the cache).
+its body (values as written there), the arguments inductor could not prove multiples of 16 (`not_divisible_by_16`:
+pointers whose offset it cannot prove 16-byte aligned, and integer sizes and strides; Triton vectorizes loads and
+address arithmetic on the ones it can, and a dynamic-shape graph proves fewer), how many files hold it and one of
+them (`example`, under the cache). The output holds each label's kernels under `runs`, beside the run's provenance.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import re
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import provenance  # noqa: E402
+
 _HEURISTICS = re.compile(r"@triton_heuristics\.template\((?P<args>.*?)\)\s*@triton\.jit", re.S)
 _DEF = re.compile(r"\s*def (?P<name>triton_\w*flex_attention\w*)\(")
 _CONSTEXPR = re.compile(r"^\s+(?P<name>[A-Z_][A-Z0-9_]*)\s*:\s*tl\.constexpr\s*=\s*(?P<value>.+?)\s*$", re.M)
 _INT_ARG = re.compile(r"\b(num_warps|num_stages)\s*=\s*(\d+)")
+
+
+def _literal_after(text: str, key: str):
+    """The Python literal after `'key': ` in `text` (a dict or list, brackets balanced), or None."""
+    start = text.find(f"'{key}': ")
+    if start == -1:
+        return None
+    start += len(key) + 4
+    closing = {"{": "}", "[": "]"}.get(text[start : start + 1])
+    if closing is None:
+        return None
+    depth = 0
+    for end in range(start, len(text)):
+        depth += (text[end] == text[start]) - (text[end] == closing)
+        if depth == 0:
+            return ast.literal_eval(text[start : end + 1])
+    return None
+
+
+def not_divisible_by_16(args: str) -> list[str] | None:
+    """The kernel arguments without Triton's `tt.divisibility` 16 hint in a template decorator's `triton_meta`
+    (`signature`: name -> type in argument order; `configs`: `{(index,): [["tt.divisibility", 16], ...]}`), or None
+    where the decorator has neither."""
+    signature, configs = _literal_after(args, "signature"), _literal_after(args, "configs")
+    if signature is None or configs is None:
+        return None
+    attrs = configs[0] if configs else {}
+    hinted = {index for (index,), kinds in attrs.items() if ["tt.divisibility", 16] in kinds}
+    return [name for index, name in enumerate(signature) if index not in hinted]
 
 
 def kernels_in(text: str) -> list[dict]:
@@ -45,6 +81,7 @@ def kernels_in(text: str) -> list[dict]:
         found.append({
             "name": header["name"], **launch,
             "constexprs": {m["name"]: m["value"] for m in _CONSTEXPR.finditer(body)},
+            "not_divisible_by_16": not_divisible_by_16(match["args"]),
         })  # fmt: skip
     return found
 
@@ -84,8 +121,9 @@ def main() -> None:
         for kernel in result[label]:
             flags = {k: kernel["constexprs"].get(k) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_M1", "BLOCK_N1",
                                                               "IS_DIVISIBLE", "HAS_FULL_BLOCKS")}  # fmt: skip
-            print(f"  {kernel['name']}: warps {kernel.get('num_warps')} stages {kernel.get('num_stages')} {flags}")
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+            print(f"  {kernel['name']}: warps {kernel.get('num_warps')} stages {kernel.get('num_stages')} {flags}, "
+                  f"not divisible by 16: {kernel['not_divisible_by_16']}")  # fmt: skip
+    args.out.write_text(json.dumps({**provenance(), "runs": result}, indent=1) + "\n")
     print(f"wrote {args.out}")
 
 

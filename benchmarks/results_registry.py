@@ -143,6 +143,11 @@ SOURCES = {
     "prefix_reuse_gpu_h100_qwen3-1.7b_profiled.json": "prefix-reuse-gpu-1.7b-profiled",
     "prefix_reuse_gpu_h100_qwen3-1.7b_compiled.json": "prefix-reuse-gpu-1.7b-compiled",
     "prefix_reuse_gpu_h100_qwen3-1.7b_compiled_profiled.json": "prefix-reuse-gpu-1.7b-compiled-profiled",
+    "prefix_reuse_gpu_h100_qwen3-1.7b_compiled_kept.json": "prefix-reuse-gpu-1.7b-compiled-kept",
+    "prefix_reuse_gpu_h100_qwen3-1.7b_flex_reuse_eager.json": "prefix-reuse-gpu-1.7b-flex-configs",
+    "prefix_reuse_gpu_h100_qwen3-1.7b_flex_reuse_compiled.json": "prefix-reuse-gpu-1.7b-flex-configs",
+    "prefix_reuse_gpu_h100_qwen3-1.7b_flex_split_compiled.json": "prefix-reuse-gpu-1.7b-flex-configs",
+    "flex_kernel_configs_h100_qwen3-1.7b.json": "prefix-reuse-gpu-1.7b-flex-configs",
     "prefix_reuse_gpu_h200_qwen3-8b_trajectory.json": "prefix-reuse-gpu-8b-trajectory",
     "prefix_reuse_kept_cpu_qwen3-0.6b.json": None,
     "prefix_reuse_work_cpu.json": None,
@@ -292,6 +297,7 @@ PREFIX_REUSE_GPU = [
     "prefix_reuse_gpu_h200_qwen3-0.6b.json",
     "prefix_reuse_gpu_h200_qwen3-1.7b.json",
     "prefix_reuse_gpu_h100_qwen3-1.7b_compiled.json",
+    "prefix_reuse_gpu_h100_qwen3-1.7b_compiled_kept.json",
     "prefix_reuse_gpu_h200_qwen3-8b_trajectory.json",
 ]
 # prefix_reuse_work.py over PREFIX_REUSE_GPU's files: each layout's executed FLOPs, predicted vs measured speed (CPU).
@@ -386,6 +392,15 @@ PREFIX_REUSE_PROFILED = [
     "prefix_reuse_gpu_h100_qwen3-1.7b_profiled.json",
     "prefix_reuse_gpu_h100_qwen3-1.7b_compiled_profiled.json",
 ]
+# flex_kernel_configs.py: the FlexAttention kernels inductor generated for each run of one call (label -> the
+# bench_prefix_reuse_gpu.py file of that run, each into its own inductor cache).
+FLEX_KERNEL_SETTINGS = {
+    "flex_kernel_configs_h100_qwen3-1.7b.json": {
+        "reuse_eager": "prefix_reuse_gpu_h100_qwen3-1.7b_flex_reuse_eager.json",
+        "reuse_compiled": "prefix_reuse_gpu_h100_qwen3-1.7b_flex_reuse_compiled.json",
+        "split_compiled": "prefix_reuse_gpu_h100_qwen3-1.7b_flex_split_compiled.json",
+    },
+}
 # FlexAttention's tile use on the same seeded forests (attention_gathered_paths.py --tiles, CPU).
 TILES = "attention_tiles_cpu.json"
 PLANNER = "planner_cpu.json"  # bench_planner.py: TRL's planner on its rows and on PlannerRow
@@ -650,6 +665,36 @@ NOTES = {
     "split's 21.2 s in another call (`prefix_reuse_gpu_h100_qwen3-1.7b_compiled.json`; not paired, no ratio). The "
     "timed step of prefix reuse compiled 2 more graphs (40.6 s, `graphs_compiled`), though its data was the warm-up's;"
     " this run does not record which guards failed (the bench records them now, `recompile_reasons`).",
+    "prefix_reuse_gpu_h100_qwen3-1.7b_compiled_kept.json": "one H100 80GB: prefix reuse with every chunk's graph "
+    "kept, on compiled decoder layers, paired per step with the compiled split of "
+    "`prefix_reuse_gpu_h100_qwen3-1.7b_compiled.json` (an earlier call at commit 77c934c, `earlier_runs`; one split "
+    "step rerun in this call for the agreement check). Keeping the graphs does not rescue compiled chunks: 31.05 s a "
+    "step against the split's 21.25 s, 0.68x [0.68, 0.69] over 8 steps, below the eager chunks' 29.3 s that recompute "
+    "(`prefix_reuse_gpu_h100_qwen3-1.7b_flex_reuse_eager.json`, one step). The agreement check failed as the eager "
+    "layers' did (`prefix_reuse_gpu_h200_qwen3-1.7b.json`): two bf16 layouts compared directly within 0.12, largest "
+    "difference 0.152 over 2.26M tokens (mean 0.014), gradient cosine 0.99923; without a float32 reference it cannot "
+    "tell bf16 rounding at this shape from a fault (stage `prefix-reuse-gpu-1.7b-reference`).",
+    "flex_kernel_configs_h100_qwen3-1.7b.json": "read from the inductor caches of the three runs beside it, in the "
+    "same call (commit 9fabaef, as their files record; the script recorded no provenance then, and does now, with "
+    "each argument inductor could not prove a multiple of 16). The kernel settings do not explain why compiled "
+    "chunks' FlexAttention calls run 1.4-1.8x slower (`prefix_reuse_gpu_h100_qwen3-1.7b_compiled_profiled.json`): "
+    "compiled chunks and the compiled split, which is not slowed so, generated the same tiles (128x64 forward, "
+    "64x128 backward), 8 warps, 3 stages and flags, `IS_DIVISIBLE` off in both; the eager chunks' FlexAttention, "
+    "compiled on its own per shape, differs only in `IS_DIVISIBLE` on for half its kernels (the calls whose lengths "
+    "are multiples of 128). What remains is in the inputs: the alignment inductor can prove of each argument (the "
+    "`not_divisible_by_16` now recorded), the layout of the keys and values `chunk_context_kv` returns, and the "
+    "block masks.",
+    "prefix_reuse_gpu_h100_qwen3-1.7b_flex_reuse_eager.json": "one warm-up and one timed step, into a fresh "
+    "inductor cache. Its timed step compiled one more FlexAttention graph: dynamo's guard on the number of pytree "
+    "node types failed (`len(SUPPORTED_NODES) != 151`), a registration during the first step. On CPU the one "
+    "registration after the first model call is `trl.trainer.utils`' `FusedCausalLMOutput`, imported by TRL's "
+    "chunked log-prob kernel in its first backward; a forest now imports it when it is built.",
+    "prefix_reuse_gpu_h100_qwen3-1.7b_flex_reuse_compiled.json": "the stage's 210 s ran out in the timed step: the "
+    "warm-up, which compiles every graph (157.6 s), is what the kernel settings beside it come from. The timed steps "
+    "of compiled chunks are in `prefix_reuse_gpu_h100_qwen3-1.7b_compiled.json`.",
+    "prefix_reuse_gpu_h100_qwen3-1.7b_flex_split_compiled.json": "the stage's 150 s ran out in the timed step, after "
+    "the warm-up that compiled every graph (110.2 s). The compiled split's timed steps are in "
+    "`prefix_reuse_gpu_h100_qwen3-1.7b_compiled.json`.",
     "h100_gpu_tests_prefix_reuse_current.log": "all 21 passed, the two with inductor-compiled layers among them "
     "(tries split 2, 3 and 8 ways within the flex path's float32 bounds, no graph break, no compile past dynamo's "
     "recompile limit). They ran while compiled chunks were the default; that default is eager now, and the tests "

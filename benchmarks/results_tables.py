@@ -30,6 +30,7 @@ from results_registry import (
     DEEPSPEED_RUNS,
     FLASH_ASYNC,
     FLASH_ATTENTION,
+    FLEX_KERNEL_SETTINGS,
     FLEX_OPTIONS,
     GATHERED_PATHS,
     GPU_TEST_LOGS,
@@ -481,6 +482,7 @@ def prefix_reuse_plan() -> list[str]:
         + prefix_reuse_gpu()
         + prefix_reuse_work()
         + prefix_reuse_profiled()
+        + flex_kernel_settings()
         + prefix_reuse_kept()
     )
 
@@ -589,6 +591,56 @@ def prefix_reuse_profiled() -> list[str]:
                "FlexAttention forward: calls, time each", "source"]  # fmt: skip
     return ["", "Where each layout's step goes: one warm step under the torch profiler (`bench_prefix_reuse_gpu.py "
             "--profile`), GPU seconds by kernel kind:", "", *table(headers, rows), *notes.lines()]  # fmt: skip
+
+
+def kernel_settings(kernels: list[dict], backward: bool) -> str:
+    """FlexAttention kernels of one direction: how many, each distinct tile / warps / stages, `IS_DIVISIBLE`."""
+    chosen = [k for k in kernels if ("backward" in k["name"]) == backward]
+    if not chosen:
+        return "none"
+    m, n = ("BLOCK_M1", "BLOCK_N1") if backward else ("BLOCK_M", "BLOCK_N")
+    tiles = sorted({
+        f"{k['constexprs'].get(m)}×{k['constexprs'].get(n)}, {k.get('num_warps')} warps, {k.get('num_stages')} stages"
+        for k in chosen
+    })  # fmt: skip
+    divisible = sum(k["constexprs"].get("IS_DIVISIBLE") == "True" for k in chosen)
+    return f"{len(chosen)}: {'; '.join(tiles)}; `IS_DIVISIBLE` in {divisible}"
+
+
+def flex_kernel_settings() -> list[str]:
+    """flex_kernel_configs.py over the inductor caches of bench_prefix_reuse_gpu.py runs: the settings each layout's
+    FlexAttention kernels were generated with, beside the run's steps and compiles."""
+    notes, rows = Notes(), []
+    for name, runs in FLEX_KERNEL_SETTINGS.items():
+        data = load(name)
+        kernels_of = data.get("runs", data)  # the file's own runs; a file without provenance holds only them
+        for label, bench in runs.items():
+            run_data = load(bench)
+            (row,) = run_data["rows"]
+            ((method, run),) = row["methods"].items()
+            if "incomplete" in run:
+                steps_cell = f"cut off after its warm-up ({secs(run['step_s'][0])}, compiling included)"
+            else:
+                late = sum(run["graphs_compiled"][run_data["warmup"] :])
+                steps_cell = f"{secs(run['median_step_s'])}, graphs compiled per step {run['graphs_compiled']}" + (
+                    f" (the timed step's {late} included)" if late else ""
+                )
+            kernels = kernels_of[label]
+            hints = {arg for k in kernels for arg in k.get("not_divisible_by_16") or ()}
+            recorded = any(k.get("not_divisible_by_16") is not None for k in kernels)
+            rows.append([
+                f"{MODELS[row['model']]}, {run_data['gpu']}", f"`{row['workload']}`",
+                f"{'prefix reuse' if method == 'reuse' else method}, {decoder_layers(run_data)}", steps_cell,
+                kernel_settings(kernels, backward=False), kernel_settings(kernels, backward=True),
+                ", ".join(f"`{a}`" for a in sorted(hints)) if recorded else "not recorded",
+                f"{notes.source(bench)}; {notes.source(name)}",
+            ])  # fmt: skip
+    headers = ["model shape, device", "workload", "layout, decoder layers", "timed step",
+               "FlexAttention forward kernels: tiles, warps, stages", "backward kernels: the same",
+               "arguments not provably multiples of 16", "sources: the run; the kernels"]  # fmt: skip
+    return ["", "The settings inductor generated each layout's FlexAttention kernels with (`flex_kernel_configs.py` "
+            "over each run's own inductor cache; tiles are query × key rows, the backward's of its key/value "
+            "pass):", "", *table(headers, rows), *notes.lines()]  # fmt: skip
 
 
 def agreed(check: dict) -> str:

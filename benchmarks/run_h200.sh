@@ -483,7 +483,8 @@ for stage in "$@"; do
       # stages, IS_DIVISIBLE, ...) of prefix reuse's chunks on eager layers (FlexAttention compiled on its own) and on
       # compiled layers (inside the layer graphs, where `prefix-reuse-gpu-1.7b-compiled-profiled` found them 1.4-1.8x
       # slower), and of the compiled split: each run into a fresh inductor cache, one warm-up and one timed step (the
-      # compiled ones record dynamo's recompile reasons per step); either card
+      # compiled ones record dynamo's recompile reasons per step; their time limits cover the warm-up, where every
+      # graph compiles, not always the timed step: those are `prefix-reuse-gpu-1.7b-compiled`'s); either card
       for side in reuse_eager reuse_compiled split_compiled; do rm -rf "/tmp/ind_$side"; done
       TORCHINDUCTOR_CACHE_DIR=/tmp/ind_reuse_eager timeout 150 python3 benchmarks/bench_prefix_reuse_gpu.py \
         --models qwen3-1.7b --workloads agent_4x20 --methods reuse --warmup 1 --steps 1 \

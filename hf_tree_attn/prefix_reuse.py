@@ -111,7 +111,9 @@ CUDA_PATH = (os.environ.get("HF_TREE_ATTN_PREFIX_REUSE_CUDA") or "flex").strip()
 # benchmarks/results/prefix_reuse_gpu_h100_qwen3-1.7b_compiled.json). A profile of the compiled chunks puts the loss in
 # FlexAttention: the kernels inductor builds inside the dynamic-shape layer graph took 72 ms a forward call against
 # 41 ms compiled on their own, 172 ms a backward against 126 ms, more than the fused elementwise work saves
-# (benchmarks/results/prefix_reuse_gpu_h100_qwen3-1.7b_compiled_profiled.json). From
+# (benchmarks/results/prefix_reuse_gpu_h100_qwen3-1.7b_compiled_profiled.json), with the same tiles, warps and
+# stages as the compiled split's (benchmarks/results/flex_kernel_configs_h100_qwen3-1.7b.json); keeping every
+# chunk's graph took 31.1 s (prefix_reuse_gpu_h100_qwen3-1.7b_compiled_kept.json). From
 # HF_TREE_ATTN_PREFIX_REUSE_LAYERS at import; may be set at run time (`layers_error` checks it where it is read).
 _LAYER_MODES = ("eager", "compiled")
 LAYERS = (os.environ.get("HF_TREE_ATTN_PREFIX_REUSE_LAYERS") or "eager").strip().lower()

@@ -12,17 +12,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import flex_kernel_configs as configs  # noqa: E402
 
 
-def _kernel(name: str, warps: int, stages: int, divisible: bool, block_n: int) -> str:
-    meta = {"signature": {"arg_Q": "*bf16"}, "device": "DeviceProperties(type='cuda', index=0)", "num_warps": 99}
+def _kernel(name: str, warps: int, stages: int, divisible: bool, block_n: int, hinted=(0, 1, 2, 3)) -> str:
+    """A template kernel as inductor writes it; `hinted`: the argument indices with the divisibility hint (of
+    `arg_Q, arg_K, arg_V, out_ptr0, ks0`)."""
+    configs = {(i,): [["tt.divisibility", 16]] for i in hinted}
     return f"""
 @triton_heuristics.template(
     num_stages={stages},
     num_warps={warps},
-    triton_meta={meta!r},
+    triton_meta={{'signature': {{'arg_Q': '*bf16', 'arg_K': '*bf16', 'arg_V': '*bf16', 'out_ptr0': '*bf16', \
+'ks0': 'i32'}}, 'device': DeviceProperties(type='cuda', index=0, multi_processor_count=132, cc=90), \
+'constants': {{}}, 'configs': [{configs!r}], 'num_warps': 99}},
     inductor_meta={{'kernel_name': '{name}', 'config_args': {{'num_warps': 77}}}},
 )
 @triton.jit
-def {name}(arg_Q, arg_K, arg_V, out_ptr0):
+def {name}(arg_Q, arg_K, arg_V, out_ptr0, ks0):
     PRESCALE_QK : tl.constexpr = False
     IS_DIVISIBLE : tl.constexpr = {divisible}
     SM_SCALE : tl.constexpr = 0.08838834764831843
@@ -38,7 +42,7 @@ def test_each_flex_kernel_its_launch_settings_and_flags(tmp_path):
         _kernel("triton_tem_fused_flex_attention_0", 4, 3, False, 64)
         + "\n@triton_heuristics.pointwise(size_hints={'x': 1024})\n@triton.jit\ndef triton_poi_fused_mul_0(in_ptr0):\n"
         "    XBLOCK : tl.constexpr = 1024\n"
-        + _kernel("triton_tem_fused__to_copy_add_flex_attention_mean_rsqrt_3", 8, 2, True, 32)
+        + _kernel("triton_tem_fused__to_copy_add_flex_attention_mean_rsqrt_3", 8, 2, True, 32, hinted=(0, 2, 4))
     )
     kernels = configs.kernels_in(text)
     assert [k["name"] for k in kernels] == [
@@ -49,6 +53,7 @@ def test_each_flex_kernel_its_launch_settings_and_flags(tmp_path):
     assert first["constexprs"]["IS_DIVISIBLE"] == "False" and second["constexprs"]["IS_DIVISIBLE"] == "True"
     assert first["constexprs"]["BLOCK_N"] == "64" and second["constexprs"]["BLOCK_N"] == "32"
     assert "XBLOCK" not in first["constexprs"]  # the pointwise kernel's lines are not the template's
+    assert first["not_divisible_by_16"] == ["ks0"] and second["not_divisible_by_16"] == ["arg_K", "out_ptr0"]
 
     (tmp_path / "a").mkdir()
     (tmp_path / "a" / "k.py").write_text(text)
@@ -66,7 +71,10 @@ def test_main_writes_each_labelled_cache_and_names_a_bad_argument(tmp_path, monk
     out = tmp_path / "configs.json"
     monkeypatch.setattr(sys, "argv", ["x", f"eager={tmp_path / 'eager'}", "--out", str(out)])
     configs.main()
-    assert [k["num_warps"] for k in json.loads(out.read_text())["eager"]] == [4]
+    written = json.loads(out.read_text())
+    assert [k["num_warps"] for k in written["runs"]["eager"]] == [4]
+    assert written["command"].startswith("python x eager=")  # with its provenance (argv[0] is "x" here)
+    assert {"git_commit", "versions", "gpu"} <= set(written)
     for bad, named in ((str(tmp_path), "is not LABEL=DIR"), (f"x={tmp_path / 'none'}", "is no directory")):
         monkeypatch.setattr(sys, "argv", ["x", bad, "--out", str(out)])
         with pytest.raises(SystemExit, match=named):
