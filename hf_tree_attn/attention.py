@@ -140,6 +140,20 @@ def _flex_attention(query, key, value, return_lse: bool = False, **kwargs):
     return out, None
 
 
+def _declare_block_multiples(query: torch.Tensor, key: torch.Tensor) -> None:
+    """Inside a compiled graph, tell the compiler which of the query and key lengths `(batch, heads, len, dim)` are
+    multiples of FlexAttention's 128-row blocks, as the forests pad their rows to be (`pad_multiple`).
+
+    With dynamic shapes a length is a symbol the compiler knows nothing of, and inductor generates FlexAttention's
+    kernels for arbitrary lengths (`IS_DIVISIBLE` off: bounds masks on every tile's loads and scores) unless it can
+    prove both lengths multiples of 128. The test below guards the graph on it (a graph of other lengths is
+    compiled apart, without the claim); `torch._check` records the fact where the compiler reads it.
+    """
+    for length in (query.shape[-2], key.shape[-2]):
+        if length % 128 == 0:
+            torch._check(length % 128 == 0)
+
+
 def _kernel_options(given: dict | None, query: torch.Tensor, softcap) -> dict | None:
     """The `kernel_options` of a tree_flex FlexAttention call: the caller's, else `FLEX_KERNEL_OPTIONS` on CUDA
     without a softcap (a copy: FlexAttention fills in its defaults). The FLASH backend (FlashAttention-4) takes bf16
@@ -396,6 +410,8 @@ def tree_flex_attention(
                 "backward on CPU. Pass the dense masks instead: `attention_mask=forest.attention_mask(device)` "
                 "chooses them off CUDA (`dense=True` forces them)."
             )
+        if torch.compiler.is_compiling():
+            _declare_block_multiples(query, key)
         enable_gqa = query.shape[1] != key.shape[1]
         num_q_heads = query.shape[1]
         if enable_gqa and num_q_heads & (num_q_heads - 1):  # same fallback as transformers' flex integration

@@ -293,6 +293,43 @@ def test_compiled_flex_attention_is_one_graph_with_and_without_autocast(tree_inp
     assert torch.equal(got, want) and torch.equal(again, want)
 
 
+@pytest.mark.parametrize("q_len, kv_len", [(256, 384), (200, 384)])
+def test_compiled_tree_attention_declares_lengths_that_are_block_multiples(q_len, kv_len):
+    """In a dynamic-shape graph inductor gives FlexAttention's kernels `IS_DIVISIBLE` only where it can prove both
+    lengths multiples of 128 (`statically_known_true(Mod(len, 128) == 0)`), so the tree attention declares the
+    lengths that are: the graph's shape environment proves it for those and for no other, and the output is the
+    uncompiled one's."""
+    import sympy
+    from torch.nn.attention.flex_attention import create_block_mask
+    from torch.utils._sympy.functions import Mod
+
+    proven = {}
+
+    def backend(gm, example_inputs):  # what the traced graph's shapes are known to be, then runs it as traced
+        env = torch._guards.TracingContext.try_get().fake_mode.shape_env
+        for node in gm.graph.nodes:
+            value = node.meta.get("example_value")
+            if node.op == "placeholder" and isinstance(value, torch.Tensor) and value.shape[-1] == 16:  # q, k, v
+                length = value.shape[-2].node.expr
+                proven[env.optimization_hint(length)] = env._maybe_evaluate_static(sympy.Eq(Mod(length, 128), 0))
+        return gm.forward
+
+    def attend(q, k, v, mask):
+        return hf_tree_attn.attention.tree_flex_attention(torch.nn.Module(), q, k, v, mask, scaling=0.25)[0]
+
+    mask = create_block_mask(lambda b, h, q, kv: kv <= q + kv_len - q_len, None, None, q_len, kv_len, device="cpu")
+    torch.manual_seed(0)
+    q = torch.randn(1, 4, q_len, 16)
+    k, v = (torch.randn(1, 2, kv_len, 16) for _ in range(2))
+    torch._dynamo.reset()
+    with torch.no_grad():
+        got = torch.compile(attend, backend=backend, dynamic=True)(q, k, v, mask)
+        want = attend(q, k, v, mask)
+    assert set(proven) == {q_len, kv_len}  # both lengths are symbols of the graph
+    assert proven[kv_len] is sympy.true and (proven[q_len] is sympy.true) == (q_len % 128 == 0)
+    torch.testing.assert_close(got, want)  # float32: the compiled graph's FlexAttention against the eager call's
+
+
 @pytest.mark.parametrize(
     "family", ["gpt_oss", pytest.param("llama4_text", marks=pytest.mark.slow)]
 )  # sliding window + sinks; chunks + NoPE temperature tuning
