@@ -92,11 +92,28 @@ FLEX_KERNEL_OPTIONS: dict | None = _kernel_options_from_env()
 _WINDOW_FIELDS = ("sliding_window", "attention_chunk_size")
 
 
+def _declare_block_multiples(query: torch.Tensor, key: torch.Tensor) -> None:
+    """Where FlexAttention is traced (in compiled layers, or compiled on its own), tell the compiler which of the
+    query and key lengths `(batch, heads, len, dim)` are multiples of its 128-row blocks, as the forests pad their
+    rows to be (`pad_multiple`); called eagerly it checks what holds anyway.
+
+    With dynamic shapes a length is a symbol the compiler knows nothing of, and inductor generates FlexAttention's
+    kernels for arbitrary lengths (`IS_DIVISIBLE` off: bounds masks on every tile's loads and scores) unless it can
+    prove both lengths multiples of 128. The test below guards the graph on it (a graph of other lengths is
+    compiled apart, without the claim); `torch._check` records the fact where the compiler reads it.
+    """
+    for length in (query.shape[-2], key.shape[-2]):
+        if length % 128 == 0:
+            torch._check(length % 128 == 0)
+
+
 def _flex_with_grad(query, key, value, **kwargs):
+    _declare_block_multiples(query, key)
     return flex_attention(query, key, value, **kwargs)
 
 
 def _flex_without_grad(query, key, value, **kwargs):
+    _declare_block_multiples(query, key)
     return flex_attention(query, key, value, **kwargs)
 
 
@@ -125,6 +142,7 @@ def _flex_attention(query, key, value, return_lse: bool = False, **kwargs):
     # Inside a compiled region the outer compile fuses it; compiled CPU flex has no LSE output (CPU flex is
     # inference-only anyway), so that one case runs the eager reference implementation.
     if torch.compiler.is_compiling() or (return_lse and query.device.type == "cpu"):
+        _declare_block_multiples(query, key)
         out = flex_attention(query, key, value, **kwargs)
     else:
         # With autocast off: the inputs already are in the autocast dtype (`_autocast_inputs`), all FlexAttention's
@@ -138,20 +156,6 @@ def _flex_attention(query, key, value, return_lse: bool = False, **kwargs):
         out, aux = out
         return out, aux.lse
     return out, None
-
-
-def _declare_block_multiples(query: torch.Tensor, key: torch.Tensor) -> None:
-    """Inside a compiled graph, tell the compiler which of the query and key lengths `(batch, heads, len, dim)` are
-    multiples of FlexAttention's 128-row blocks, as the forests pad their rows to be (`pad_multiple`).
-
-    With dynamic shapes a length is a symbol the compiler knows nothing of, and inductor generates FlexAttention's
-    kernels for arbitrary lengths (`IS_DIVISIBLE` off: bounds masks on every tile's loads and scores) unless it can
-    prove both lengths multiples of 128. The test below guards the graph on it (a graph of other lengths is
-    compiled apart, without the claim); `torch._check` records the fact where the compiler reads it.
-    """
-    for length in (query.shape[-2], key.shape[-2]):
-        if length % 128 == 0:
-            torch._check(length % 128 == 0)
 
 
 def _kernel_options(given: dict | None, query: torch.Tensor, softcap) -> dict | None:
@@ -410,8 +414,6 @@ def tree_flex_attention(
                 "backward on CPU. Pass the dense masks instead: `attention_mask=forest.attention_mask(device)` "
                 "chooses them off CUDA (`dense=True` forces them)."
             )
-        if torch.compiler.is_compiling():
-            _declare_block_multiples(query, key)
         enable_gqa = query.shape[1] != key.shape[1]
         num_q_heads = query.shape[1]
         if enable_gqa and num_q_heads & (num_q_heads - 1):  # same fallback as transformers' flex integration

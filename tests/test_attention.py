@@ -293,12 +293,21 @@ def test_compiled_flex_attention_is_one_graph_with_and_without_autocast(tree_inp
     assert torch.equal(got, want) and torch.equal(again, want)
 
 
+def _attend_in_layer(q, k, v, mask):  # the tree attention inside a compiled decoder layer
+    return hf_tree_attn.attention.tree_flex_attention(torch.nn.Module(), q, k, v, mask, scaling=0.25)[0]
+
+
+def _attend_alone(q, k, v, mask):  # FlexAttention compiled on its own, as eager layers run it
+    return hf_tree_attn.attention._flex_without_grad(q, k, v, block_mask=mask, scale=0.25, enable_gqa=True)
+
+
+@pytest.mark.parametrize("attend", [_attend_in_layer, _attend_alone])
 @pytest.mark.parametrize("q_len, kv_len", [(256, 384), (200, 384)])
-def test_compiled_tree_attention_declares_lengths_that_are_block_multiples(q_len, kv_len):
+def test_traced_flex_attention_declares_lengths_that_are_block_multiples(q_len, kv_len, attend):
     """In a dynamic-shape graph inductor gives FlexAttention's kernels `IS_DIVISIBLE` only where it can prove both
     lengths multiples of 128 (`statically_known_true(Mod(len, 128) == 0)`), so the tree attention declares the
-    lengths that are: the graph's shape environment proves it for those and for no other, and the output is the
-    uncompiled one's."""
+    lengths that are, in compiled layers and where FlexAttention is compiled on its own: the graph's shape
+    environment proves it for those and for no other, and the output is the uncompiled one's."""
     import sympy
     from torch.nn.attention.flex_attention import create_block_mask
     from torch.utils._sympy.functions import Mod
@@ -313,9 +322,6 @@ def test_compiled_tree_attention_declares_lengths_that_are_block_multiples(q_len
                 length = value.shape[-2].node.expr
                 proven[env.optimization_hint(length)] = env._maybe_evaluate_static(sympy.Eq(Mod(length, 128), 0))
         return gm.forward
-
-    def attend(q, k, v, mask):
-        return hf_tree_attn.attention.tree_flex_attention(torch.nn.Module(), q, k, v, mask, scaling=0.25)[0]
 
     mask = create_block_mask(lambda b, h, q, kv: kv <= q + kv_len - q_len, None, None, q_len, kv_len, device="cpu")
     torch.manual_seed(0)
