@@ -70,6 +70,7 @@ from bench_prefix_reuse_plan import WORKLOADS as PLAN_WORKLOADS  # noqa: E402
 from bench_tree_vs_flat import MODELS, PEAK_FLOPS, _sync, build_model  # noqa: E402
 from harness import LOGPROB_BOUND, agreement, earlier_runs, paired, provenance  # noqa: E402
 
+import hf_tree_attn.attention  # noqa: E402
 from hf_tree_attn import forest_logprobs, gather_sequences, pack_forest, prefix_reuse, sequence_logprobs  # noqa: E402
 from hf_tree_attn.chunked import plan_chunks  # noqa: E402
 from hf_tree_attn.compile import compile_decoder_layers, eager_layers  # noqa: E402
@@ -399,6 +400,11 @@ def main() -> None:
         help="compile the decoder layers in place (inductor, dynamic shapes: the trainers' CUDA default) for every "
              "method; prefix reuse's chunks run them too (HF_TREE_ATTN_PREFIX_REUSE_LAYERS=compiled)",
     )  # fmt: skip
+    parser.add_argument(
+        "--undeclared-lengths", action="store_true",
+        help="leave FlexAttention's lengths undeclared where it is traced (`attention._declare_block_multiples` a "
+             "no-op): its kernels as generated before the tree attention declared multiples of 128, for an A/B",
+    )  # fmt: skip
     parser.add_argument("--out", default="benchmarks/results/prefix_reuse_gpu.json")
     parser.add_argument(
         "--resume", action="store_true",
@@ -410,12 +416,14 @@ def main() -> None:
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device here (use --device cpu for a smoke run)")
+    if args.undeclared_lengths:
+        hf_tree_attn.attention._declare_block_multiples = lambda query, key: None
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     results = {**provenance(), "peak_flops": PEAK_FLOPS, "cuda_path": prefix_reuse.CUDA_PATH,
                "dtype": args.dtype, "warmup": args.warmup, "steps": args.steps, "optimizer": args.optimizer,
                "checkpointing": args.checkpointing, "compiled_layers": args.compile,
-               "rows": []}  # fmt: skip
+               "declared_lengths": not args.undeclared_lengths, "rows": []}  # fmt: skip
     earlier = {}
     if args.resume and out.exists():
         before = json.loads(out.read_text())

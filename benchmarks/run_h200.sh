@@ -498,6 +498,25 @@ for stage in "$@"; do
       python3 benchmarks/flex_kernel_configs.py reuse_eager=/tmp/ind_reuse_eager \
         reuse_compiled=/tmp/ind_reuse_compiled split_compiled=/tmp/ind_split_compiled \
         --out "$OUT/flex_kernel_configs_${card}_qwen3-1.7b.json" 2>&1 | tail -30 ;;
+    prefix-reuse-gpu-1.7b-divisible)  # FlexAttention's kernels with the lengths declared multiples of 128 (so
+      # `IS_DIVISIBLE` on in the dynamic-shape layer graphs): the compiled split and compiled prefix reuse, one warm
+      # step each under the torch profiler (per-call times), into a fresh inductor cache whose kernels
+      # flex_kernel_configs.py then reads; `prefix-reuse-gpu-1.7b-undeclared` is the same without the declaration,
+      # on the same warm machine; either card
+      rm -rf /tmp/ind_divisible
+      TORCHINDUCTOR_CACHE_DIR=/tmp/ind_divisible timeout 480 python3 benchmarks/bench_prefix_reuse_gpu.py \
+        --models qwen3-1.7b --workloads agent_4x20 --methods split reuse --compile --warmup 1 --steps 1 --profile \
+        --out "$OUT/prefix_reuse_gpu_${card}_qwen3-1.7b_divisible_profiled.json" 2>&1 | quiet 12
+      python3 benchmarks/flex_kernel_configs.py declared=/tmp/ind_divisible \
+        --out "$OUT/flex_kernel_configs_${card}_qwen3-1.7b_divisible.json" 2>&1 | tail -20 ;;
+    prefix-reuse-gpu-1.7b-undeclared)  # `prefix-reuse-gpu-1.7b-divisible` without the declaration
+      # (`--undeclared-lengths`: its kernels as generated before it), the other side of that A/B; either card
+      rm -rf /tmp/ind_undeclared
+      TORCHINDUCTOR_CACHE_DIR=/tmp/ind_undeclared timeout 480 python3 benchmarks/bench_prefix_reuse_gpu.py \
+        --models qwen3-1.7b --workloads agent_4x20 --methods split reuse --compile --warmup 1 --steps 1 --profile \
+        --undeclared-lengths --out "$OUT/prefix_reuse_gpu_${card}_qwen3-1.7b_undeclared_profiled.json" 2>&1 | quiet 12
+      python3 benchmarks/flex_kernel_configs.py undeclared=/tmp/ind_undeclared \
+        --out "$OUT/flex_kernel_configs_${card}_qwen3-1.7b_undeclared.json" 2>&1 | tail -20 ;;
     prefix-reuse-gpu-1.7b-compiled-kept)  # prefix reuse with every chunk's graph kept on compiled layers, paired
       # with the compiled split of `prefix-reuse-gpu-1.7b-compiled` (its steps read back from that file; one split
       # step rerun for the agreement check), on the card of that file (an H100)

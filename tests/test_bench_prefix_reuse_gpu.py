@@ -239,3 +239,23 @@ def test_profile_adds_one_untimed_step_per_method(monkeypatch):
         run = row["methods"][method]
         assert calls.count(method) == 3 and len(run["step_s"]) == 2, (method, calls)
         assert run["profile"]["wall_profiled_s"] > 0 and run["profile"]["top_host_ops"], run["profile"]
+
+
+def test_undeclared_lengths_turns_the_declaration_off_and_says_so(tmp_path, monkeypatch):
+    """`--undeclared-lengths`: FlexAttention's lengths are not declared multiples of 128 (its kernels as generated
+    before the declaration, the A side of an A/B), and the file records which side it is."""
+    import json
+
+    import hf_tree_attn.attention
+
+    declare = hf_tree_attn.attention._declare_block_multiples
+    monkeypatch.setattr(hf_tree_attn.attention, "_declare_block_multiples", declare)  # restored after the test
+    for flag, declared in (([], True), (["--undeclared-lengths"], False)):
+        out = tmp_path / f"{declared}.json"
+        monkeypatch.setattr(sys, "argv", [
+            "bench_prefix_reuse_gpu.py", "--models", "tiny", "--workloads", "smoke", "--device", "cpu", "--dtype",
+            "float32", "--methods", "split", "--warmup", "1", "--steps", "1", "--out", str(out), *flag,
+        ])  # fmt: skip
+        bench.main()
+        assert json.loads(out.read_text())["declared_lengths"] is declared
+        assert (hf_tree_attn.attention._declare_block_multiples is declare) is declared
