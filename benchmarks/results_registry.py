@@ -676,14 +676,15 @@ NOTES = {
     "tell bf16 rounding at this shape from a fault (stage `prefix-reuse-gpu-1.7b-reference`).",
     "flex_kernel_configs_h100_qwen3-1.7b.json": "read from the inductor caches of the three runs beside it, in the "
     "same call (commit 9fabaef, as their files record; the script recorded no provenance then, and does now, with "
-    "each argument inductor could not prove a multiple of 16). The kernel settings do not explain why compiled "
-    "chunks' FlexAttention calls run 1.4-1.8x slower (`prefix_reuse_gpu_h100_qwen3-1.7b_compiled_profiled.json`): "
-    "compiled chunks and the compiled split, which is not slowed so, generated the same tiles (128x64 forward, "
-    "64x128 backward), 8 warps, 3 stages and flags, `IS_DIVISIBLE` off in both; the eager chunks' FlexAttention, "
-    "compiled on its own per shape, differs only in `IS_DIVISIBLE` on for half its kernels (the calls whose lengths "
-    "are multiples of 128). What remains is in the inputs: the alignment inductor can prove of each argument (the "
-    "`not_divisible_by_16` now recorded), the layout of the keys and values `chunk_context_kv` returns, and the "
-    "block masks.",
+    "each argument inductor could not prove a multiple of 16). Compiled chunks, whose FlexAttention calls ran "
+    "1.4-1.8x slower than the eager chunks' (`prefix_reuse_gpu_h100_qwen3-1.7b_compiled_profiled.json`), and the "
+    "compiled split got the same tiles (128x64 forward, 64x128 backward), 8 warps, 3 stages and flags, "
+    "`IS_DIVISIBLE` off in both: inside the dynamic-shape layer graphs inductor could not prove the lengths "
+    "multiples of 128. The eager chunks' FlexAttention, compiled on its own, differs only there: `IS_DIVISIBLE` on in "
+    "half its kernels, those of its first, static lengths. So tiles, warps and stages are not the cause; "
+    "`IS_DIVISIBLE` may be, and so may the inputs (alignment, the layout of `chunk_context_kv`'s keys and values, "
+    "the block masks). The tree attention now declares lengths that are multiples of 128 wherever FlexAttention is "
+    "traced; stages `prefix-reuse-gpu-1.7b-divisible` and `-undeclared` measure what that changes.",
     "prefix_reuse_gpu_h100_qwen3-1.7b_flex_reuse_eager.json": "one warm-up and one timed step, into a fresh "
     "inductor cache. Its timed step compiled one more FlexAttention graph: dynamo's guard on the number of pytree "
     "node types failed (`len(SUPPORTED_NODES) != 151`), a registration during the first step. On CPU the one "
