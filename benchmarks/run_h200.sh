@@ -542,7 +542,7 @@ for stage in "$@"; do
         --out "$OUT/async_prefix_reuse_${card}_qwen3-1.7b.json" 2>&1 | grep -E "^qwen|^  |rror:"
       cp "$OUT/async_prefix_reuse_${card}_qwen3-1.7b.json" /tmp/ 2>/dev/null ;;
     async-prefix-reuse-1.7b-tree)  # the tree without and with prefix reuse on the same rows, paired with TRL's (each
-      # side through the CUDA default: decoder layers compiled in place, prefix reuse's chunks too)
+      # side through the CUDA default: decoder layers compiled in place, prefix reuse's chunks on the eager layers)
       cp /tmp/async_prefix_reuse_${card}_qwen3-1.7b.json "$OUT/" 2>/dev/null \
         || cp .partial/async_prefix_reuse_${card}_qwen3-1.7b.json "$OUT/" 2>/dev/null
       timeout 560 python3 benchmarks/bench_async_grpo.py --warmup 2 --steps 8 --resume --models qwen3-1.7b \
