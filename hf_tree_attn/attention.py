@@ -30,6 +30,7 @@ import os
 from collections.abc import Callable
 
 import torch
+from torch.fx.experimental.symbolic_shapes import guard_or_false
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
@@ -100,10 +101,11 @@ def _declare_block_multiples(query: torch.Tensor, key: torch.Tensor) -> None:
     With dynamic shapes a length is a symbol the compiler knows nothing of, and inductor generates FlexAttention's
     kernels for arbitrary lengths (`IS_DIVISIBLE` off: bounds masks on every tile's loads and scores) unless it can
     prove both lengths multiples of 128. The test below guards the graph on it (a graph of other lengths is
-    compiled apart, without the claim); `torch._check` records the fact where the compiler reads it.
+    compiled apart, without the claim; a data-dependent length is left unclaimed); `torch._check` records the fact
+    where the compiler reads it.
     """
     for length in (query.shape[-2], key.shape[-2]):
-        if length % 128 == 0:
+        if guard_or_false(length % 128 == 0):
             torch._check(length % 128 == 0)
 
 

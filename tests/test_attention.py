@@ -336,6 +336,19 @@ def test_traced_flex_attention_declares_lengths_that_are_block_multiples(q_len, 
     torch.testing.assert_close(got, want)  # float32: the compiled graph's FlexAttention against the eager call's
 
 
+def test_a_data_dependent_length_is_left_undeclared():
+    """A length the graph computes from data has no value to guard on: it is not claimed, and the trace goes on."""
+
+    def declare(x):
+        q = x.new_zeros(1, 1, x.nonzero().shape[0], 4)  # a length of 256 nonzero elements, unknown when traced
+        hf_tree_attn.attention._declare_block_multiples(q, q)
+        return q.shape[2]
+
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        assert torch.compile(declare, backend="eager", fullgraph=True)(torch.ones(256)) == 256
+
+
 @pytest.mark.parametrize(
     "family", ["gpt_oss", pytest.param("llama4_text", marks=pytest.mark.slow)]
 )  # sliding window + sinks; chunks + NoPE temperature tuning
