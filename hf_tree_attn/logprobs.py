@@ -187,6 +187,7 @@ def _in_forward_of(module: torch.nn.Module, fn, *args):
             module.forward = previous
 
 
+@functools.cache  # called for every forest built; resolved once (a failed import would search the path each time)
 def _fused_lm_head():
     """TRL's chunked log-prob autograd function (the one its flat GRPO trainer uses), or None without trl.
 
