@@ -20,6 +20,7 @@
 #     trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
 set -uo pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 TOKENIZERS_PARALLELISM=false
+export USE_HUB_KERNELS=0  # no Hub to fetch the kernels transformers 5.25 swaps in by default
 export NCCL_NVLS_ENABLE=0 TRL_EXPERIMENTAL_SILENCE=1
 OUT=${OUT:-/tmp/gpu_async_out}
 mkdir -p "$OUT"

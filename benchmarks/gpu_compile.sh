@@ -16,6 +16,7 @@
 # it came from, and the result files take them over what git says there.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 TOKENIZERS_PARALLELISM=false
+export USE_HUB_KERNELS=0  # no Hub to fetch the kernels transformers 5.25 swaps in by default
 export NCCL_NVLS_ENABLE=0 TRL_EXPERIMENTAL_SILENCE=1
 OUT=${OUT:-/tmp/gpu_compile_out}
 KEEP=${KEEP:-/tmp/gpu_compile}

@@ -18,6 +18,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 TOKENIZERS_PARALLELISM=false NCCL_NVLS_ENABLE=0
+export USE_HUB_KERNELS=0  # no Hub to fetch the kernels transformers 5.25 swaps in by default
 OUT=${OUT:-/tmp/gpu_deepspeed_out}
 export OUT
 mkdir -p "$OUT"

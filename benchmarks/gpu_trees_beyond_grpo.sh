@@ -19,6 +19,7 @@
 # multiprocess==0.70.19`.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 TOKENIZERS_PARALLELISM=false NCCL_NVLS_ENABLE=0
+export USE_HUB_KERNELS=0  # no Hub to fetch the kernels transformers 5.25 swaps in by default
 WHEELS=${WHEELS:-.whl/trees_beyond_grpo}
 OUT=${OUT:-/tmp/trees_beyond_grpo_out}
 SITE=/tmp/site_trees_beyond_grpo

@@ -17,6 +17,7 @@ WHL=${WHL:-.whl/hybrid}
 W=${W:-/tmp/hyb}
 mkdir -p "$W"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 TOKENIZERS_PARALLELISM=false NCCL_NVLS_ENABLE=0
+export USE_HUB_KERNELS=0  # no Hub to fetch the kernels transformers 5.25 swaps in by default
 # Compiled kernels and autotuning results on disk, shared by every process (Triton's `cache_results`, which fla turns
 # on by default: a process finds the configs an earlier one picked and compiles only those).
 export TRITON_CACHE_DIR=$W/triton TILELANG_CACHE_DIR=$W/tilelang TVM_FFI_CACHE_DIR=$W/tvm-ffi FLA_CACHE_RESULTS=1 \

@@ -22,6 +22,7 @@ refused as unverified.
 from __future__ import annotations
 
 import sys
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -37,7 +38,7 @@ from .recurrent import (
     tree_layer_types,
     unsupported_recurrent_layers,
 )
-from .transformers_compat import hub_kernels_in
+from .transformers_compat import hub_kernels_in, hub_kernels_off
 from .transformers_compat import install as install_transformers_wrappers
 
 __all__ = [
@@ -53,6 +54,7 @@ __all__ = [
     "fsdp2_sharded",
     "logit_scale",
     "peft_config_error",
+    "release_hub_kernels",
     "rope_length_limit",
     "rope_split_lengths",
     "tree_support_error",
@@ -571,7 +573,8 @@ def peft_config_error(config) -> str | None:
 def _hub_kernel_error(model: torch.nn.Module) -> str | None:
     """Why Hugging Face Hub kernels keep `model` off trees, or None: one swapped into a state-carrying layer (its
     forward, a module below it, or its copy of a kernel function) would run out of the tree's dispatch, so the
-    layer's state would run across branches. Where `kernels` cannot say what it swapped in, `use_kernels` decides."""
+    layer's state would run across branches. A model whose `use_kernels` is on is refused even with nothing swapped
+    in yet: transformers' `train()` / `eval()` kernelize it again on its device of the moment."""
     if not tree_layer_types(model):
         return None
     way_out = (
@@ -587,14 +590,37 @@ def _hub_kernel_error(model: torch.nn.Module) -> str | None:
             f"layers ({', '.join(swapped[:3])}{', ...' if len(swapped) > 3 else ''}), which bypass the tree's "
             f"dispatch, so the layers' state would run across branches. {way_out}"
         )
-    if swapped is None and getattr(model, "use_kernels", False):
+    if getattr(model, "use_kernels", False):
         return (
             f"{type(model).__name__} was loaded with use_kernels=True: Hugging Face Hub kernels (the `kernels` "
-            "package) may replace a state-carrying layer's forward or its kernel functions (transformers maps "
-            "Qwen3_5GatedDeltaNet to a Hub layer on some GPUs), which bypasses the tree's dispatch, so the layer's "
-            f"state would run across branches. {way_out}"
+            "package) may replace a state-carrying layer's forward or its kernel functions (on CUDA transformers "
+            "maps the Gated DeltaNet's `chunk_gated_delta_rule` and the Mamba layers' `causal_conv1d_fn` to Hub "
+            "kernels), which bypasses the tree's dispatch, so the layer's state would run across branches. None may "
+            "be swapped in yet, but `model.train()` and `model.eval()` (the Trainer calls `train()` every step) swap "
+            f"them in again on the device the model is on then. {way_out}"
         )
     return None
+
+
+def release_hub_kernels(model: torch.nn.Module, reason: str | None) -> bool:
+    """Where `reason` (the gate's) is `model`'s Hugging Face Hub kernels in or on a state-carrying model
+    (`_hub_kernel_error`): turn them off (`use_kernels`, which `from_pretrained` turns on by default from
+    transformers 5.25 on; any swapped in go back to transformers' own), with one warning, as a tree trainer switches
+    the attention to `tree_flex`; True then, and the trainer asks the gate again. Outside the trainers
+    (`check_tree_model`, `sequence_logprobs`) such a model is refused with the way out instead."""
+    inner = unwrap_model(model)
+    released = reason is not None and reason == _hub_kernel_error(inner) and hub_kernels_off(inner)
+    if released:
+        warnings.warn(
+            f"{type(inner).__name__} was loaded with use_kernels=True; the tree trainer turned Hugging Face Hub "
+            "kernels off (use_kernels=False): the ones transformers maps to state-carrying layers (the Gated "
+            "DeltaNet's `chunk_gated_delta_rule`, the Mamba layers' `causal_conv1d_fn`) bypass the tree's dispatch, "
+            "so the layers' state would run across branches. The tree picks flash-linear-attention's and "
+            "causal-conv1d's kernels itself where they are installed. Load the model with use_kernels=False to "
+            "silence this.",
+            stacklevel=3,
+        )
+    return released
 
 
 def _state_layer_error(model: torch.nn.Module) -> str | None:

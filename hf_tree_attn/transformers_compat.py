@@ -54,7 +54,9 @@ From 5.25 on `from_pretrained` also swaps Hub kernels in by default (`use_kernel
 no longer says that the user asked for them): on devices `kernels`' mapping lists, a state-carrying layer's forward,
 or the per-layer copy of a function its forward reaches, may be a Hub kernel the tree's dispatch does not see.
 `hub_kernels_in` names the ones `kernels` swapped in (`kernels.get_kernelized_layers`, read in kernels 0.19.1), for
-the gate to refuse; without that function (an older `kernels`, or none) the gate falls back to the flag.
+the gate to refuse. The flag alone refuses a hybrid too: `train()` and `eval()` kernelize the model again on the device
+it is on then (the Trainer calls `train()` every step), so what is swapped in at the check does not bound what runs
+later. Where a tree trainer loads a hybrid itself, `hub_kernels_off` turns them off, as it sets the attention.
 
 One more change reaches compiled layers rather than these functions: the attention modules' `forward` is now
 `kernels`' `use_kernelized_func` wrapper, whose Python side effect would break every checkpointed layer's graph under
@@ -80,6 +82,7 @@ __all__ = [
     "WRAPPED_FUNCTIONS",
     "WrappedFunction",
     "hub_kernels_in",
+    "hub_kernels_off",
     "install",
     "kernel_function",
     "kernel_routing_kept",
@@ -165,6 +168,18 @@ def hub_kernels_in(model: torch.nn.Module, module_names: set[str]) -> list[str] 
     found = [(name, name) for name in kernelized.layers]
     found += [(module, f"{module}:{function}") for module, function in kernelized.funcs]
     return [where for module, where in found if any(module == m or module.startswith(m + ".") for m in module_names)]
+
+
+def hub_kernels_off(model: torch.nn.Module) -> bool:
+    """Turn transformers' Hub kernels off for `model` (a PEFT model's base model): `use_kernels = False`, whose setter
+    (`reset_kernels`, read in 5.25) puts transformers' own functions back wherever `kernels` swapped one in, and
+    keeps `train()` / `eval()` from swapping them in again. True where they were on and are off now (without
+    `kernels` transformers' reset leaves the flag on)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if not getattr(base, "use_kernels", False):
+        return False
+    base.use_kernels = False
+    return not base.use_kernels
 
 
 @contextlib.contextmanager

@@ -14,6 +14,7 @@ import pytest
 import torch
 from trl import GRPOConfig, GRPOTrainer
 
+from hf_tree_attn import check_tree_model
 from hf_tree_attn.trainer import TreeGRPOConfig, TreeGRPOTrainer
 from trainers import toy_task
 
@@ -319,6 +320,32 @@ def tiny_hybrid(tmp_path_factory):
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path), tokenizer
+
+
+def test_a_hybrid_loaded_with_hub_kernels_trains_on_trees_with_them_off(tiny_hybrid, tmp_path):
+    """From transformers 5.25 on `from_pretrained` turns Hugging Face Hub kernels on by default (`use_kernels`), and
+    the Trainer's `model.train()` kernelizes the model again on its device (on CUDA transformers maps the Gated
+    DeltaNet's `chunk_gated_delta_rule` to fla's Hub kernel, which runs out of the tree's dispatch). The trainer turns
+    them off with one warning naming why, as it switches the attention; `check_tree_model` refuses them."""
+    from transformers import AutoModelForCausalLM, PreTrainedModel
+
+    if not hasattr(PreTrainedModel, "set_use_kernels"):
+        pytest.skip("transformers before 5.25 has no Hub kernels at load")
+    path, tokenizer = tiny_hybrid
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="tree_flex")
+    assert model.use_kernels  # transformers' default
+    with pytest.raises(NotImplementedError, match=r"use_kernels=True.*Load the model with use_kernels=False"):
+        check_tree_model(model)
+    args = _config(TreeGRPOConfig, tmp_path, max_steps=1, logging_steps=1)
+    with pytest.warns(UserWarning, match=r"turned Hugging Face Hub kernels off.*across branches"):
+        trainer = TreeGRPOTrainer(
+            model, toy_task.copy_letter_reward, args, train_dataset=toy_task.build_dataset(8),
+            processing_class=tokenizer,
+        )  # fmt: skip
+    assert trainer.tree_packing and not model.use_kernels
+    check_tree_model(model)
+    trainer.train()
+    assert not model.use_kernels and trainer.state.log_history[0]["tree_fallback"] == 0
 
 
 @pytest.mark.parametrize("loss_type, beta, num_iterations", [("dapo", 0.04, 2), ("grpo", 0.0, 1), ("cispo", 0.04, 2)])

@@ -634,20 +634,21 @@ def test_gate_refuses_an_unknown_state_carrying_layer(monkeypatch):
 def test_a_hybrid_with_hub_kernels_in_its_state_layers_is_refused(family):
     """A Hugging Face Hub kernel swapped into a state-carrying layer (its forward: transformers maps
     Qwen3_5GatedDeltaNet to one on some GPUs; or the layer's copy of a kernel function) runs out of the tree's
-    dispatch: refused with the reason and the way out. Where `kernels` can say what it swapped in
-    (`kernels.get_kernelized_layers`) that decides, so `use_kernels=True` alone — which `from_pretrained` sets by
-    default from transformers 5.25 on — is not refused where nothing was swapped in (on the CPU), nor a Hub kernel
-    outside the state-carrying layers (per token). Without `kernels` the flag is all there is to go by: refused. An
+    dispatch: refused with the reason and the way out, whatever the flag says. A Hub kernel outside the
+    state-carrying layers (per token) is not refused. `use_kernels=True` — which `from_pretrained` sets by default
+    from transformers 5.25 on — is refused even where nothing is swapped in yet (on the CPU): transformers'
+    `train()`, which the Trainer calls every step, kernelizes the model again on the device it is on then. An
     attention-only model with the flag is not refused (its Hub kernels act per token)."""
     tree, _ = hybrid_twin_models(family)
     check_tree_model(tree)
     tree._use_kernels = True  # what PreTrainedModel.use_kernels reads
     assert tree.use_kernels
-    if transformers_compat.hub_kernels_in(tree, set()) is None:  # no `kernels` to ask
-        with pytest.raises(NotImplementedError, match=r"use_kernels=True.*Load the model with use_kernels=False"):
-            check_tree_model(tree)
-    else:
-        check_tree_model(tree)  # the flag, nothing swapped in
+    with pytest.raises(
+        NotImplementedError, match=r"use_kernels=True.*train\(\).*Load the model with use_kernels=False"
+    ):
+        check_tree_model(tree)
+    tree._use_kernels = False
+    if transformers_compat.hub_kernels_in(tree, set()) is not None:  # `kernels` says what it swapped in
         tree.get_output_embeddings().__dict__["_kernel_repo"] = "a Hub repository"  # how `kernels` marks a swap
         check_tree_model(tree)  # outside the state-carrying layers
         paths = recurrent.TREE_LAYERS

@@ -49,7 +49,13 @@ from trl.experimental.async_grpo import AsyncGRPOTrainer
 from ..attention import ATTN_IMPLEMENTATION, registration_error
 from ..chunked import plan_chunks
 from ..reuse_planner import budget_error
-from ..support import config_support_error, peft_config_error, rope_split_lengths, tree_support_error
+from ..support import (
+    config_support_error,
+    peft_config_error,
+    release_hub_kernels,
+    rope_split_lengths,
+    tree_support_error,
+)
 from ..tree import PackedForest
 from . import trl_compat
 from .async_grpo_config import TreeAsyncGRPOConfig
@@ -125,6 +131,8 @@ class _TreeConstruction:
             raise _refusal(model_id, reason)
         model = self._load(model_id, **{**kwargs, "attn_implementation": ATTN_IMPLEMENTATION})
         reason = tree_support_error(model)
+        if release_hub_kernels(model, reason):
+            reason = tree_support_error(model)
         if reason is not None:
             raise _refusal(model_id, reason)
         self._hide_from_trl(model)

@@ -39,7 +39,14 @@ from transformers import AutoConfig
 from .. import prefix_reuse
 from ..attention import ATTN_IMPLEMENTATION
 from ..reuse_planner import budget_error, plan_prefix_reuse
-from ..support import check_tree_model, config_support_error, fsdp2_sharded, tree_support_error, unwrap_model
+from ..support import (
+    check_tree_model,
+    config_support_error,
+    fsdp2_sharded,
+    release_hub_kernels,
+    tree_support_error,
+    unwrap_model,
+)
 from . import trl_compat
 from .compile_setting import compile_tree_layers
 
@@ -267,6 +274,8 @@ def select_tree_attention(model, args):
             "tree_packing=False."
         )
     reason = tree_support_error(model)
+    if release_hub_kernels(model, reason):
+        reason = tree_support_error(model)
     if reason is not None:
         return model, reason
     if impl != ATTN_IMPLEMENTATION:
@@ -633,7 +642,10 @@ class TreeTrainerMixin:
         args, reason = self.args, self._tree_reason
         models = (self.model, getattr(self, "ref_model", None))
         if args.tree_packing is not False and reason is None:
-            reason = self._tree_model_error(models) or self._tree_refusal()
+            reason = self._tree_model_error(models)
+            while any([release_hub_kernels(m, reason) for m in models if m is not None]):  # policy, then reference
+                reason = self._tree_model_error(models)
+            reason = reason or self._tree_refusal()
         if reason is not None and args.tree_packing is True:
             raise ValueError(f"tree_packing=True, but this run cannot use packed trees exactly: {reason}")
         if reason is not None and args.tree_packing == "auto":
