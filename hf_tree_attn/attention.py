@@ -102,7 +102,8 @@ def _declare_block_multiples(query: torch.Tensor, key: torch.Tensor) -> None:
     kernels for arbitrary lengths (`IS_DIVISIBLE` off: bounds masks on every tile's loads and scores) unless it can
     prove both lengths multiples of 128. The test below guards the graph on it (a graph of other lengths is
     compiled apart, without the claim; a data-dependent length is left unclaimed); `torch._check` records the fact
-    where the compiler reads it.
+    in the shape environment. Measured on an H100, torch 2.11's inductor did not act on it (`IS_DIVISIBLE` stayed
+    off, no step time changed); it costs nothing, and a later inductor may read it.
     """
     for length in (query.shape[-2], key.shape[-2]):
         if guard_or_false(length % 128 == 0):

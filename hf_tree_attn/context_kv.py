@@ -10,8 +10,12 @@ opaque to the compiler, that reads the state when it runs:
     key, value = torch.ops.hf_tree_attn.chunk_context_kv(key, value, token, width)
 
 - `key`, `value`: the chunk's own `(1, kv_heads, S, head_dim)`, after RoPE.
-- `token`: a 0-dim CPU int64 tensor naming the attention module (`module_token`): a tensor, so one graph serves every
-  layer (a Python int would be a constant of the graph, compiled once per layer).
+- `token`: a 0-dim int64 tensor naming the attention module (`module_token`): a tensor, so one graph serves every
+  layer (a Python int would be a constant of the graph, compiled once per layer). It lives on the keys' device:
+  inductor takes a graph's CPU tensor inputs as unaligned, and an opaque operator with an unaligned input as
+  returning unaligned outputs, so a CPU token left FlexAttention reading the keys and values without its 16-byte
+  alignment hint. The operator finds the module by the token's data pointer, so it never copies the token to the
+  host.
 - `width`: a `(P + fill,)` tensor, its length the chunk's context rows plus padding: the output's shape follows from
   the inputs', as the compiler's shape propagation needs, and varies with dynamic shapes rather than recompiling.
 - returns `(1, kv_heads, P + fill + S, head_dim)` each: `ChunkContext.gather` (the chunk running, `running`).
@@ -25,7 +29,6 @@ autograd reaches the layer, so where the model checkpoints its layers only the r
 from __future__ import annotations
 
 import contextlib
-import itertools
 import weakref
 
 import torch
@@ -33,26 +36,26 @@ import torch
 __all__ = ["chunk_context_kv", "module_token", "running", "tag_modules"]
 
 _TOKEN_ATTRIBUTE = "_tree_context_token"
-_MODULES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # token -> attention module
-_NEXT = itertools.count()
+_MODULES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # token's data pointer -> attention module
 _RUNNING: list = []  # the ChunkContext of the chunk whose forward or backward runs (innermost last)
 
 
-def module_token(module: torch.nn.Module) -> torch.Tensor:
-    """The 0-dim CPU int64 tensor naming `module` to the operator (made once, kept as a plain attribute)."""
+def module_token(module: torch.nn.Module, device: torch.device | str | None = None) -> torch.Tensor:
+    """The 0-dim int64 tensor naming `module` to the operator, kept as a plain attribute; made anew on `device` where
+    that is given and the token is elsewhere (CPU where none was made)."""
     token = getattr(module, _TOKEN_ATTRIBUTE, None)
-    if token is None:
-        token = torch.tensor(next(_NEXT), dtype=torch.int64)
+    if token is None or (device is not None and token.device != torch.device(device)):
+        token = torch.zeros((), dtype=torch.int64, device=device)
         module.__dict__[_TOKEN_ATTRIBUTE] = token  # a plain attribute: not a buffer, not in a state dict
-        _MODULES[int(token)] = module
+        _MODULES[token.data_ptr()] = module
     return token
 
 
-def tag_modules(model: torch.nn.Module) -> None:
-    """Give every module of `model` its token before a compiled layer is traced (a token made while tracing would
-    be a side effect of the graph)."""
+def tag_modules(model: torch.nn.Module, device: torch.device | str | None = None) -> None:
+    """Give every module of `model` its token on `device` (the keys') before a compiled layer is traced (a token made
+    while tracing would be a side effect of the graph)."""
     for module in model.modules():
-        module_token(module)
+        module_token(module, device)
 
 
 @contextlib.contextmanager
@@ -71,9 +74,12 @@ def _context(token: torch.Tensor):
             "hf_tree_attn::chunk_context_kv ran outside a prefix-reuse chunk: call the model through "
             "`hf_tree_attn.prefix_reuse.chunked_forest_logprobs`, which runs each chunk."
         )
-    module = _MODULES.get(int(token))
+    module = _MODULES.get(token.data_ptr())
     if module is None:
-        raise RuntimeError(f"hf_tree_attn::chunk_context_kv got token {int(token)}, which names no live module.")
+        raise RuntimeError(
+            f"hf_tree_attn::chunk_context_kv got a token (data pointer {token.data_ptr():#x}) that names no live "
+            "module: pass the one `module_token` made (a copy of it names nothing)."
+        )
     return _RUNNING[-1], module
 
 

@@ -436,7 +436,7 @@ class _Step:
         self.autocast = _autocast_state(self.device.type)
         # The state-carrying modules (`_layer_hooks`), found once; a hybrid's layers run eagerly (`_layers`)
         self.stateful = _state_carrying(model)
-        tag_modules(model)  # before a compiled layer is traced (`hf_tree_attn.context_kv`)
+        tag_modules(model, self.device)  # before a compiled layer is traced (`hf_tree_attn.context_kv`)
         # What each chunk scores: the rows whose parent it holds (`plan.scored`), or the caller's pairs whose row it
         # holds; then a chunk that scores nothing may still hold rows later chunks read, and must run.
         self.pairs = pairs

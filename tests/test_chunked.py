@@ -599,6 +599,25 @@ def test_a_layers_setting_that_names_none_is_refused(monkeypatch):
         chunked_forest_logprobs(tree, forest, BUDGET)
 
 
+def test_a_module_token_lives_on_the_device_asked_and_names_its_module():
+    """A token (`context_kv.module_token`) is made once per module and device, on the keys' device (inductor takes a
+    graph's CPU inputs as unaligned, and with them the operator's outputs); the operator finds its module by the
+    token's data pointer, and a copy of a token names nothing."""
+    tree, _ = twin_models("qwen3")
+    first, second = tree.model.layers[0].self_attn, tree.model.layers[1].self_attn
+    context_kv.tag_modules(tree, torch.device("cpu"))
+    token = context_kv.module_token(first)
+    assert token.device.type == "cpu" and token.dim() == 0
+    assert context_kv.module_token(first, "cpu") is token and context_kv.module_token(second) is not token
+    with context_kv.running("a chunk"):
+        assert context_kv._context(token) == ("a chunk", first)
+        assert context_kv._context(context_kv.module_token(second)) == ("a chunk", second)
+        with pytest.raises(RuntimeError, match="names no live module: pass the one `module_token` made"):
+            context_kv._context(token.clone())
+    moved = context_kv.module_token(first, "meta")  # another device: a new token there
+    assert moved.device.type == "meta" and context_kv.module_token(first) is moved
+
+
 def test_the_context_operator_outside_a_chunk_says_how_to_run_it():
     tree, _ = twin_models("qwen3")
     key = torch.zeros(1, 2, 3, 4)

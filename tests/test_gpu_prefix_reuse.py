@@ -22,7 +22,7 @@ from test_chunked import BUDGET, _edge_cases, _num_chunks, _tokens, _trie, check
 from torch._dynamo.utils import counters
 
 import hf_tree_attn.attention
-from hf_tree_attn import forest_logprobs, gather_sequences, pack_forest, sequence_logprobs
+from hf_tree_attn import context_kv, forest_logprobs, gather_sequences, pack_forest, sequence_logprobs
 from hf_tree_attn import prefix_reuse as prefix_reuse_module
 from hf_tree_attn.compile import compile_decoder_layers, compiled_layers, decoder_layers
 
@@ -195,7 +195,21 @@ def test_layers_compiled_with_inductor_run_the_chunks(checkpointing, monkeypatch
     """Decoder layers compiled in place with inductor and dynamic shapes (the trainers' CUDA default) run the chunks
     (`HF_TREE_ATTN_PREFIX_REUSE_LAYERS=compiled`) on the flex path, their context keys and values through
     `hf_tree_attn::chunk_context_kv`: tries split 2, 3 and 8 ways give the flat forwards' results within the flex
-    bounds, with no graph break and no compile past dynamo's recompile limit."""
+    bounds, with no graph break and no compile past dynamo's recompile limit. Inductor takes the operator's outputs
+    as 16-byte aligned (FlexAttention's alignment hint on the keys and values), which a CPU token lost them."""
+    from torch._inductor import ir
+    from torch._inductor.virtualized import V
+
+    unaligned = []  # per lowering of the operator: is either output in inductor's unaligned buffers?
+    create = ir.FallbackKernel.create
+
+    def recording(cls, kernel, *args, **kwargs):
+        outputs = create(kernel, *args, **kwargs)
+        if kernel is torch.ops.hf_tree_attn.chunk_context_kv.default:
+            unaligned.append(any(out.get_name() in V.graph.unaligned_buffers for out in outputs))
+        return outputs
+
+    monkeypatch.setattr(ir.FallbackKernel, "create", classmethod(recording))
     monkeypatch.setattr(prefix_reuse_module, "LAYERS", "compiled")
     prefix_reuse_module.CUDA_PATH, path = "flex", prefix_reuse_module.CUDA_PATH
     torch._dynamo.reset()
@@ -206,8 +220,11 @@ def test_layers_compiled_with_inductor_run_the_chunks(checkpointing, monkeypatch
         tree.train()
         tree.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     compile_decoder_layers(tree, backend="inductor", dynamic=True)
-    try:
-        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+    try:  # no cached graph: inductor lowers the operator here
+        with (
+            torch._dynamo.config.patch(fail_on_recompile_limit_hit=True),
+            torch._inductor.config.patch(force_disable_caches=True),
+        ):
             for num_chunks in (2, 3, 8):
                 sequences = _trie(num_chunks, seed=200 + num_chunks)
                 assert _num_chunks(sequences) == num_chunks
@@ -218,6 +235,8 @@ def test_layers_compiled_with_inductor_run_the_chunks(checkpointing, monkeypatch
         prefix_reuse_module.CUDA_PATH = path
     assert compiled_layers(tree) == decoder_layers(tree)  # no failure sent them back to eager
     assert counters["stats"]["unique_graphs"] >= 1 and not counters["graph_break"], dict(counters["graph_break"])
+    assert unaligned and not any(unaligned), unaligned
+    assert all(context_kv.module_token(layer.self_attn).is_cuda for layer in tree.model.layers)
 
 
 def test_steps_of_changing_chunks_stay_compiled_and_free_their_memory():
