@@ -144,6 +144,8 @@ SOURCES = {
     "prefix_reuse_gpu_h100_qwen3-1.7b_compiled.json": "prefix-reuse-gpu-1.7b-compiled",
     "prefix_reuse_gpu_h100_qwen3-1.7b_compiled_profiled.json": "prefix-reuse-gpu-1.7b-compiled-profiled",
     "prefix_reuse_gpu_h100_qwen3-1.7b_compiled_kept.json": "prefix-reuse-gpu-1.7b-compiled-kept",
+    "prefix_reuse_gpu_h100_qwen3-1.7b_divisible_profiled.json": "prefix-reuse-gpu-1.7b-divisible",
+    "flex_kernel_configs_h100_qwen3-1.7b_divisible.json": "prefix-reuse-gpu-1.7b-divisible",
     "prefix_reuse_gpu_h100_qwen3-1.7b_flex_reuse_eager.json": "prefix-reuse-gpu-1.7b-flex-configs",
     "prefix_reuse_gpu_h100_qwen3-1.7b_flex_reuse_compiled.json": "prefix-reuse-gpu-1.7b-flex-configs",
     "prefix_reuse_gpu_h100_qwen3-1.7b_flex_split_compiled.json": "prefix-reuse-gpu-1.7b-flex-configs",
@@ -391,6 +393,7 @@ FLASH_ASYNC = [
 PREFIX_REUSE_PROFILED = [
     "prefix_reuse_gpu_h100_qwen3-1.7b_profiled.json",
     "prefix_reuse_gpu_h100_qwen3-1.7b_compiled_profiled.json",
+    "prefix_reuse_gpu_h100_qwen3-1.7b_divisible_profiled.json",
 ]
 # flex_kernel_configs.py: the FlexAttention kernels inductor generated for each run of one call (label -> the
 # bench_prefix_reuse_gpu.py file of that run, each into its own inductor cache).
@@ -399,6 +402,9 @@ FLEX_KERNEL_SETTINGS = {
         "reuse_eager": "prefix_reuse_gpu_h100_qwen3-1.7b_flex_reuse_eager.json",
         "reuse_compiled": "prefix_reuse_gpu_h100_qwen3-1.7b_flex_reuse_compiled.json",
         "split_compiled": "prefix_reuse_gpu_h100_qwen3-1.7b_flex_split_compiled.json",
+    },
+    "flex_kernel_configs_h100_qwen3-1.7b_divisible.json": {
+        "declared": "prefix_reuse_gpu_h100_qwen3-1.7b_divisible_profiled.json",
     },
 }
 # FlexAttention's tile use on the same seeded forests (attention_gathered_paths.py --tiles, CPU).
@@ -683,8 +689,30 @@ NOTES = {
     "multiples of 128. The eager chunks' FlexAttention, compiled on its own, differs only there: `IS_DIVISIBLE` on in "
     "half its kernels, those of its first, static lengths. So tiles, warps and stages are not the cause; "
     "`IS_DIVISIBLE` may be, and so may the inputs (alignment, the layout of `chunk_context_kv`'s keys and values, "
-    "the block masks). The tree attention now declares lengths that are multiples of 128 wherever FlexAttention is "
-    "traced; stages `prefix-reuse-gpu-1.7b-divisible` and `-undeclared` measure what that changes.",
+    "the block masks). The declaration of lengths tried next did not change `IS_DIVISIBLE`; the inputs' alignment "
+    "did differ (`flex_kernel_configs_h100_qwen3-1.7b_divisible.json`).",
+    "prefix_reuse_gpu_h100_qwen3-1.7b_divisible_profiled.json": "one H100 80GB, the compiled split and compiled "
+    "prefix reuse with FlexAttention's lengths declared multiples of 128 (the tree attention's "
+    "`_declare_block_multiples`), one warm-up and one timed step, then one step under the profiler, into a fresh "
+    "inductor cache. The declaration did not turn `IS_DIVISIBLE` on in torch 2.11's inductor (off in every kernel of "
+    "`flex_kernel_configs_h100_qwen3-1.7b_divisible.json`), and prefix reuse's profiled step is that of the run "
+    "before it (35.95 s against 36.10 s in `prefix_reuse_gpu_h100_qwen3-1.7b_compiled_profiled.json`, FlexAttention "
+    "backward 14.37 s against 14.46 s): that run is the undeclared side of the A/B. The split's timed step compiled "
+    "one graph (a recompile on its mask cache's `prefix_serves` entry), so its 29.8 s is not a step time; its "
+    "profiled step took 21.25 s, as the compiled split's 8 measured steps did "
+    "(`prefix_reuse_gpu_h100_qwen3-1.7b_compiled.json`). Prefix reuse's first step, compiling, took 67 s against "
+    "122 s before the pytree fix.",
+    "flex_kernel_configs_h100_qwen3-1.7b_divisible.json": "one inductor cache for both layouts, each kernel given "
+    "to the layout whose profiled step ran it. What differs between them is the keys' and values' alignment: the "
+    "compiled chunks' FlexAttention kernels take `arg_K` and `arg_V` without Triton's 16-byte alignment hint, the "
+    "split's with it. Inductor takes a graph's CPU tensor inputs as unaligned, and an opaque operator's outputs as "
+    "unaligned where any input is (read in torch's `_inductor/ir.py` and `utils.py`); "
+    "`hf_tree_attn::chunk_context_kv` took a CPU token naming the layer. With the same work per call, the eager "
+    "chunks' FlexAttention (its inputs aligned) took 41 ms forward and 126 ms backward, the compiled chunks' 72 ms "
+    "and 171 ms, while the compiled "
+    "split's calls took what the eager split's did (30.8 ms against 29.8 ms forward, 99 ms against 96 ms backward; "
+    "`prefix_reuse_gpu_h100_qwen3-1.7b_profiled.json`). The token now lives on the keys' device, so no input of the "
+    "operator is unaligned; what that changes on the GPU is not measured yet.",
     "prefix_reuse_gpu_h100_qwen3-1.7b_flex_reuse_eager.json": "one warm-up and one timed step, into a fresh "
     "inductor cache. Its timed step compiled one more FlexAttention graph: dynamo's guard on the number of pytree "
     "node types failed (`len(SUPPORTED_NODES) != 151`), a registration during the first step. On CPU the one "
@@ -733,13 +761,18 @@ NOTES = {
     "trainers pad each micro-batch to its longest sequence, so a row's ratio can pass its token ceiling (the tree "
     "saves the shared tokens and the padding both), as TRL's MFU shows.",
     "h100_gpu_tests_all.log": "every test that ran on a model passed: all 144 `test_precision.py` cells, the 128 "
-    "families of `test_gpu_coverage.py`, the 19 prefix-reuse tests. The 8 failures are every test that loads a "
-    "saved model through `from_pretrained` (the trainers against TRL's, the async hybrid and compile-once tests), "
-    "all at loading, before any tree code: transformers 5.25, carried as wheels without its dependencies, swaps "
-    "Hub kernels in by default (`use_kernels`) and raised `Kernels are not available` on a machine without the "
-    "`kernels` package. `.whl/common` now carries `kernels`; those 8 have not run on this commit (their last "
-    "passes: `h100_gpu_tests_async_fa4.log`, `h100_gpu_tests_kernels.log`, `trees_beyond_grpo_h200.log`, on "
-    "transformers 5.17). Skipped: FlashAttention-4 and Liger, not installed.",
+    "families of `test_gpu_coverage.py`, the prefix-reuse tests (the pytree fix and the length declaration on the "
+    "GPU for the first time). The 8 failures are every test that loads a saved model through `from_pretrained`, "
+    "all in transformers before any tree code: with `kernels` installed (transformers 5.25 depends on it) the "
+    "model is kernelized with Hugging Face Hub kernels by default, which this machine cannot download (no network, "
+    "`HF_HUB_OFFLINE=1`): five at loading onto the GPU (the trainers against TRL's), three at the Trainer's "
+    "`model.train()`, which kernelizes again on the GPU a model loaded on the CPU (the async trainer's tests). One "
+    "of those three, the hybrid's, asked for flash-linear-attention's Hub `chunk_gated_delta_rule`, which would have "
+    "run outside the tree's dispatch: the tree trainers now turn Hub kernels off for a model with state-carrying "
+    "layers, and the gate refuses `use_kernels=True` on one. The stages now run with `USE_HUB_KERNELS=0` (what a "
+    "machine without the Hub needs, TRL's trainer alike); those 8 last passed on transformers 5.17 "
+    "(`h100_gpu_tests_async_fa4.log`, `h100_gpu_tests_kernels.log`, `trees_beyond_grpo_h200.log`). Skipped: "
+    "FlashAttention-4 and Liger, not installed.",
     "h200_gpu_tests_all.log": "7 of 316 failed. Five `test_precision.py` cells, GPT-OSS with bf16 weights on the "
     "two-level forest in training mode (checkpointing `all` / `auto`, and bf16 autocast): the tree's log-prob error "
     "against float32 is 0.122, flat's 0.038, over the bound 0.103; the same model in eval mode, on the deep forest, "

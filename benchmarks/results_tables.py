@@ -617,30 +617,69 @@ def flex_kernel_settings() -> list[str]:
         for label, bench in runs.items():
             run_data = load(bench)
             (row,) = run_data["rows"]
-            ((method, run),) = row["methods"].items()
-            if "incomplete" in run:
-                steps_cell = f"cut off after its warm-up ({secs(run['step_s'][0])}, compiling included)"
-            else:
-                late = sum(run["graphs_compiled"][run_data["warmup"] :])
-                steps_cell = f"{secs(run['median_step_s'])}, graphs compiled per step {run['graphs_compiled']}" + (
-                    f" (the timed step's {late} included)" if late else ""
-                )
-            kernels = kernels_of[label]
-            hints = {arg for k in kernels for arg in k.get("not_divisible_by_16") or ()}
-            recorded = any(k.get("not_divisible_by_16") is not None for k in kernels)
-            rows.append([
-                f"{MODELS[row['model']]}, {run_data['gpu']}", f"`{row['workload']}`",
-                f"{'prefix reuse' if method == 'reuse' else method}, {decoder_layers(run_data)}", steps_cell,
-                kernel_settings(kernels, backward=False), kernel_settings(kernels, backward=True),
-                ", ".join(f"`{a}`" for a in sorted(hints)) if recorded else "not recorded",
-                f"{notes.source(bench)}; {notes.source(name)}",
-            ])  # fmt: skip
+            for method, run, kernels in kernels_by_method(row["methods"], kernels_of[label]):
+                rows.append(kernel_settings_row(notes, name, bench, run_data, row, method, run, kernels))
+    shared = sorted({
+        k for name, runs in FLEX_KERNEL_SETTINGS.items() for label, bench in runs.items()
+        for k in unattributed(load(bench)["rows"][0]["methods"], load(name).get("runs", load(name))[label])
+    })  # fmt: skip
+    shared_line = [
+        "Where one inductor cache served two layouts, a kernel goes to the layout whose profiled step alone ran a "
+        "kernel of its name; names both ran, or neither, are in neither row: "
+        + ", ".join(f"`{k}`" for k in shared) + ".", ""
+    ] if shared else []  # fmt: skip
     headers = ["model shape, device", "workload", "layout, decoder layers", "timed step",
                "FlexAttention forward kernels: tiles, warps, stages", "backward kernels: the same",
                "arguments not provably multiples of 16", "sources: the run; the kernels"]  # fmt: skip
     return ["", "The settings inductor generated each layout's FlexAttention kernels with (`flex_kernel_configs.py` "
             "over each run's own inductor cache; tiles are query × key rows, the backward's of its key/value "
-            "pass):", "", *table(headers, rows), *notes.lines()]  # fmt: skip
+            "pass):", "", *table(headers, rows), *notes.lines(), *shared_line]  # fmt: skip
+
+
+def _profiled_names(run: dict) -> set[str]:
+    return {k["name"] for k in run.get("profile", {}).get("top_kernels", ())}
+
+
+def kernels_by_method(methods: dict, kernels: list[dict]) -> list[tuple[str, dict, list[dict]]]:
+    """`(method, run, its kernels)` for each method of one bench run: all the cache's kernels where the run had one
+    method; else those whose name only that method's profiled step ran."""
+    if len(methods) == 1:
+        ((method, run),) = methods.items()
+        return [(method, run, kernels)]
+    names = {method: _profiled_names(run) for method, run in methods.items()}
+    return [
+        (method, run, [k for k in kernels if k["name"] in names[method]
+                       and not any(k["name"] in n for m, n in names.items() if m != method)])
+        for method, run in methods.items()
+    ]  # fmt: skip
+
+
+def unattributed(methods: dict, kernels: list[dict]) -> list[str]:
+    """The kernel names of a cache shared by several methods that `kernels_by_method` gives to none."""
+    if len(methods) == 1:
+        return []
+    given = {k["name"] for _, _, chosen in kernels_by_method(methods, kernels) for k in chosen}
+    return [k["name"] for k in kernels if k["name"] not in given]
+
+
+def kernel_settings_row(notes, name, bench, run_data, row, method, run, kernels) -> list[str]:
+    """One row of `flex_kernel_settings`: a layout's steps and its FlexAttention kernels' settings."""
+    if "incomplete" in run:
+        steps_cell = f"cut off after its warm-up ({secs(run['step_s'][0])}, compiling included)"
+    else:
+        late = sum(run["graphs_compiled"][run_data["warmup"] :])
+        steps_cell = f"{secs(run['median_step_s'])}, graphs compiled per step {run['graphs_compiled']}" + (
+            f" (the timed step's {late} included)" if late else ""
+        )
+    hints = {arg for k in kernels for arg in k.get("not_divisible_by_16") or ()}
+    recorded = any(k.get("not_divisible_by_16") is not None for k in kernels)
+    return [
+        f"{MODELS[row['model']]}, {run_data['gpu']}", f"`{row['workload']}`",
+        f"{'prefix reuse' if method == 'reuse' else method}, {decoder_layers(run_data)}", steps_cell,
+        kernel_settings(kernels, backward=False), kernel_settings(kernels, backward=True),
+        ", ".join(f"`{a}`" for a in sorted(hints)) if recorded else "not recorded",
+        f"{notes.source(bench)}; {notes.source(name)}",
+    ]  # fmt: skip
 
 
 def agreed(check: dict) -> str:

@@ -11,7 +11,10 @@
 # top, or as benchmarks/gpu_compile.sh lays them out: .whl/async, .whl/common, .whl/hub): they are installed into
 # /tmp/site and /tmp/common first.
 set -uo pipefail
+# USE_HUB_KERNELS=0: from transformers 5.25 on, loading a model and `model.train()` fetch Hugging Face Hub kernels
+# by default, which a machine without the Hub cannot (every side alike: TRL's trainer too)
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 TOKENIZERS_PARALLELISM=false NCCL_NVLS_ENABLE=0
+export USE_HUB_KERNELS=0
 for wheels in ".whl/*.whl" ".whl/async/*.whl"; do
   if compgen -G "$wheels" >/dev/null && [ ! -d /tmp/site/trl ]; then
     # shellcheck disable=SC2086
@@ -501,22 +504,25 @@ for stage in "$@"; do
     prefix-reuse-gpu-1.7b-divisible)  # FlexAttention's kernels with the lengths declared multiples of 128 (so
       # `IS_DIVISIBLE` on in the dynamic-shape layer graphs): the compiled split and compiled prefix reuse, one warm
       # step each under the torch profiler (per-call times), into a fresh inductor cache whose kernels
-      # flex_kernel_configs.py then reads; `prefix-reuse-gpu-1.7b-undeclared` is the same without the declaration,
-      # on the same warm machine; either card
+      # flex_kernel_configs.py then reads (the same without the declaration: `prefix-reuse-gpu-1.7b-compiled-profiled`
+      # and `-flex-configs`); either card
       rm -rf /tmp/ind_divisible
       TORCHINDUCTOR_CACHE_DIR=/tmp/ind_divisible timeout 480 python3 benchmarks/bench_prefix_reuse_gpu.py \
         --models qwen3-1.7b --workloads agent_4x20 --methods split reuse --compile --warmup 1 --steps 1 --profile \
         --out "$OUT/prefix_reuse_gpu_${card}_qwen3-1.7b_divisible_profiled.json" 2>&1 | quiet 12
       python3 benchmarks/flex_kernel_configs.py declared=/tmp/ind_divisible \
         --out "$OUT/flex_kernel_configs_${card}_qwen3-1.7b_divisible.json" 2>&1 | tail -20 ;;
-    prefix-reuse-gpu-1.7b-undeclared)  # `prefix-reuse-gpu-1.7b-divisible` without the declaration
-      # (`--undeclared-lengths`: its kernels as generated before it), the other side of that A/B; either card
-      rm -rf /tmp/ind_undeclared
-      TORCHINDUCTOR_CACHE_DIR=/tmp/ind_undeclared timeout 480 python3 benchmarks/bench_prefix_reuse_gpu.py \
-        --models qwen3-1.7b --workloads agent_4x20 --methods split reuse --compile --warmup 1 --steps 1 --profile \
-        --undeclared-lengths --out "$OUT/prefix_reuse_gpu_${card}_qwen3-1.7b_undeclared_profiled.json" 2>&1 | quiet 12
-      python3 benchmarks/flex_kernel_configs.py undeclared=/tmp/ind_undeclared \
-        --out "$OUT/flex_kernel_configs_${card}_qwen3-1.7b_undeclared.json" 2>&1 | tail -20 ;;
+    prefix-reuse-gpu-1.7b-aligned)  # compiled prefix reuse with the context operator's layer token on the keys'
+      # device (a CPU token made inductor take the operator's keys and values as unaligned: FlexAttention without
+      # its 16-byte alignment hint, 72 / 171 ms a forward / backward call against the eager chunks' 41 / 126 ms in
+      # `prefix-reuse-gpu-1.7b-divisible`): one warm-up, 2 timed steps, one profiled step, into a fresh inductor
+      # cache whose kernels flex_kernel_configs.py then reads; either card
+      rm -rf /tmp/ind_aligned
+      TORCHINDUCTOR_CACHE_DIR=/tmp/ind_aligned timeout 420 python3 benchmarks/bench_prefix_reuse_gpu.py \
+        --models qwen3-1.7b --workloads agent_4x20 --methods reuse --compile --warmup 1 --steps 2 --profile \
+        --out "$OUT/prefix_reuse_gpu_${card}_qwen3-1.7b_aligned_profiled.json" 2>&1 | quiet 12
+      python3 benchmarks/flex_kernel_configs.py aligned=/tmp/ind_aligned \
+        --out "$OUT/flex_kernel_configs_${card}_qwen3-1.7b_aligned.json" 2>&1 | tail -12 ;;
     prefix-reuse-gpu-1.7b-compiled-kept)  # prefix reuse with every chunk's graph kept on compiled layers, paired
       # with the compiled split of `prefix-reuse-gpu-1.7b-compiled` (its steps read back from that file; one split
       # step rerun for the agreement check), on the card of that file (an H100)
