@@ -45,7 +45,8 @@ def module_token(module: torch.nn.Module, device: torch.device | str | None = No
     that is given and the token is elsewhere (CPU where none was made)."""
     token = getattr(module, _TOKEN_ATTRIBUTE, None)
     if token is None or (device is not None and token.device != torch.device(device)):
-        token = torch.zeros((), dtype=torch.int64, device=device)
+        with torch.inference_mode(False):  # made under inference mode, autograd could not save it later
+            token = torch.zeros((), dtype=torch.int64, device=device)
         module.__dict__[_TOKEN_ATTRIBUTE] = token  # a plain attribute: not a buffer, not in a state dict
         _MODULES[token.data_ptr()] = module
     return token

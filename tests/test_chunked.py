@@ -616,6 +616,8 @@ def test_a_module_token_lives_on_the_device_asked_and_names_its_module():
             context_kv._context(token.clone())
     moved = context_kv.module_token(first, "meta")  # another device: a new token there
     assert moved.device.type == "meta" and context_kv.module_token(first) is moved
+    with torch.inference_mode():  # a first chunked call under inference mode: later backwards still save the token
+        assert not context_kv.module_token(first, "cpu").is_inference()
 
 
 def test_the_context_operator_outside_a_chunk_says_how_to_run_it():
