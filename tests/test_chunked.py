@@ -600,9 +600,9 @@ def test_a_layers_setting_that_names_none_is_refused(monkeypatch):
 
 
 def test_a_module_token_lives_on_the_device_asked_and_names_its_module():
-    """A token (`context_kv.module_token`) is made once per module and device, on the keys' device (inductor takes a
-    graph's CPU inputs as unaligned, and with them the operator's outputs); the operator finds its module by the
-    token's data pointer, and a copy of a token names nothing."""
+    """A module's token (`context_kv.module_token`) is made once, and anew where it is asked on another device (the
+    keys': inductor takes a graph's CPU inputs as unaligned, and with them the operator's outputs); the operator
+    finds its module by the token's data pointer, and a copy of a token names nothing."""
     tree, _ = twin_models("qwen3")
     first, second = tree.model.layers[0].self_attn, tree.model.layers[1].self_attn
     context_kv.tag_modules(tree, torch.device("cpu"))
