@@ -501,8 +501,9 @@ for stage in "$@"; do
       python3 benchmarks/flex_kernel_configs.py reuse_eager=/tmp/ind_reuse_eager \
         reuse_compiled=/tmp/ind_reuse_compiled split_compiled=/tmp/ind_split_compiled \
         --out "$OUT/flex_kernel_configs_${card}_qwen3-1.7b.json" 2>&1 | tail -30 ;;
-    prefix-reuse-gpu-1.7b-divisible)  # FlexAttention's kernels with the lengths declared multiples of 128 (so
-      # `IS_DIVISIBLE` on in the dynamic-shape layer graphs): the compiled split and compiled prefix reuse, one warm
+    prefix-reuse-gpu-1.7b-divisible)  # FlexAttention's kernels with the lengths declared multiples of 128 (meant
+      # to turn `IS_DIVISIBLE` on in the dynamic-shape layer graphs; on torch 2.11 it did not): the compiled split and
+      # compiled prefix reuse, one warm
       # step each under the torch profiler (per-call times), into a fresh inductor cache whose kernels
       # flex_kernel_configs.py then reads (the same without the declaration: `prefix-reuse-gpu-1.7b-compiled-profiled`
       # and `-flex-configs`); either card

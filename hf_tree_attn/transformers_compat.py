@@ -56,7 +56,7 @@ or the per-layer copy of a function its forward reaches, may be a Hub kernel the
 `hub_kernels_in` names the ones `kernels` swapped in (`kernels.get_kernelized_layers`, read in kernels 0.19.1), for
 the gate to refuse. The flag alone refuses a hybrid too: `train()` and `eval()` kernelize the model again on the device
 it is on then (the Trainer calls `train()` every step), so what is swapped in at the check does not bound what runs
-later. Where a tree trainer loads a hybrid itself, `hub_kernels_off` turns them off, as it sets the attention.
+later. A tree trainer turns them off on a hybrid it trains (`hub_kernels_off`), as it sets the attention.
 
 One more change reaches compiled layers rather than these functions: the attention modules' `forward` is now
 `kernels`' `use_kernelized_func` wrapper, whose Python side effect would break every checkpointed layer's graph under
