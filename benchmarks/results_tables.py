@@ -610,23 +610,22 @@ def kernel_settings(kernels: list[dict], backward: bool) -> str:
 def flex_kernel_settings() -> list[str]:
     """flex_kernel_configs.py over the inductor caches of bench_prefix_reuse_gpu.py runs: the settings each layout's
     FlexAttention kernels were generated with, beside the run's steps and compiles."""
-    notes, rows = Notes(), []
+    notes, rows, shared = Notes(), [], set()
     for name, runs in FLEX_KERNEL_SETTINGS.items():
         data = load(name)
         kernels_of = data.get("runs", data)  # the file's own runs; a file without provenance holds only them
         for label, bench in runs.items():
             run_data = load(bench)
             (row,) = run_data["rows"]
-            for method, run, kernels in kernels_by_method(row["methods"], kernels_of[label]):
+            given = kernels_by_method(row["methods"], kernels_of[label])
+            for method, run, kernels in given:
                 rows.append(kernel_settings_row(notes, name, bench, run_data, row, method, run, kernels))
-    shared = sorted({
-        k for name, runs in FLEX_KERNEL_SETTINGS.items() for label, bench in runs.items()
-        for k in unattributed(load(bench)["rows"][0]["methods"], load(name).get("runs", load(name))[label])
-    })  # fmt: skip
+            named = {k["name"] for _, _, kernels in given for k in kernels}
+            shared |= {k["name"] for k in kernels_of[label]} - named  # a shared cache's kernels no layout alone ran
     shared_line = [
         "Where one inductor cache served two layouts, a kernel goes to the layout whose profiled step alone ran a "
         "kernel of its name; names both ran, or neither, are in neither row: "
-        + ", ".join(f"`{k}`" for k in shared) + ".", ""
+        + ", ".join(f"`{k}`" for k in sorted(shared)) + ".", ""
     ] if shared else []  # fmt: skip
     headers = ["model shape, device", "workload", "layout, decoder layers", "timed step",
                "FlexAttention forward kernels: tiles, warps, stages", "backward kernels: the same",
@@ -652,14 +651,6 @@ def kernels_by_method(methods: dict, kernels: list[dict]) -> list[tuple[str, dic
                        and not any(k["name"] in n for m, n in names.items() if m != method)])
         for method, run in methods.items()
     ]  # fmt: skip
-
-
-def unattributed(methods: dict, kernels: list[dict]) -> list[str]:
-    """The kernel names of a cache shared by several methods that `kernels_by_method` gives to none."""
-    if len(methods) == 1:
-        return []
-    given = {k["name"] for _, _, chosen in kernels_by_method(methods, kernels) for k in chosen}
-    return [k["name"] for k in kernels if k["name"] not in given]
 
 
 def kernel_settings_row(notes, name, bench, run_data, row, method, run, kernels) -> list[str]:
