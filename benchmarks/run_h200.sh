@@ -517,11 +517,15 @@ for stage in "$@"; do
       # device (a CPU token made inductor take the operator's keys and values as unaligned: FlexAttention without
       # its 16-byte alignment hint, 72 / 171 ms a forward / backward call against the eager chunks' 41 / 126 ms in
       # `prefix-reuse-gpu-1.7b-divisible`): one warm-up, 2 timed steps, one profiled step, into a fresh inductor
-      # cache whose kernels flex_kernel_configs.py then reads; either card
+      # cache whose kernels flex_kernel_configs.py then reads; then the eager chunks' warm step under the profiler on
+      # the same card (the per-call times to compare with); either card
       rm -rf /tmp/ind_aligned
-      TORCHINDUCTOR_CACHE_DIR=/tmp/ind_aligned timeout 420 python3 benchmarks/bench_prefix_reuse_gpu.py \
+      TORCHINDUCTOR_CACHE_DIR=/tmp/ind_aligned timeout 300 python3 benchmarks/bench_prefix_reuse_gpu.py \
         --models qwen3-1.7b --workloads agent_4x20 --methods reuse --compile --warmup 1 --steps 2 --profile \
         --out "$OUT/prefix_reuse_gpu_${card}_qwen3-1.7b_aligned_profiled.json" 2>&1 | quiet 12
+      timeout 200 python3 benchmarks/bench_prefix_reuse_gpu.py --models qwen3-1.7b --workloads agent_4x20 \
+        --methods reuse --warmup 1 --steps 1 --profile \
+        --out "$OUT/prefix_reuse_gpu_${card}_qwen3-1.7b_aligned_eager_profiled.json" 2>&1 | quiet 12
       python3 benchmarks/flex_kernel_configs.py aligned=/tmp/ind_aligned \
         --out "$OUT/flex_kernel_configs_${card}_qwen3-1.7b_aligned.json" 2>&1 | tail -12 ;;
     prefix-reuse-gpu-1.7b-compiled-kept)  # prefix reuse with every chunk's graph kept on compiled layers, paired
