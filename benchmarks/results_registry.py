@@ -146,6 +146,9 @@ SOURCES = {
     "prefix_reuse_gpu_h100_qwen3-1.7b_compiled_kept.json": "prefix-reuse-gpu-1.7b-compiled-kept",
     "prefix_reuse_gpu_h100_qwen3-1.7b_divisible_profiled.json": "prefix-reuse-gpu-1.7b-divisible",
     "flex_kernel_configs_h100_qwen3-1.7b_divisible.json": "prefix-reuse-gpu-1.7b-divisible",
+    "prefix_reuse_gpu_h100_qwen3-1.7b_aligned_profiled.json": "prefix-reuse-gpu-1.7b-aligned",
+    "prefix_reuse_gpu_h100_qwen3-1.7b_aligned_eager_profiled.json": "prefix-reuse-gpu-1.7b-aligned",
+    "flex_kernel_configs_h100_qwen3-1.7b_aligned.json": "prefix-reuse-gpu-1.7b-aligned",
     "prefix_reuse_gpu_h100_qwen3-1.7b_flex_reuse_eager.json": "prefix-reuse-gpu-1.7b-flex-configs",
     "prefix_reuse_gpu_h100_qwen3-1.7b_flex_reuse_compiled.json": "prefix-reuse-gpu-1.7b-flex-configs",
     "prefix_reuse_gpu_h100_qwen3-1.7b_flex_split_compiled.json": "prefix-reuse-gpu-1.7b-flex-configs",
@@ -394,6 +397,8 @@ PREFIX_REUSE_PROFILED = [
     "prefix_reuse_gpu_h100_qwen3-1.7b_profiled.json",
     "prefix_reuse_gpu_h100_qwen3-1.7b_compiled_profiled.json",
     "prefix_reuse_gpu_h100_qwen3-1.7b_divisible_profiled.json",
+    "prefix_reuse_gpu_h100_qwen3-1.7b_aligned_profiled.json",
+    "prefix_reuse_gpu_h100_qwen3-1.7b_aligned_eager_profiled.json",
 ]
 # flex_kernel_configs.py: the FlexAttention kernels inductor generated for each run of one call (label -> the
 # bench_prefix_reuse_gpu.py file of that run, each into its own inductor cache).
@@ -405,6 +410,9 @@ FLEX_KERNEL_SETTINGS = {
     },
     "flex_kernel_configs_h100_qwen3-1.7b_divisible.json": {
         "declared": "prefix_reuse_gpu_h100_qwen3-1.7b_divisible_profiled.json",
+    },
+    "flex_kernel_configs_h100_qwen3-1.7b_aligned.json": {
+        "aligned": "prefix_reuse_gpu_h100_qwen3-1.7b_aligned_profiled.json",
     },
 }
 # FlexAttention's tile use on the same seeded forests (attention_gathered_paths.py --tiles, CPU).
@@ -712,7 +720,28 @@ NOTES = {
     "and 171 ms, while the compiled "
     "split's calls took what the eager split's did (30.8 ms against 29.8 ms forward, 99 ms against 96 ms backward; "
     "`prefix_reuse_gpu_h100_qwen3-1.7b_profiled.json`). The token now lives on the keys' device, so no input of the "
-    "operator is unaligned; what that changes on the GPU is not measured yet.",
+    "operator is unaligned; `flex_kernel_configs_h100_qwen3-1.7b_aligned.json` measures it.",
+    "prefix_reuse_gpu_h100_qwen3-1.7b_aligned_profiled.json": "one H100 80GB, compiled prefix reuse with the context "
+    "operator's layer token on the keys' device (no CPU input left), into a fresh inductor cache: one warm-up, two "
+    "timed steps, one step under the profiler. Its FlexAttention calls now take what the eager chunks' take in the "
+    "same call (`prefix_reuse_gpu_h100_qwen3-1.7b_aligned_eager_profiled.json`): 43.8 ms a forward call against "
+    "41.2 ms, 128 ms a backward call against 127 ms (before the fix 72.4 ms and 171 ms, "
+    "`prefix_reuse_gpu_h100_qwen3-1.7b_divisible_profiled.json`), while the compiled layers still fuse the "
+    "elementwise work (0.04 s against the eager chunks' 3.48 s) and copies (0.40 s against 1.52 s). Its steps took "
+    "25.94 s and 25.88 s against 35.97 s before the fix and the eager chunks' 28.98 s in the same call (one step "
+    "each, in their own processes: not a paired ratio). The first step, compiling every graph into an empty cache, "
+    "took 139.8 s against the eager chunks' 63.5 s. The compiled split's profiled step (21.25 s, "
+    "`prefix_reuse_gpu_h100_qwen3-1.7b_divisible_profiled.json`) is still shorter: at this shape the split repeats "
+    "1.29x the unique tokens, and prefix reuse's chunks spend more per token in FlexAttention (9.80 s forward, 10.79 "
+    "s backward against the split's 6.14 s and 9.78 s).",
+    "prefix_reuse_gpu_h100_qwen3-1.7b_aligned_eager_profiled.json": "the eager chunks' side of "
+    "`prefix_reuse_gpu_h100_qwen3-1.7b_aligned_profiled.json`, in the same call: one warm-up, one timed step, one "
+    "step under the profiler, FlexAttention compiled on its own. Its step, 28.98 s, is that of the eager chunks "
+    "before (29.16 s, `prefix_reuse_gpu_h100_qwen3-1.7b_profiled.json`).",
+    "flex_kernel_configs_h100_qwen3-1.7b_aligned.json": "the FlexAttention kernels of the compiled chunks with the "
+    "layer token on the GPU: `arg_K` and `arg_V` are no longer among the arguments inductor could not prove 16-byte "
+    "aligned (only the dynamic sizes `ks0`...`ks7` are), with the same tiles, warps and stages as before and "
+    "`IS_DIVISIBLE` still off.",
     "prefix_reuse_gpu_h100_qwen3-1.7b_flex_reuse_eager.json": "one warm-up and one timed step, into a fresh "
     "inductor cache. Its timed step compiled one more FlexAttention graph: dynamo's guard on the number of pytree "
     "node types failed (`len(SUPPORTED_NODES) != 151`), a registration during the first step. On CPU the one "
@@ -760,19 +789,14 @@ NOTES = {
     "prefix reuse, off in every row). The tree's first step holds the compile of its layers (50 to 90 s). TRL's "
     "trainers pad each micro-batch to its longest sequence, so a row's ratio can pass its token ceiling (the tree "
     "saves the shared tokens and the padding both), as TRL's MFU shows.",
-    "h100_gpu_tests_all.log": "every test that ran on a model passed: all 144 `test_precision.py` cells, the 128 "
-    "families of `test_gpu_coverage.py`, the prefix-reuse tests (the pytree fix and the length declaration on the "
-    "GPU for the first time). The 8 failures are every test that loads a saved model through `from_pretrained`, "
-    "all in transformers before any tree code: with `kernels` installed (transformers 5.25 depends on it) the "
-    "model is kernelized with Hugging Face Hub kernels by default, which this machine cannot download (no network, "
-    "`HF_HUB_OFFLINE=1`): five at loading onto the GPU (the trainers against TRL's), three at the Trainer's "
-    "`model.train()`, which kernelizes again on the GPU a model loaded on the CPU (the async trainer's tests). One "
-    "of those three, the hybrid's, asked for flash-linear-attention's Hub `chunk_gated_delta_rule`, which would have "
-    "run outside the tree's dispatch: the tree trainers now turn Hub kernels off for a model with state-carrying "
-    "layers, and the gate refuses `use_kernels=True` on one. The stages now run with `USE_HUB_KERNELS=0` (what a "
-    "machine without the Hub needs, TRL's trainer alike); those 8 last passed on transformers 5.17 "
-    "(`h100_gpu_tests_async_fa4.log`, `h100_gpu_tests_kernels.log`, `trees_beyond_grpo_h200.log`). Skipped: "
-    "FlashAttention-4 and Liger, not installed.",
+    "h100_gpu_tests_all.log": "339 passed, 1 failed. All 144 `test_precision.py` cells, the 128 families of "
+    "`test_gpu_coverage.py`, the 21 prefix-reuse tests (among them the compiled chunks' check that the context "
+    "operator's keys and values reach inductor aligned) and the trainers against TRL's on CUDA passed, with "
+    "`USE_HUB_KERNELS=0`: the 8 tests that failed on this machine before, in transformers fetching Hugging Face Hub "
+    "kernels it could not download, passed. The one failure is `test_hybrid_log_probs_on_cuda`, which reached pytest's "
+    "300 s limit in its float32 CPU reference forwards beside seven other workers, as on the H200 "
+    "(`h200_gpu_tests_all.log`); it passed alone there (`h200_gpu_tests_async_rest.log`). Skipped: FlashAttention-4 "
+    "and Liger, not installed.",
     "h200_gpu_tests_all.log": "7 of 316 failed. Five `test_precision.py` cells, GPT-OSS with bf16 weights on the "
     "two-level forest in training mode (checkpointing `all` / `auto`, and bf16 autocast): the tree's log-prob error "
     "against float32 is 0.122, flat's 0.038, over the bound 0.103; the same model in eval mode, on the deep forest, "
