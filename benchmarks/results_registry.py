@@ -792,9 +792,9 @@ NOTES = {
     "h100_gpu_tests_all.log": "339 passed, 1 failed. All 144 `test_precision.py` cells, the 128 families of "
     "`test_gpu_coverage.py`, the 21 prefix-reuse tests (among them the compiled chunks' check that the context "
     "operator's keys and values reach inductor aligned) and the trainers against TRL's on CUDA passed, with "
-    "`USE_HUB_KERNELS=0`: the 8 tests that failed on this machine before, in transformers fetching Hugging Face Hub "
-    "kernels it could not download, passed. The one failure is `test_hybrid_log_probs_on_cuda`, which reached pytest's "
-    "300 s limit in its float32 CPU reference forwards beside seven other workers, as on the H200 "
+    "`USE_HUB_KERNELS=0`: the 8 tests that failed on this machine before, in transformers fetching Hugging Face "
+    "Hub kernels it could not download, passed. The one failure is `test_hybrid_log_probs_on_cuda`, which reached "
+    "pytest's 300 s limit in its float32 CPU reference forwards beside seven other workers, as on the H200 "
     "(`h200_gpu_tests_all.log`); it passed alone there (`h200_gpu_tests_async_rest.log`). Skipped: FlashAttention-4 "
     "and Liger, not installed.",
     "h200_gpu_tests_all.log": "7 of 316 failed. Five `test_precision.py` cells, GPT-OSS with bf16 weights on the "

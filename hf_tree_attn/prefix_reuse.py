@@ -18,7 +18,7 @@ gradients for any loss of them, at the memory of one chunk's activations plus th
   and where the model checkpoints its layers only the running layer's is alive. The operator is opaque to
   torch.compile, so decoder layers compiled by `hf_tree_attn.compile` can run the chunks with no graph break, one
   graph per grad mode for chunks of every context size (`LAYERS="compiled"`); by default the chunks run the eager
-  layers, faster where measured (`LAYERS`), and a hybrid's always do (their state-carrying kernels read and write
+  layers (`LAYERS` says why), and a hybrid's always do (their state-carrying kernels read and write
   the stores from Python). Parameter gradients accumulate in `.grad` as they would in one backward (the reentrant
   pattern of `torch.utils.checkpoint(..., use_reentrant=True)`, with its limits: `loss.backward()`, not
   `torch.autograd.grad`). So a data-parallel wrapper
@@ -105,16 +105,16 @@ _CUDA_PATHS = ("flex", "dense")
 CUDA_PATH = (os.environ.get("HF_TREE_ATTN_PREFIX_REUSE_CUDA") or "flex").strip().lower()
 
 # Which decoder layers the chunks run where the model's are compiled (`hf_tree_attn.compile`): "eager" (the default)
-# or "compiled" (through `hf_tree_attn.context_kv`'s operator: exact, no graph break). Eager by default as measured:
-# on one H100, Qwen3-1.7B shape, a 188k-row agent step of 65,536-row chunks took 35.8 s with compiled chunks against
-# 29.2 s with eager ones (the split into micro-batches: 21.2 s compiled, 25.3 s eager;
-# benchmarks/results/prefix_reuse_gpu_h100_qwen3-1.7b_compiled.json). A profile of the compiled chunks puts the loss in
-# FlexAttention: the kernels inductor builds inside the dynamic-shape layer graph took 72 ms a forward call against
-# 41 ms compiled on their own, 172 ms a backward against 126 ms, more than the fused elementwise work saves
-# (benchmarks/results/prefix_reuse_gpu_h100_qwen3-1.7b_compiled_profiled.json), with the same tiles, warps and
-# stages as the compiled split's (benchmarks/results/flex_kernel_configs_h100_qwen3-1.7b.json); keeping every
-# chunk's graph took 31.1 s (prefix_reuse_gpu_h100_qwen3-1.7b_compiled_kept.json). From
-# HF_TREE_ATTN_PREFIX_REUSE_LAYERS at import; may be set at run time (`layers_error` checks it where it is read).
+# or "compiled" (through `hf_tree_attn.context_kv`'s operator: exact, no graph break). On one H100, Qwen3-1.7B shape,
+# a 188k-row agent step of 65,536-row chunks, compiled chunks first took 35.8 s against 29.2 s eager
+# (benchmarks/results/prefix_reuse_gpu_h100_qwen3-1.7b_compiled.json): their FlexAttention kernels, built inside the
+# dynamic-shape layer graphs, lacked the keys' and values' 16-byte alignment hint (the operator's layer token was a
+# CPU tensor, and inductor takes an opaque operator's outputs as unaligned where any input is) and took 1.4-1.8x the
+# time per call. With the token on the keys' device (`context_kv.module_token`) their calls take what the eager
+# chunks' take, and a step took 25.9 s against 29.0 s eager, the first step compiling 140 s against 64 s (one profiled
+# step each, benchmarks/results/prefix_reuse_gpu_h100_qwen3-1.7b_aligned_profiled.json): eager stays the default until
+# paired steps decide it. From HF_TREE_ATTN_PREFIX_REUSE_LAYERS at import; may be set at run time (`layers_error`
+# checks it where it is read).
 _LAYER_MODES = ("eager", "compiled")
 LAYERS = (os.environ.get("HF_TREE_ATTN_PREFIX_REUSE_LAYERS") or "eager").strip().lower()
 

@@ -279,7 +279,7 @@ def test_prefix_reuse_says_when_its_chunks_run_eager_layers(case, caplog, monkey
             warnings.simplefilter("always")
             note = compile_setting.prefix_reuse_note(SimpleNamespace(tree_prefix_reuse=reuse), decision, models[kind])
         said = "runs its chunks on the eager decoder layers"
-        why = "carry a state along the rows" if kind == "hybrid" else "ran slower than eager ones where measured"
+        why = "carry a state along the rows" if kind == "hybrid" else "eager stays the default until paired GPU steps"
         assert (note is not None and said in note and why in note) == says, (kind, layers)
         assert any(said in str(w.message) for w in seen) == (says and warned) and len(seen) == (says and warned)
         assert (said in caplog.text) == (says and not warned), (kind, layers)
