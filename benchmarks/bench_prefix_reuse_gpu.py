@@ -14,6 +14,10 @@ or with `--optimizer` an AdamW step at learning rate 0, which holds and updates 
 - `reuse_kept` (only where asked for): the same with every chunk's forward graph kept for the backward
   (`keep_graphs`), no chunk recomputed there; paired with `split` (`paired_kept`, `agreement_kept`) and with
   `reuse` (`paired_reuse_vs_kept`: reuse's seconds over reuse_kept's per step; `agreement_reuse_vs_kept`).
+- `reuse_eager` (only where asked for, with `--compile`): `reuse` with its chunks on the eager decoder layers
+  (`prefix_reuse.LAYERS = "eager"`, the trainers' default) while the split and `reuse` run the compiled ones; paired
+  with `split` (`paired_eager`, `agreement_eager`) and with `reuse` (`paired_layers`: reuse_eager's seconds over
+  reuse's per step, what compiled chunks gain; `agreement_layers`).
 - `--profile`: one more step per method under the torch profiler, not timed (`profile`: kernel time by kind, the top
   kernels and host ops, as `profile_step.py` sorts them).
 - `reference` (only where asked for; not timed): the first step's log-probabilities in float32, the model's weights
@@ -104,8 +108,14 @@ def step(model, sequences, budget: int, method: str, weights: list[torch.Tensor]
     model.zero_grad(set_to_none=True)
     if method.startswith("reuse"):  # reuse_kept: every chunk's forward graph kept for the backward
         keep = len(sequences) * 10**6 if method == "reuse_kept" else 1
-        logps = sequence_logprobs(model, sequences, budget, prefix_reuse=True, keep_graphs=keep)
-        (sum((w * lp).sum() for w, lp in zip(weights, logps)) / scored).backward()
+        layers = prefix_reuse.LAYERS
+        if method == "reuse_eager":  # the chunks on the eager layers, whatever the model's are
+            prefix_reuse.LAYERS = "eager"
+        try:
+            logps = sequence_logprobs(model, sequences, budget, prefix_reuse=True, keep_graphs=keep)
+            (sum((w * lp).sum() for w, lp in zip(weights, logps)) / scored).backward()
+        finally:
+            prefix_reuse.LAYERS = layers
         return [lp.detach() for lp in logps]
     out: list[torch.Tensor | None] = [None] * len(sequences)
     splits = rope_split_lengths(model.config)
@@ -328,7 +338,7 @@ def measure(model_name: str, workload: str, args, save, earlier: dict) -> dict:
     measured = {m for m, r in row["methods"].items() if "refused" not in r}
     if "reference" in measured and "reference" not in firsts:  # run earlier, its first step not in --first-dir
         firsts["reference"] = reference(model, sequences)[1]
-    for reuse_method, suffix in (("reuse", ""), ("reuse_kept", "_kept")):
+    for reuse_method, suffix in (("reuse", ""), ("reuse_kept", "_kept"), ("reuse_eager", "_eager")):
         if not {"split", reuse_method} <= measured:
             continue
         split, reuse = row["methods"]["split"], row["methods"][reuse_method]
@@ -350,18 +360,21 @@ def measure(model_name: str, workload: str, args, save, earlier: dict) -> dict:
                 f"{'FAILED agreement' if pair['failed'] else 'agrees'} ({described(check)})",
                 flush=True,
             )
-    if {"reuse", "reuse_kept"} <= measured and {"reuse", "reuse_kept"} <= firsts.keys():
-        # the recomputes the kept graphs save, per step; the two agree as each agrees with the split
-        row["agreement_reuse_vs_kept"] = check = check_pair(firsts, "reuse_kept", "reuse", args.dtype)
+    # the recomputes the kept graphs save, and what compiled chunks gain over eager ones, per step; each pair agrees
+    # as each agrees with the split
+    for baseline, other, key in (("reuse", "reuse_kept", "reuse_vs_kept"), ("reuse_eager", "reuse", "layers")):
+        if not ({baseline, other} <= measured and {baseline, other} <= firsts.keys()):
+            continue
+        row["agreement_" + key] = check = check_pair(firsts, other, baseline, args.dtype)
         try:
-            pair = paired(row["methods"]["reuse"]["measured_step_s"], row["methods"]["reuse_kept"]["measured_step_s"])
+            pair = paired(row["methods"][baseline]["measured_step_s"], row["methods"][other]["measured_step_s"])
         except ValueError as error:
             pair = {"error": str(error)}
         pair["failed"] = not check["passed"]
-        row["paired_reuse_vs_kept"] = pair
+        row["paired_" + key] = pair
         if "median" in pair:
             print(
-                f"  reuse vs reuse_kept: {pair['median']:.2f}x [{pair['min']:.2f}, {pair['max']:.2f}] "
+                f"  {baseline} vs {other}: {pair['median']:.2f}x [{pair['min']:.2f}, {pair['max']:.2f}] "
                 f"{'FAILED agreement' if pair['failed'] else 'agrees'} ({described(check)})",
                 flush=True,
             )
@@ -381,7 +394,10 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["qwen3-1.7b"], choices=list(MODELS))
     parser.add_argument("--workloads", nargs="+", default=["agent_2x20x4"], choices=list(WORKLOADS))
     parser.add_argument(
-        "--methods", nargs="+", default=["split", "reuse"], choices=["split", "reuse", "reuse_kept", "reference"]
+        "--methods",
+        nargs="+",
+        default=["split", "reuse"],
+        choices=["split", "reuse", "reuse_kept", "reuse_eager", "reference"],
     )
     parser.add_argument("--budget", type=int, help="token budget (default: the workload's)")
     parser.add_argument("--warmup", type=int, default=1)
@@ -416,6 +432,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device here (use --device cpu for a smoke run)")
+    if "reuse_eager" in args.methods and not args.compile:
+        parser.error("--methods reuse_eager: its chunks run the eager layers where the others run compiled ones; "
+                     "without --compile it is `reuse` (add --compile, or drop reuse_eager)")  # fmt: skip
     if args.undeclared_lengths:
         hf_tree_attn.attention._declare_block_multiples = lambda query, key: None
     out = Path(args.out)

@@ -530,22 +530,25 @@ for stage in "$@"; do
         --out "$OUT/prefix_reuse_gpu_${card}_qwen3-1.7b_aligned_eager_profiled.json" 2>&1 | quiet 12
       python3 benchmarks/flex_kernel_configs.py aligned=/tmp/ind_aligned \
         --out "$OUT/flex_kernel_configs_${card}_qwen3-1.7b_aligned.json" 2>&1 | tail -12 ;;
-    prefix-reuse-gpu-1.7b-compiled-aligned)  # `prefix-reuse-gpu-1.7b-compiled` again on the present code (the
-      # compiled chunks' keys and values aligned since; `prefix-reuse-gpu-1.7b-aligned` profiled one step of each
-      # chunk layout): both layouts on compiled layers, each in its own process, 8 steps paired by step, the evidence
-      # for which layers the trainers' chunks run by default. Both do not fit one call (~5 + ~6 min): a call runs
-      # the layouts its file in /tmp lacks, and the stage again on the warm machine finishes it. Either card
+    prefix-reuse-gpu-1.7b-compiled-aligned)  # prefix reuse on compiled layers with its chunks compiled (`reuse`, the
+      # keys and values aligned since `prefix-reuse-gpu-1.7b-compiled`) and eager (`reuse_eager`, the trainers'
+      # default), each in its own process, 8 steps paired by step with each other (`paired_layers`: the evidence for
+      # the chunks' default layers) and with the compiled split of `prefix-reuse-gpu-1.7b-compiled` (its steps read
+      # back from that file, the split's code unchanged since). One method a call (~8 min each with the split's
+      # agreement step): the stage again on the same warm machine runs the one its file in /tmp lacks; on the card
+      # of that file (an H100)
       f="$OUT/prefix_reuse_gpu_${card}_qwen3-1.7b_compiled_aligned.json"
-      cp "/tmp/$(basename "$f")" "$OUT/" 2>/dev/null
-      began=$SECONDS
-      for method in split reuse; do
-        python3 -c "import json, sys; r = json.load(open('$f'))['rows'][0]['methods'].get('$method', {})
-sys.exit(not r or 'incomplete' in r or 'refused' in r)" 2>/dev/null && continue  # measured in full already
-        timeout $((590 - (SECONDS - began))) python3 benchmarks/bench_prefix_reuse_gpu.py --models qwen3-1.7b \
-          --workloads agent_4x20 --methods "$method" --compile --resume --first-dir /tmp/first_compiled_aligned \
-          --warmup 2 --steps 8 --out "$f" 2>&1 | quiet 12
-        cp "$f" /tmp/ 2>/dev/null
-      done ;;
+      method=reuse
+      if cp "/tmp/$(basename "$f")" "$OUT/" 2>/dev/null; then  # the first call's file: its `reuse` measured in full?
+        python3 -c "import json, sys; r = json.load(open('$f'))['rows'][0]['methods']['reuse']
+sys.exit('incomplete' in r or 'refused' in r)" 2>/dev/null && method=reuse_eager
+      else
+        cp "benchmarks/results/prefix_reuse_gpu_${card}_qwen3-1.7b_compiled.json" "$f"
+      fi
+      timeout 590 python3 benchmarks/bench_prefix_reuse_gpu.py --models qwen3-1.7b --workloads agent_4x20 \
+        --methods "$method" --compile --resume --first-dir /tmp/first_compiled_aligned --warmup 1 --steps 8 \
+        --out "$f" 2>&1 | quiet 12
+      cp "$f" /tmp/ 2>/dev/null ;;
     prefix-reuse-gpu-1.7b-compiled-kept)  # prefix reuse with every chunk's graph kept on compiled layers, paired
       # with the compiled split of `prefix-reuse-gpu-1.7b-compiled` (its steps read back from that file; one split
       # step rerun for the agreement check), on the card of that file (an H100)

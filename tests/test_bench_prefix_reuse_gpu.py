@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -181,6 +182,53 @@ def test_compiled_layers_run_both_layouts_and_they_agree(monkeypatch):
     # and the guards that failed for each recompile: prefix reuse's chunks run without and with grad, one graph each
     reasons = row["methods"]["reuse"]["recompile_reasons"]
     assert any("grad_mode" in message for message in reasons[0]) and not any(reasons[1:]), reasons
+
+
+def test_eager_chunks_beside_compiled_ones_agree_and_are_paired(monkeypatch):
+    """`reuse_eager` under `--compile`: prefix reuse with its chunks on the eager layers (the trainers' default) while
+    `reuse`'s run the compiled ones; it compiles no graph of its own, agrees with the split and with `reuse`, and
+    `paired_layers` is its seconds over `reuse`'s per measured step. The model's layer setting is left as it was."""
+    seen = []
+    step = bench.step
+
+    def spy(model, sequences, budget, method, weights, scored):
+        seen.append((method, bench.prefix_reuse.LAYERS))
+        return step(model, sequences, budget, method, weights, scored)
+
+    monkeypatch.setattr(bench, "step", spy)
+    monkeypatch.setattr(bench, "compile_decoder_layers", lambda model, **kw: compile_decoder_layers(
+        model, **{**kw, "backend": "aot_eager"}))  # fmt: skip
+    monkeypatch.setattr(bench.prefix_reuse, "LAYERS", "eager")  # what the flag sets, put back after the test
+    layers_seen = []
+    sequence_logprobs = bench.sequence_logprobs
+
+    def layers_at_run(*args, **kwargs):  # what the chunks run, read where they run
+        layers_seen.append(bench.prefix_reuse.LAYERS)
+        return sequence_logprobs(*args, **kwargs)
+
+    monkeypatch.setattr(bench, "sequence_logprobs", layers_at_run)
+    torch._dynamo.reset()
+    methods = ["split", "reuse", "reuse_eager"]
+    args = argparse.Namespace(**{**ARGS, "compile": True, "optimizer": False, "methods": methods})
+    row = bench.measure("tiny", "smoke", args, save=lambda row: None, earlier={})
+    assert {m for m, _ in seen} == set(methods) and bench.prefix_reuse.LAYERS == "compiled"
+    assert set(layers_seen) == {"compiled", "eager"} and layers_seen.count("eager") == 1 + 8  # warm-up + measured
+    assert not any(row["methods"]["reuse_eager"]["graphs_compiled"]), row["methods"]["reuse_eager"]
+    for key in ("eager", "layers"):
+        check, pair = row["agreement_" + key], row["paired_" + key]
+        assert check["passed"] and check["max_abs"] < 1e-5 and pair["steps"] == 8 and not pair["failed"], key
+    eager, compiled = (row["methods"][m]["measured_step_s"] for m in ("reuse_eager", "reuse"))
+    ratios = [e / c for e, c in zip(eager, compiled)]
+    assert (row["paired_layers"]["min"], row["paired_layers"]["max"]) == pytest.approx((min(ratios), max(ratios)))
+
+
+def test_eager_chunks_are_refused_without_compiled_layers_beside_them(monkeypatch, capsys):
+    """Without `--compile` every method's chunks run the eager layers: `reuse_eager` would be `reuse` again."""
+    monkeypatch.setattr(sys, "argv", ["bench", "--device", "cpu", "--methods", "split", "reuse_eager"])
+    with pytest.raises(SystemExit):
+        bench.main()
+    err = capsys.readouterr().err
+    assert "--methods reuse_eager" in err and "add --compile" in err, err
 
 
 def _bf16_row(monkeypatch, off_method: str | None = None, shift: float = 0.0) -> dict:
