@@ -5,6 +5,8 @@ for the flat one), both trainers get the same hand-built `inputs` (shared prompt
 branching completions, a fully masked completion), and loss and every parameter gradient must agree.
 """
 
+import contextlib
+import dataclasses
 import hashlib
 import inspect
 import re
@@ -68,20 +70,76 @@ def _config(cls, tmp_path, **overrides):
     return cls(**kwargs)
 
 
-def assert_as_close_to_fp32_as_trl(reference, tree, trl) -> None:
-    """Under bf16, each `(loss, grads)` against the float32 `reference`: the tree's loss error at most twice TRL's plus
-    one bf16 rounding of the loss, its gradient's relative error at most twice TRL's plus one rounding."""
-    (ref_loss, ref_grads), (tree_loss, tree_grads), (flat_loss, flat_grads) = reference, tree, trl
+@dataclasses.dataclass
+class Evaluated:
+    """One `compute_loss` and its backward: the loss `()`, every parameter's gradient (float32), the per-token
+    log-probabilities `(B, C)` the loss read (float32) and the loss's gradient with respect to them `(B, C)`."""
+
+    loss: torch.Tensor
+    grads: dict[str, torch.Tensor]
+    logps: torch.Tensor
+    logps_grad: torch.Tensor
+
+
+def evaluate(trainer, inputs) -> Evaluated:
+    """`compute_loss(inputs)` and its backward, the forward under the trainer's autocast as accelerate wraps a
+    prepared model's forward in `train()` (`bf16=True`: `torch.autocast` to bf16, on the CPU too; otherwise none:
+    accelerate's state is shared, so a float32 trainer's accelerator reports the last trainer's precision),
+    catching the log-probabilities TRL's loss reads from `_get_per_token_logps_and_entropies` (one call)."""
+    assert not trainer.args.bf16 or trainer.accelerator.mixed_precision == "bf16"
+    autocast = trainer.accelerator.autocast() if trainer.args.bf16 else contextlib.nullcontext()
+    caught, hook = [], trainer._get_per_token_logps_and_entropies
+
+    def catching(*args, **kwargs):
+        logps, *rest = hook(*args, **kwargs)
+        logps.retain_grad()
+        caught.append(logps)
+        return (logps, *rest)
+
+    trainer.model.zero_grad(set_to_none=True)
+    trainer._get_per_token_logps_and_entropies = catching
+    try:
+        with autocast:
+            loss = trainer.compute_loss(trainer.model, inputs)
+        loss.backward()
+    finally:
+        del trainer._get_per_token_logps_and_entropies
+    (logps,) = caught
+    grads = {name: p.grad.float() for name, p in trainer.model.named_parameters() if p.grad is not None}
+    return Evaluated(loss.detach().float(), grads, logps.detach().float(), logps.grad.float())
+
+
+def assert_as_close_to_fp32_as_trl(reference: Evaluated, tree: Evaluated, trl: Evaluated, mask) -> None:
+    """Under bf16, the tree against the float32 `reference` as TRL's trainer is, with tests/test_precision.py's bound
+    (twice TRL's error plus one bf16 rounding at the values' scale), on the completion tokens of `mask` `(B, C)`:
+
+    - the per-token log-probabilities: largest error at most twice TRL's plus one rounding of the largest one;
+    - the loss, which is TRL's code on both sides applied to those log-probabilities: to first order its error is
+      theirs weighted by `d loss / d logps`, a signed sum that cancels by luck on one side and not the other (TRL's
+      loss once came 22x closer than its log-probabilities allowed). So the bound takes TRL's error without the
+      luck, `sum |d loss / d logps| * |TRL's log-prob errors|` (at least its actual loss error), twice, plus one
+      rounding of the loss;
+    - the gradients: relative error at most twice TRL's plus one rounding."""
     u = torch.finfo(torch.bfloat16).eps / 2
+    mask = mask.bool()
+    errors = {id(side): (side.logps - reference.logps)[mask] for side in (tree, trl)}
+    scale = float(reference.logps[mask].abs().max())
+    tree_error, flat_error = (float(errors[id(side)].abs().max()) for side in (tree, trl))
+    assert tree_error <= 2 * flat_error + u * scale, ("log-probs", tree_error, flat_error)
+
+    weights = reference.logps_grad[mask].abs()
+    flat_unlucky = float((weights * errors[id(trl)].abs()).sum())
+    tree_error, flat_error = (float((side.loss - reference.loss).abs()) for side in (tree, trl))
+    bound = 2 * max(flat_error, flat_unlucky) + u * float(reference.loss.abs())
+    assert tree_error <= bound, ("loss", tree_error, flat_error, flat_unlucky)
 
     def grad_error(grads):
-        diff = sum(float((grads[n] - g).square().sum()) for n, g in ref_grads.items())
-        return (diff / sum(float(g.square().sum()) for g in ref_grads.values())) ** 0.5
+        diff = sum(float((grads[n] - g).square().sum()) for n, g in reference.grads.items())
+        return (diff / sum(float(g.square().sum()) for g in reference.grads.values())) ** 0.5
 
-    flat_error, tree_error = float((flat_loss - ref_loss).abs()), float((tree_loss - ref_loss).abs())
-    assert tree_error <= 2 * flat_error + u * float(ref_loss.abs()), (tree_error, flat_error)
-    assert tree_grads.keys() == ref_grads.keys()
-    assert grad_error(tree_grads) <= 2 * grad_error(flat_grads) + u, (grad_error(tree_grads), grad_error(flat_grads))
+    assert tree.grads.keys() == reference.grads.keys()
+    tree_error, flat_error = grad_error(tree.grads), grad_error(trl.grads)
+    assert tree_error <= 2 * flat_error + u, ("gradients", tree_error, flat_error)
 
 
 def ready_for_loss(trainer):
@@ -206,18 +264,6 @@ PRECISIONS = {"fp32+bf16autocast": (torch.float32, True), "bf16+bf16autocast": (
 PRECISIONS["bf16"] = (torch.bfloat16, False)
 
 
-def _loss_and_grads_as_trained(trainer, inputs):
-    """`_loss_and_grads` with the forward under the trainer's autocast, as accelerate wraps a prepared model's
-    forward in `train()` (`bf16=True`: `torch.autocast` to bf16, on the CPU too)."""
-    trainer.model.zero_grad(set_to_none=True)
-    assert trainer.accelerator.mixed_precision == ("bf16" if trainer.args.bf16 else "no")
-    with trainer.accelerator.autocast():
-        loss = trainer.compute_loss(trainer.model, inputs)
-    loss.backward()
-    grads = {name: p.grad.float() for name, p in trainer.model.named_parameters() if p.grad is not None}
-    return loss.detach().float(), grads
-
-
 @pytest.mark.parametrize("two_level", [True, False], ids=["prefix-kernels", "dense-mask"])
 @pytest.mark.parametrize("loss_type, beta, num_iterations", [("dapo", 0.04, 2), ("grpo", 0.0, 1)])
 @pytest.mark.parametrize("precision", PRECISIONS)
@@ -235,9 +281,8 @@ def test_loss_and_grads_match_flat_trainer_under_mixed_precision(
     assert next(tree.model.parameters()).dtype == weights
     tree._tree_pack.keywords["two_level"] = two_level
     inputs = _inputs(reference, reference, tiny[1], beta, num_iterations)
-    ref_loss, ref_grads = _loss_and_grads(reference, inputs)
-    (tree_loss, tree_grads), (flat_loss, flat_grads) = (_loss_and_grads_as_trained(t, inputs) for t in (tree, flat))
-    assert_as_close_to_fp32_as_trl((ref_loss, ref_grads), (tree_loss, tree_grads), (flat_loss, flat_grads))
+    ref = evaluate(reference, inputs)
+    assert_as_close_to_fp32_as_trl(ref, evaluate(tree, inputs), evaluate(flat, inputs), inputs["completion_mask"])
     assert tree._metrics["train"]["tree_fallback"] == [0.0]
     (forest,) = (scored.forest for scored in next(iter(tree._tree_cache.values())))
     assert (forest.prefix_plan is not None) == two_level
@@ -246,7 +291,7 @@ def test_loss_and_grads_match_flat_trainer_under_mixed_precision(
 def test_cast_lm_head_to_fp32_runs_the_tree_head_in_float32(tiny, tmp_path, monkeypatch):
     """`cast_lm_head_to_fp32=True` under TRL's `bf16=True` autocast: TRL's fused head takes float32 hidden states with
     autocast off; so does the tree head (it ran in bf16 under the trainer's autocast). The loss then stays within
-    the mixed-precision bound of TRL's flat trainer with the same flag."""
+    the mixed-precision bound of TRL's flat trainer with the same flag (log-probs, loss, gradients)."""
     import hf_tree_attn.logprobs as logprobs
 
     seen = []
@@ -263,13 +308,11 @@ def test_cast_lm_head_to_fp32_runs_the_tree_head_in_float32(tiny, tmp_path, monk
     tree, flat = _pair(tiny, tmp_path, **overrides, bf16=True, cast_lm_head_to_fp32=True)
     assert tree.model.lm_head.weight.dtype == torch.float32
     inputs = _inputs(reference, reference, tiny[1], 0.0, 1)
-    ref_loss, _ = _loss_and_grads(reference, inputs)
+    ref = evaluate(reference, inputs)
     seen.clear()
-    (tree_loss, _), (flat_loss, _) = (_loss_and_grads_as_trained(t, inputs) for t in (tree, flat))
+    tree_result, flat_result = evaluate(tree, inputs), evaluate(flat, inputs)
     assert seen and all(fp32 and not autocast for fp32, autocast, _ in seen), seen
-    u = torch.finfo(torch.bfloat16).eps / 2
-    tree_error, flat_error = float((tree_loss - ref_loss).abs()), float((flat_loss - ref_loss).abs())
-    assert tree_error <= 2 * flat_error + u * float(ref_loss.abs()), (tree_error, flat_error)
+    assert_as_close_to_fp32_as_trl(ref, tree_result, flat_result, inputs["completion_mask"])
 
 
 def test_attention_dropout_trains_on_trls_path(tiny, tmp_path):

@@ -26,6 +26,7 @@ from test_grpo_trainer import (
     TOLERANCE,
     _batch,
     assert_as_close_to_fp32_as_trl,
+    evaluate,
 )
 from trl import RLOOConfig, RLOOTrainer
 
@@ -93,12 +94,10 @@ def _inputs(trainer, tokenizer, moved):
     }  # fmt: skip
 
 
-def _loss_and_grads(trainer, inputs, autocast=False):
-    """Loss and parameter gradients of `inputs`, the forward under the trainer's autocast where it trains with one
-    (`bf16=True`: accelerate wraps a prepared model's forward in it)."""
+def _loss_and_grads(trainer, inputs):
+    """Loss and parameter gradients of `inputs` (float32: the precision tests use `evaluate`)."""
     trainer.model.zero_grad(set_to_none=True)
-    with trainer.accelerator.autocast() if autocast else torch.enable_grad():
-        loss = trainer.compute_loss(trainer.model, inputs)
+    loss = trainer.compute_loss(trainer.model, inputs)
     loss.backward()
     grads = {name: p.grad.float() for name, p in trainer.model.named_parameters() if p.grad is not None}
     return loss.detach().float(), grads
@@ -165,13 +164,10 @@ def test_bf16_is_as_close_to_float32_as_trls(tiny, tmp_path, weights):
     (tests/test_precision.py says why that bound)."""
     _, reference = _pair(tiny, tmp_path / "fp32")
     inputs = _inputs(reference, tiny[1], moved=True)
-    ref_loss, ref_grads = _loss_and_grads(reference, inputs)
+    ref = evaluate(reference, inputs)
     tree, flat = _pair(tiny, tmp_path, bf16=True, model_init_kwargs={"dtype": weights})
     assert next(tree.model.parameters()).dtype == weights and tree.accelerator.mixed_precision == "bf16"
-    (tree_loss, tree_grads), (flat_loss, flat_grads) = (
-        _loss_and_grads(t, inputs, autocast=True) for t in (tree, flat)
-    )
-    assert_as_close_to_fp32_as_trl((ref_loss, ref_grads), (tree_loss, tree_grads), (flat_loss, flat_grads))
+    assert_as_close_to_fp32_as_trl(ref, evaluate(tree, inputs), evaluate(flat, inputs), inputs["completion_mask"])
     assert tree._metrics["train"]["tree_fallback"] == [0.0]
 
 
