@@ -484,6 +484,7 @@ def prefix_reuse_plan() -> list[str]:
         + prefix_reuse_profiled()
         + flex_kernel_settings()
         + prefix_reuse_kept()
+        + prefix_reuse_layers()
     )
 
 
@@ -707,6 +708,40 @@ def prefix_reuse_kept() -> list[str]:
     return ["", "Prefix reuse keeping every chunk's forward graph for the backward, against recomputing each but the "
             "last there (`bench_prefix_reuse_gpu.py --methods reuse reuse_kept`, each layer checkpointed):", "",
             *table(headers, rows), *notes.lines()]  # fmt: skip
+
+
+def prefix_reuse_layers() -> list[str]:
+    """bench_prefix_reuse_gpu.py --compile --methods reuse reuse_eager: prefix reuse's chunks on the compiled decoder
+    layers against the same chunks on the eager ones (`prefix_reuse.LAYERS`), paired per step, each against the
+    split; nothing until a file of PREFIX_REUSE_GPU holds the pair."""
+    notes, rows = Notes(), []
+    for name in PREFIX_REUSE_GPU:
+        data = load(name)
+        for row in data["rows"]:
+            if "paired_layers" not in row:
+                continue
+            cells = []
+            for method in ("reuse_eager", "reuse"):
+                run = row["methods"][method]
+                measured = run["measured_step_s"]
+                cells.append(
+                    f"{secs(run['median_step_s'])} [{min(measured):.2f}, {max(measured):.2f} s], first step "
+                    f"{run['first_step_s']:.1f} s, {run['peak_gib']:.1f} GiB"
+                )
+            rows.append([
+                f"{MODELS[row['model']]}, {data['gpu']}", f"`{row['workload']}`",
+                f"{row['unique']:,} rows in chunks of {row['budget']:,}", *cells, ranged(row["paired_layers"]),
+                agreed(row["agreement_layers"]), ranged(row.get("paired_eager")), ranged(row.get("paired")),
+                notes.source(name),
+            ])  # fmt: skip
+    if not rows:
+        return []
+    headers = ["model shape, device", "workload", "forest", "eager chunks: median step [range], first step, peak",
+               "compiled chunks: the same", "eager over compiled, per step", "agreement (log-probs, gradients)",
+               "split over eager chunks, per step", "split over compiled chunks, per step", "source"]  # fmt: skip
+    return ["", "Prefix reuse with the decoder layers compiled, its chunks run on the compiled layers against the "
+            "eager ones (`bench_prefix_reuse_gpu.py --compile --methods reuse reuse_eager`, each in its own process; "
+            "the split compiled):", "", *table(headers, rows), *notes.lines()]  # fmt: skip
 
 
 def flop_ceiling_and_mfu() -> list[str]:

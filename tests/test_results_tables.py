@@ -1,6 +1,7 @@
 """benchmarks/results/README.md and README.md's table are what benchmarks/results_tables.py writes from the committed
 result files; every result file is registered and shown; every GPU file is what its stage of run_h200.sh runs."""
 
+import json
 import re
 import shlex
 import sys
@@ -109,3 +110,31 @@ def test_every_source_names_the_commit_it_measured():
         if not name.endswith(".png"):
             (row,) = [line for line in files.splitlines() if line.startswith(f"| [{name}]")]
             assert row.rstrip(" |").endswith(expected), f"{name}: the file list does not name {expected}"
+
+
+def test_compiled_against_eager_chunks_shows_once_a_file_holds_the_pair(monkeypatch):
+    """The table of prefix reuse's chunks on compiled against eager layers (`paired_layers`) is absent until a
+    registered bench_prefix_reuse_gpu.py file holds that pair, and then prints its paired ratios and agreement."""
+    assert results_tables.prefix_reuse_layers() == []
+    name = "prefix_reuse_gpu_h100_qwen3-1.7b_compiled.json"
+    data = results_tables.load(name)
+    row = data["rows"][0]
+
+    def run(seconds):
+        return {"median_step_s": seconds, "measured_step_s": [seconds] * 8, "first_step_s": 60.0, "peak_gib": 39.0}
+
+    def pair(median):
+        return {"median": median, "min": median - 0.01, "max": median + 0.01, "failed": False}
+
+    check = {"max_abs": 3e-3, "gradient_cosine": 0.9999, "passed": True}
+    row["methods"] = {**row["methods"], "reuse": run(25.9), "reuse_eager": run(29.0)}
+    row.update(paired_layers=pair(1.12), agreement_layers=check, paired_eager=pair(0.73), paired=pair(0.82))
+    monkeypatch.setattr(results_tables, "load", lambda n: data if n == name else json.loads((RESULTS / n).read_text()))
+    lines = results_tables.prefix_reuse_layers()
+    (line,) = [line for line in lines if line.startswith("| Qwen3-1.7B")]
+    cells = [cell.strip() for cell in line.strip("|").split("|")]
+    assert cells[3].startswith("29.0 s [29.00, 29.00 s], first step 60.0 s, 39.0 GiB")
+    assert cells[4].startswith("25.9 s")
+    assert cells[5:9] == ["**1.12×** [1.11×, 1.13×]", "max abs 3.0e-03, gradient cosine 0.999900",
+                          "**0.73×** [0.72×, 0.74×]", "**0.82×** [0.81×, 0.83×]"]  # fmt: skip
+    assert f"[{name}]({name})" in cells[9]
