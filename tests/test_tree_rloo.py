@@ -159,9 +159,9 @@ def test_loss_and_grads_match_trls(tiny, tmp_path, moved):
 
 @pytest.mark.parametrize("weights", [torch.float32, torch.bfloat16], ids=["fp32+bf16autocast", "bf16+bf16autocast"])
 def test_bf16_is_as_close_to_float32_as_trls(tiny, tmp_path, weights):
-    """As TRL trains with `bf16=True` (fp32 or bf16 weights under bf16 autocast), the tree's loss and gradients are
-    as close to the float32 ones as TRL's under the same precision: within twice its error plus one bf16 rounding
-    (tests/test_precision.py says why that bound)."""
+    """As TRL trains with `bf16=True` (fp32 or bf16 weights under bf16 autocast), the tree's log-probabilities, loss
+    and gradients are as close to the float32 ones as TRL's under the same precision: within twice its error plus one
+    bf16 rounding (tests/test_precision.py says why that bound; `assert_as_close_to_fp32_as_trl` how for the loss)."""
     _, reference = _pair(tiny, tmp_path / "fp32")
     inputs = _inputs(reference, tiny[1], moved=True)
     ref = evaluate(reference, inputs)
