@@ -176,6 +176,11 @@ def secs(value: float) -> str:
     return f"{value:.3f} s" if value < 10 else f"{value:.1f} s"
 
 
+def step_range(median: float, measured: list[float]) -> str:
+    """A median step with the range of the measured steps: `1.234 s [1.20, 1.30 s]`."""
+    return f"{secs(median)} [{min(measured):.2f}, {max(measured):.2f} s]"
+
+
 def steps(values: list[float]) -> str:
     """Each measured step's time, in order."""
     return " / ".join(f"{v:.2f}" for v in values) + " s"
@@ -507,8 +512,8 @@ def prefix_reuse_gpu() -> list[str]:
                     cells.append("refused (a sequence longer than the budget)")
                 elif measured:
                     cells.append(
-                        f"cut off after {len(measured)} measured steps: {secs(statistics.median(measured))} "
-                        f"[{min(measured):.2f}, {max(measured):.2f} s]"
+                        f"cut off after {len(measured)} measured steps: "
+                        f"{step_range(statistics.median(measured), measured)}"
                     )
                 elif run is None or "incomplete" in run:
                     cells.append("*not yet timed*")
@@ -517,7 +522,7 @@ def prefix_reuse_gpu() -> list[str]:
                 else:
                     measured = run["measured_step_s"]
                     cells.append(
-                        f"{secs(run['median_step_s'])} [{min(measured):.2f}, {max(measured):.2f} s], "
+                        f"{step_range(run['median_step_s'], measured)}, "
                         f"{x(run['forwarded_over_unique'])} forwarded, MFU {pct(run['mfu'], 1)}, "
                         f"{run['peak_gib']:.1f} GiB"
                     )
@@ -694,7 +699,7 @@ def prefix_reuse_kept() -> list[str]:
             cells = []
             for method in ("reuse", "reuse_kept"):
                 measured = row["methods"][method]["measured_step_s"]
-                cells.append(f"{secs(statistics.median(measured))} [{min(measured):.2f}, {max(measured):.2f} s]")
+                cells.append(step_range(statistics.median(measured), measured))
             check = row["agreement_reuse_vs_kept"]
             rows.append([
                 f"{MODELS[row['model']]}, {data['gpu']} {data['dtype']}", f"`{row['workload']}`",
@@ -723,9 +728,8 @@ def prefix_reuse_layers() -> list[str]:
             cells = []
             for method in ("reuse_eager", "reuse"):
                 run = row["methods"][method]
-                measured = run["measured_step_s"]
                 cells.append(
-                    f"{secs(run['median_step_s'])} [{min(measured):.2f}, {max(measured):.2f} s], first step "
+                    f"{step_range(run['median_step_s'], run['measured_step_s'])}, first step "
                     f"{run['first_step_s']:.1f} s, {run['peak_gib']:.1f} GiB"
                 )
             rows.append([
@@ -1305,7 +1309,7 @@ def peers() -> list[str]:
             measured = tree["measured_step_s"]
             on_fla.append([
                 MODELS[row["model"]], rollout_workload(row), f"{load(name)['token_budget']:,}",
-                f"{secs(tree['median_step_s'])} [{min(measured):.2f}, {max(measured):.2f} s]",
+                step_range(tree["median_step_s"], measured),
                 f"{tree['first_step_s']:.1f} s", x(tree["packing_ratio"]), pct(tree["mfu"], 1),
                 f"{tree['peak_gib']:.1f}", notes.source(name),
             ])  # fmt: skip
