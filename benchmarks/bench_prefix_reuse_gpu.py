@@ -15,9 +15,9 @@ or with `--optimizer` an AdamW step at learning rate 0, which holds and updates 
   (`keep_graphs`), no chunk recomputed there; paired with `split` (`paired_kept`, `agreement_kept`) and with
   `reuse` (`paired_reuse_vs_kept`: reuse's seconds over reuse_kept's per step; `agreement_reuse_vs_kept`).
 - `reuse_eager` (only where asked for, with `--compile`): `reuse` with its chunks on the eager decoder layers
-  (`prefix_reuse.LAYERS = "eager"`, the trainers' default) while the split and `reuse` run the compiled ones; paired
-  with `split` (`paired_eager`, `agreement_eager`) and with `reuse` (`paired_layers`: reuse_eager's seconds over
-  reuse's per step, what compiled chunks gain; `agreement_layers`).
+  (`prefix_reuse.LAYERS = "eager"`, the trainers' default before these paired steps) while the split and `reuse` run
+  the compiled ones; paired with `split` (`paired_eager`, `agreement_eager`) and with `reuse` (`paired_layers`:
+  reuse_eager's seconds over reuse's per step, what compiled chunks gain; `agreement_layers`).
 - `--profile`: one more step per method under the torch profiler, not timed (`profile`: kernel time by kind, the top
   kernels and host ops, as `profile_step.py` sorts them).
 - `reference` (only where asked for; not timed): the first step's log-probabilities in float32, the model's weights

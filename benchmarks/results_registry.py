@@ -144,6 +144,7 @@ SOURCES = {
     "prefix_reuse_gpu_h100_qwen3-1.7b_compiled.json": "prefix-reuse-gpu-1.7b-compiled",
     "prefix_reuse_gpu_h100_qwen3-1.7b_compiled_profiled.json": "prefix-reuse-gpu-1.7b-compiled-profiled",
     "prefix_reuse_gpu_h100_qwen3-1.7b_compiled_kept.json": "prefix-reuse-gpu-1.7b-compiled-kept",
+    "prefix_reuse_gpu_h100_qwen3-1.7b_compiled_aligned.json": "prefix-reuse-gpu-1.7b-compiled-aligned",
     "prefix_reuse_gpu_h100_qwen3-1.7b_divisible_profiled.json": "prefix-reuse-gpu-1.7b-divisible",
     "flex_kernel_configs_h100_qwen3-1.7b_divisible.json": "prefix-reuse-gpu-1.7b-divisible",
     "prefix_reuse_gpu_h100_qwen3-1.7b_aligned_profiled.json": "prefix-reuse-gpu-1.7b-aligned",
@@ -303,6 +304,7 @@ PREFIX_REUSE_GPU = [
     "prefix_reuse_gpu_h200_qwen3-1.7b.json",
     "prefix_reuse_gpu_h100_qwen3-1.7b_compiled.json",
     "prefix_reuse_gpu_h100_qwen3-1.7b_compiled_kept.json",
+    "prefix_reuse_gpu_h100_qwen3-1.7b_compiled_aligned.json",
     "prefix_reuse_gpu_h200_qwen3-8b_trajectory.json",
 ]
 # prefix_reuse_work.py over PREFIX_REUSE_GPU's files: each layout's executed FLOPs, predicted vs measured speed (CPU).
@@ -664,7 +666,8 @@ NOTES = {
     "The call's 540 s ran out after prefix reuse's third measured step, so there is no paired ratio. Its steps took "
     "35.8 s, more than the eager layers' 29.2 s on the same card (`prefix_reuse_gpu_h100_qwen3-1.7b_profiled.json`, "
     "one step, older code), while compiling took the split from 25.3 s (the same file) to 21.2 s: so the trainers "
-    "run the chunks on eager layers by default (`HF_TREE_ATTN_PREFIX_REUSE_LAYERS`). Where the time goes: "
+    "ran the chunks on eager layers by default (`HF_TREE_ATTN_PREFIX_REUSE_LAYERS`) until the alignment fix and the "
+    "paired steps of `prefix_reuse_gpu_h100_qwen3-1.7b_compiled_aligned.json`. Where the time goes: "
     "`prefix_reuse_gpu_h100_qwen3-1.7b_compiled_profiled.json`.",
     "prefix_reuse_gpu_h100_qwen3-1.7b_compiled_profiled.json": "one H100 80GB, prefix reuse on compiled decoder layers"
     " (`--compile`), one warm step of each method under the profiler, after one timed warm-up and one timed step. "
@@ -688,6 +691,23 @@ NOTES = {
     "layers' did (`prefix_reuse_gpu_h200_qwen3-1.7b.json`): two bf16 layouts compared directly within 0.12, largest "
     "difference 0.152 over 2.26M tokens (mean 0.014), gradient cosine 0.99923; without a float32 reference it cannot "
     "tell bf16 rounding at this shape from a fault (stage `prefix-reuse-gpu-1.7b-reference`).",
+    "prefix_reuse_gpu_h100_qwen3-1.7b_compiled_aligned.json": "one H100 80GB, two calls made back to back on one "
+    "machine, each method in its own process at commit 28f55e8: prefix reuse with its chunks on the compiled "
+    "decoder layers (`reuse`, the first call, `earlier_runs`) and on the eager ones while the model's are compiled "
+    "(`reuse_eager`), paired per step with each other (`paired_layers`) and with the compiled split of "
+    "`prefix_reuse_gpu_h100_qwen3-1.7b_compiled.json` (commit 77c934c, the split's code unchanged since; one split "
+    "step rerun for the agreement checks). Compiled chunks took 25.92 s a step against the eager chunks' 29.05 s, "
+    "1.12x [1.12x, 1.13x] over 8 paired steps, at 39.1 against 40.9 GiB; their first step, compiling into an empty "
+    "cache, 112.4 s against 49.5 s, and no graph compiled after it. This decides the default: the chunks run the "
+    "compiled layers (`HF_TREE_ATTN_PREFIX_REUSE_LAYERS=eager` for the eager ones). Both still run slower than the "
+    "compiled split at this shape (0.82x and 0.73x), where the split repeats 1.29x the unique tokens and prefix "
+    "reuse forwards each chunk but the last once more in the backward. The three agreement checks compare two bf16 "
+    "layouts directly within a fixed 0.12 and all fail, the old default's the most: the split against eager chunks "
+    "0.187 (mean 0.031, gradient cosine 0.9960), against compiled chunks 0.152 (mean 0.014, 0.9992), compiled "
+    "against eager chunks 0.178 (mean 0.031, 0.9956). The compiled chunks are the nearer to the split, whose "
+    "compiled layers they share; which layout is nearest float32 needs the float32 reference (stage "
+    "`prefix-reuse-gpu-1.7b-reference`, not run). On CUDA, `test_gpu_prefix_reuse.py` checks the compiled chunks "
+    "against float32 per-sequence forwards within their bounds (passed in `h100_gpu_tests_all.log`).",
     "flex_kernel_configs_h100_qwen3-1.7b.json": "read from the inductor caches of the three runs beside it, in the "
     "same call (commit 9fabaef, as their files record; the script recorded no provenance then, and does now, with "
     "each argument inductor could not prove a multiple of 16). Compiled chunks, whose FlexAttention calls ran "
@@ -755,8 +775,8 @@ NOTES = {
     "`prefix_reuse_gpu_h100_qwen3-1.7b_compiled.json`.",
     "h100_gpu_tests_prefix_reuse_current.log": "all 21 passed, the two with inductor-compiled layers among them "
     "(tries split 2, 3 and 8 ways within the flex path's float32 bounds, no graph break, no compile past dynamo's "
-    "recompile limit). They ran while compiled chunks were the default; that default is eager now, and the tests "
-    "ask for compiled chunks themselves.",
+    "recompile limit). They ran while compiled chunks were the default, as they are again; the tests ask for "
+    "compiled chunks themselves.",
     "prefix_reuse_gpu_h200_qwen3-1.7b.json": "two calls made back to back on one machine (the split's in "
     "`earlier_runs`). Prefix reuse ran slower than the split here: at 1.29x forwarded over unique tokens, the rows "
     "the split repeats cost less than the chunk recompute prefix reuse adds in the backward (its chunks but the last, "
@@ -789,14 +809,13 @@ NOTES = {
     "prefix reuse, off in every row). The tree's first step holds the compile of its layers (50 to 90 s). TRL's "
     "trainers pad each micro-batch to its longest sequence, so a row's ratio can pass its token ceiling (the tree "
     "saves the shared tokens and the padding both), as TRL's MFU shows.",
-    "h100_gpu_tests_all.log": "339 passed, 1 failed. All 144 `test_precision.py` cells, the 128 families of "
-    "`test_gpu_coverage.py`, the 21 prefix-reuse tests (among them the compiled chunks' check that the context "
+    "h100_gpu_tests_all.log": "all 340 passed, 13 skipped, in 6 min 52 s. All 144 `test_precision.py` cells, the "
+    "128 families of `test_gpu_coverage.py`, the 21 prefix-reuse tests (among them the chunks on inductor-compiled "
+    "layers, whole and checkpointed, against float32 per-sequence forwards, and the check that the context "
     "operator's keys and values reach inductor aligned) and the trainers against TRL's on CUDA passed, with "
-    "`USE_HUB_KERNELS=0`: the 8 tests that failed on this machine before, in transformers fetching Hugging Face "
-    "Hub kernels it could not download, passed. The one failure is `test_hybrid_log_probs_on_cuda`, which reached "
-    "pytest's 300 s limit in its float32 CPU reference forwards beside seven other workers, as on the H200 "
-    "(`h200_gpu_tests_all.log`); it passed alone there (`h200_gpu_tests_async_rest.log`). Skipped: FlashAttention-4 "
-    "and Liger, not installed.",
+    "`USE_HUB_KERNELS=0`. `test_hybrid_log_probs_on_cuda`, which reached pytest's 300 s limit in this stage's run "
+    "before (its float32 CPU reference forwards beside seven other workers, each on every core), passed with two "
+    "CPU threads a worker. Skipped: FlashAttention-4 and Liger, not installed (their own logs below).",
     "h200_gpu_tests_all.log": "7 of 316 failed. Five `test_precision.py` cells, GPT-OSS with bf16 weights on the "
     "two-level forest in training mode (checkpointing `all` / `auto`, and bf16 autocast): the tree's log-prob error "
     "against float32 is 0.122, flat's 0.038, over the bound 0.103; the same model in eval mode, on the deep forest, "

@@ -532,7 +532,7 @@ for stage in "$@"; do
         --out "$OUT/flex_kernel_configs_${card}_qwen3-1.7b_aligned.json" 2>&1 | tail -12 ;;
     prefix-reuse-gpu-1.7b-compiled-aligned)  # prefix reuse on compiled layers with its chunks compiled (`reuse`, the
       # keys and values aligned since `prefix-reuse-gpu-1.7b-compiled`) and eager (`reuse_eager`, the trainers'
-      # default), each in its own process, 8 steps paired by step with each other (`paired_layers`: the evidence for
+      # default until this stage's steps), each in its own process, 8 steps paired by step with each other (`paired_layers`: the evidence for
       # the chunks' default layers) and with the compiled split of `prefix-reuse-gpu-1.7b-compiled` (its steps read
       # back from that file, the split's code unchanged since). One method a call (~8 min each with the split's
       # agreement step): the stage again on the same warm machine runs the one its file in /tmp lacks; on the card
@@ -545,9 +545,15 @@ sys.exit('incomplete' in r or 'refused' in r)" 2>/dev/null && method=reuse_eager
       else
         cp "benchmarks/results/prefix_reuse_gpu_${card}_qwen3-1.7b_compiled.json" "$f"
       fi
-      timeout 590 python3 benchmarks/bench_prefix_reuse_gpu.py --models qwen3-1.7b --workloads agent_4x20 \
-        --methods "$method" --compile --resume --first-dir /tmp/first_compiled_aligned --warmup 1 --steps 8 \
-        --out "$f" 2>&1 | quiet 12
+      if [ "$method" = reuse ]; then
+        timeout 590 python3 benchmarks/bench_prefix_reuse_gpu.py --models qwen3-1.7b --workloads agent_4x20 \
+          --methods reuse --compile --resume --first-dir /tmp/first_compiled_aligned --warmup 1 --steps 8 \
+          --out "$f" 2>&1 | quiet 12
+      else
+        timeout 590 python3 benchmarks/bench_prefix_reuse_gpu.py --models qwen3-1.7b --workloads agent_4x20 \
+          --methods reuse_eager --compile --resume --first-dir /tmp/first_compiled_aligned --warmup 1 --steps 8 \
+          --out "$f" 2>&1 | quiet 12
+      fi
       cp "$f" /tmp/ 2>/dev/null ;;
     prefix-reuse-gpu-1.7b-compiled-kept)  # prefix reuse with every chunk's graph kept on compiled layers, paired
       # with the compiled split of `prefix-reuse-gpu-1.7b-compiled` (its steps read back from that file; one split
@@ -574,7 +580,7 @@ sys.exit('incomplete' in r or 'refused' in r)" 2>/dev/null && method=reuse_eager
         --out "$OUT/async_prefix_reuse_${card}_qwen3-1.7b.json" 2>&1 | grep -E "^qwen|^  |rror:"
       cp "$OUT/async_prefix_reuse_${card}_qwen3-1.7b.json" /tmp/ 2>/dev/null ;;
     async-prefix-reuse-1.7b-tree)  # the tree without and with prefix reuse on the same rows, paired with TRL's (each
-      # side through the CUDA default: decoder layers compiled in place, prefix reuse's chunks on the eager layers)
+      # side through the CUDA default: decoder layers compiled in place, prefix reuse's chunks on them)
       cp /tmp/async_prefix_reuse_${card}_qwen3-1.7b.json "$OUT/" 2>/dev/null \
         || cp .partial/async_prefix_reuse_${card}_qwen3-1.7b.json "$OUT/" 2>/dev/null
       timeout 560 python3 benchmarks/bench_async_grpo.py --warmup 2 --steps 8 --resume --models qwen3-1.7b \

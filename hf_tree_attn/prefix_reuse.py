@@ -17,20 +17,20 @@ gradients for any loss of them, at the memory of one chunk's activations plus th
   the own rows' the gradients later chunks sent them: no layer's context is held until the chunk's backward ends,
   and where the model checkpoints its layers only the running layer's is alive. The operator is opaque to
   torch.compile, so decoder layers compiled by `hf_tree_attn.compile` can run the chunks with no graph break, one
-  graph per grad mode for chunks of every context size (`LAYERS="compiled"`); by default the chunks run the eager
-  layers (`LAYERS` says why), and a hybrid's always do (their state-carrying kernels read and write
-  the stores from Python). Parameter gradients accumulate in `.grad` as they would in one backward (the reentrant
-  pattern of `torch.utils.checkpoint(..., use_reentrant=True)`, with its limits: `loss.backward()`, not
-  `torch.autograd.grad`). So a data-parallel wrapper
-  whose hooks expect one gradient per parameter per backward, and the same forwards on every rank, cannot reduce them:
-  under DDP run the step under its `no_sync()` and average the `.grad`s over the ranks once per optimizer step, as the
-  trainers do (`trainer.core.prefix_reuse_gradient_sync`). FSDP2 (`fully_shard`) reduces each backward's gradients
-  itself, but gathers parameters and reduces gradients in collectives every rank must call alike: ranks whose forests
-  cut into fewer chunks run dummy chunks until every rank runs as many, and every chunk gathers the LM head (or runs
-  the caller's head) and runs a backward (`_fsdp_dummies`). Called from inside the model's own forward (TRL's fused
-  head), FSDP2's backward of that forward is under way when the chunks' backwards run: each chunk's is made an FSDP2
-  pass of its own (`hf_tree_attn.fsdp2_compat.separate_backward`), or FSDP2 would leave its gradients unreduced. The
-  trainers run every forest through here under FSDP2, one that fits one chunk too (`trainer.core.prefix_reuse_chunks`).
+  graph per grad mode for chunks of every context size (`LAYERS="compiled"`, the default; `LAYERS` says why); a
+  hybrid's chunks always run the eager layers (their state-carrying kernels read and write the stores from Python).
+  Parameter gradients accumulate in `.grad` as they would in one backward (the reentrant pattern of
+  `torch.utils.checkpoint(..., use_reentrant=True)`, with its limits: `loss.backward()`, not `torch.autograd.grad`). So
+  a data-parallel wrapper whose hooks expect one gradient per parameter per backward, and the same forwards on every
+  rank, cannot reduce them: under DDP run the step under its `no_sync()` and average the `.grad`s over the ranks once
+  per optimizer step, as the trainers do (`trainer.core.prefix_reuse_gradient_sync`). FSDP2 (`fully_shard`) reduces
+  each backward's gradients itself, but gathers parameters and reduces gradients in collectives every rank must call
+  alike: ranks whose forests cut into fewer chunks run dummy chunks until every rank runs as many, and every chunk
+  gathers the LM head (or runs the caller's head) and runs a backward (`_fsdp_dummies`). Called from inside the model's
+  own forward (TRL's fused head), FSDP2's backward of that forward is under way when the chunks' backwards run: each
+  chunk's is made an FSDP2 pass of its own (`hf_tree_attn.fsdp2_compat.separate_backward`), or FSDP2 would leave its
+  gradients unreduced. The trainers run every forest through here under FSDP2, one that fits one chunk too
+  (`trainer.core.prefix_reuse_chunks`).
 
 **State-carrying layers** (hybrids: gated and Kimi delta rule, Mamba-2, short convolutions;
 `hf_tree_attn.recurrent`) are handled the same way. A chunk is a forest of its own rows (`recurrent.ChunkRows`)
@@ -104,19 +104,18 @@ __all__ = [
 _CUDA_PATHS = ("flex", "dense")
 CUDA_PATH = (os.environ.get("HF_TREE_ATTN_PREFIX_REUSE_CUDA") or "flex").strip().lower()
 
-# Which decoder layers the chunks run where the model's are compiled (`hf_tree_attn.compile`): "eager" (the default)
-# or "compiled" (through `hf_tree_attn.context_kv`'s operator: exact, no graph break). On one H100, Qwen3-1.7B shape,
-# a 188k-row agent step of 65,536-row chunks, compiled chunks first took 35.8 s against 29.2 s eager
-# (benchmarks/results/prefix_reuse_gpu_h100_qwen3-1.7b_compiled.json): their FlexAttention kernels, built inside the
-# dynamic-shape layer graphs, lacked the keys' and values' 16-byte alignment hint (the operator's layer token was a
-# CPU tensor, and inductor takes an opaque operator's outputs as unaligned where any input is) and took 1.4-1.8x the
-# time per call. With the token on the keys' device (`context_kv.module_token`) their calls take what the eager
-# chunks' take, and a step took 25.9 s against 29.0 s eager, the first step compiling 140 s against 64 s (one profiled
-# step each, benchmarks/results/prefix_reuse_gpu_h100_qwen3-1.7b_aligned_profiled.json): eager stays the default until
-# paired steps decide it. From HF_TREE_ATTN_PREFIX_REUSE_LAYERS at import; may be set at run time (`layers_error`
-# checks it where it is read).
+# Which decoder layers the chunks run where the model's are compiled (`hf_tree_attn.compile`): "compiled" (the
+# default: through `hf_tree_attn.context_kv`'s operator, exact, no graph break) or "eager". On one H100, Qwen3-1.7B
+# shape, a 188k-row agent step in 65,536-row chunks, each in its own process and paired per step: compiled chunks
+# 25.9 s a step against the eager chunks' 29.0 s, 1.12x [1.12x, 1.13x] over 8 steps, 39.1 against 40.9 GiB at the
+# peak; their first step, compiling into an empty inductor cache, 112 s against 50 s
+# (benchmarks/results/prefix_reuse_gpu_h100_qwen3-1.7b_compiled_aligned.json). Their FlexAttention kernels, built
+# inside the dynamic-shape layer graphs, run as fast as the eager chunks' only since the operator's layer token
+# lives on the keys' device (`context_kv.module_token`): inductor takes an opaque operator's outputs as unaligned
+# where any input is a CPU tensor, and without the keys' 16-byte alignment hint the calls took 1.4-1.8x the time.
+# From HF_TREE_ATTN_PREFIX_REUSE_LAYERS at import; may be set at run time (`layers_error` checks it where it is read).
 _LAYER_MODES = ("eager", "compiled")
-LAYERS = (os.environ.get("HF_TREE_ATTN_PREFIX_REUSE_LAYERS") or "eager").strip().lower()
+LAYERS = (os.environ.get("HF_TREE_ATTN_PREFIX_REUSE_LAYERS") or "compiled").strip().lower()
 
 _ATTENTION_KINDS = ("full_attention", "sliding_attention")
 _PER_TOKEN_KINDS = ("mlp", "moe", "dense", "sparse")
@@ -331,7 +330,7 @@ def layers_error() -> str | None:
         return None
     return (
         f"HF_TREE_ATTN_PREFIX_REUSE_LAYERS={LAYERS!r} names no decoder layers prefix reuse's chunks run: set it to "
-        "eager (the default) or compiled (the model's compiled layers, where it has them), or unset it."
+        "compiled (the model's compiled layers where it has them, the default) or eager, or unset it."
     )
 
 
@@ -563,10 +562,9 @@ class _Step:
         self.released = True
 
     def _layers(self):
-        """The decoder layers the chunks run: the eager ones (`LAYERS`, the default), or with `LAYERS="compiled"`
-        the model's compiled ones (`hf_tree_attn.compile`), their context keys and values through
-        `hf_tree_attn.context_kv`'s operator; a hybrid's always eagerly: its state-carrying kernels read and write
-        the step's stores from Python."""
+        """The decoder layers the chunks run: the model's own, compiled ones included (`hf_tree_attn.compile`; their
+        context keys and values through `hf_tree_attn.context_kv`'s operator), or with `LAYERS="eager"` the eager
+        ones; a hybrid's always eagerly: its state-carrying kernels read and write the step's stores from Python."""
         return eager_layers(self.model) if self.stateful or LAYERS != "compiled" else contextlib.nullcontext()
 
     @contextlib.contextmanager

@@ -185,9 +185,10 @@ def test_compiled_layers_run_both_layouts_and_they_agree(monkeypatch):
 
 
 def test_eager_chunks_beside_compiled_ones_agree_and_are_paired(monkeypatch):
-    """`reuse_eager` under `--compile`: prefix reuse with its chunks on the eager layers (the trainers' default) while
-    `reuse`'s run the compiled ones; it compiles no graph of its own, agrees with the split and with `reuse`, and
-    `paired_layers` is its seconds over `reuse`'s per measured step. The model's layer setting is left as it was."""
+    """`reuse_eager` under `--compile`: prefix reuse with its chunks on the eager layers
+    (`HF_TREE_ATTN_PREFIX_REUSE_LAYERS=eager`) while `reuse`'s run the compiled ones; it compiles no graph of its own,
+    agrees with the split and with `reuse`, and `paired_layers` is its seconds over `reuse`'s per measured step. The
+    model's layer setting is left as it was."""
     seen = []
     step = bench.step
 

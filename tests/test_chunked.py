@@ -581,10 +581,20 @@ def test_inductor_compiled_checkpointed_layers_run_every_chunk(compiled_chunks):
     assert counters["stats"]["unique_graphs"] >= 1 and not counters["graph_break"], dict(counters["graph_break"])
 
 
-def test_by_default_the_chunks_run_the_eager_layers():
-    """`HF_TREE_ATTN_PREFIX_REUSE_LAYERS` unset: with the model's layers compiled, the chunks run the eager ones (no
+def test_by_default_the_chunks_run_the_compiled_layers():
+    """`HF_TREE_ATTN_PREFIX_REUSE_LAYERS` unset: with the model's layers compiled, the chunks run them (every chunk's
+    backward through the compiled graphs)."""
+    assert prefix_reuse_module.LAYERS == "compiled"
+    tree, ref, counting = _compiled_twins(checkpointing=False)
+    sequences = _trie(3, seed=31)
+    _check_against_flat(tree, ref, sequences)
+    assert counting.calls["backward"] == 4 * _num_chunks(sequences)
+
+
+def test_the_chunks_run_the_eager_layers_where_asked(monkeypatch):
+    """`HF_TREE_ATTN_PREFIX_REUSE_LAYERS=eager`: with the model's layers compiled, the chunks run the eager ones (no
     compiled graph runs), still exactly, and the compiled layers are back after the step."""
-    assert prefix_reuse_module.LAYERS == "eager"
+    monkeypatch.setattr(prefix_reuse_module, "LAYERS", "eager")
     tree, ref, counting = _compiled_twins(checkpointing=False)
     _check_against_flat(tree, ref, _trie(3, seed=31))
     assert counting.calls == {"forward": 0, "backward": 0}

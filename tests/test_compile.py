@@ -263,10 +263,10 @@ PREFIX_REUSE_NOTES = {  # case: (tree_prefix_reuse, decision, warned, logged)
 
 @pytest.mark.parametrize("case", list(PREFIX_REUSE_NOTES))
 def test_prefix_reuse_says_when_its_chunks_run_eager_layers(case, caplog, monkeypatch):
-    """Prefix reuse's chunks run the eager layers by default, a hybrid's always: a compile the user asked for is then
-    not applied everywhere, and the trainer says so with a warning; the CUDA default says it at INFO; nothing without
-    both, and nothing where the chunks run the compiled layers (`HF_TREE_ATTN_PREFIX_REUSE_LAYERS=compiled`, a model
-    whose layers are attention alone)."""
+    """A hybrid's prefix-reuse chunks always run the eager layers, and any model's with
+    `HF_TREE_ATTN_PREFIX_REUSE_LAYERS=eager`: a compile the user asked for is then not applied everywhere, and the
+    trainer says so with a warning; the CUDA default says it at INFO; nothing without both, and nothing where the
+    chunks run the compiled layers (the default `compiled`, a model whose layers are attention alone)."""
     from hf_tree_attn import prefix_reuse
 
     reuse, decision, warned, logged = PREFIX_REUSE_NOTES[case]
@@ -279,7 +279,7 @@ def test_prefix_reuse_says_when_its_chunks_run_eager_layers(case, caplog, monkey
             warnings.simplefilter("always")
             note = compile_setting.prefix_reuse_note(SimpleNamespace(tree_prefix_reuse=reuse), decision, models[kind])
         said = "runs its chunks on the eager decoder layers"
-        why = "carry a state along the rows" if kind == "hybrid" else "eager stays the default until paired GPU steps"
+        why = "carry a state along the rows" if kind == "hybrid" else "HF_TREE_ATTN_PREFIX_REUSE_LAYERS=eager asks"
         assert (note is not None and said in note and why in note) == says, (kind, layers)
         assert any(said in str(w.message) for w in seen) == (says and warned) and len(seen) == (says and warned)
         assert (said in caplog.text) == (says and not warned), (kind, layers)

@@ -9,7 +9,8 @@ The same on a Qwen3.5 hybrid (Gated DeltaNet and short convolutions beside atten
 a dummy reruns the forest's first row, which chunk 0 keeps, after every real chunk, so it must keep nothing (a state
 it kept would replace chunk 0's, which the backward's recompute of chunk 1 reads). Each with the last chunk's forward
 graph kept and with every chunk's (`keep_graphs`: the parameters outside the decoder layers gathered again before
-each kept graph's backward), with and without the model's own checkpointing.
+each kept graph's backward), with and without the model's own checkpointing; and the dense model's decoder layers
+compiled, before sharding and after it, which the chunks then run.
 """
 
 import copy
@@ -22,8 +23,10 @@ import torch.multiprocessing as mp
 from helpers import TOLERANCES, exit_distributed_worker, hybrid_twin_models
 from test_chunked import BUDGET, _num_chunks, _trie
 from test_fsdp_cpu import _free_port, _model, _shard_like_accelerate
+from torch._dynamo.utils import counters
 
 from hf_tree_attn import prefix_reuse, sequence_logprobs
+from hf_tree_attn.compile import compile_decoder_layers
 
 WORLD_SIZE = 2
 VOCAB = 16  # the test model's
@@ -33,6 +36,17 @@ def _sequences(chunks: int, seed: int) -> list[list[int]]:
     return [[t % VOCAB for t in s] for s in _trie(chunks, seed=seed, max_len=200)]
 
 
+# (the model's checkpointing, keep_graphs, when the decoder layers are compiled): the last two compile them, so the
+# chunks run them (the default `prefix_reuse.LAYERS`): before sharding, as a tree trainer's init does, and after, as
+# accelerate does under FSDP2 (the layers' FSDP hooks inside the compiled call); on the dense model's second case.
+SETTINGS = (
+    (False, 1, None),
+    (True, 1, None),
+    (False, 8, None),
+    (True, 8, None),
+    (True, 1, "before"),
+    (True, 1, "after"),
+)
 # Per case, per rank: (chunks, seed) of its sequences.
 CASES = [((2, 10), (3, 11)), ((1, 12), (3, 13))]
 
@@ -79,11 +93,20 @@ def _worker(rank: int, port: int) -> None:
                     expected[name] += p.grad / WORLD_SIZE
             with torch.no_grad():
                 expected_logps = sequence_logprobs(reference, sequences[rank])
-            for checkpointing, keep in ((False, 1), (True, 1), (False, 8), (True, 8)):
+            for checkpointing, keep, compiled in SETTINGS:
+                if compiled and chunks != [1, 3]:  # on one case: a forest within the budget beside one of 3 chunks
+                    continue  # (a hybrid's chunks always run the eager layers)
                 model = copy.deepcopy(build())
                 if checkpointing:
                     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+                if compiled:
+                    torch._dynamo.reset()
+                    counters.clear()
+                if compiled == "before":
+                    compile_decoder_layers(model, backend="aot_eager", dynamic=True)
                 _shard_like_accelerate(model)
+                if compiled == "after":
+                    compile_decoder_layers(model, backend="aot_eager", dynamic=True)
                 logps = sequence_logprobs(model, sequences[rank], BUDGET, prefix_reuse=True, keep_graphs=keep)
                 for got, want in zip(logps, expected_logps, strict=True):
                     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
@@ -97,6 +120,8 @@ def _worker(rank: int, port: int) -> None:
                     worst = (got - expected[name]).abs().max().item()
                     bound = TOLERANCES["grad_max_rel"] * expected[name].abs().max().item() + 1e-7
                     assert worst <= bound, f"{name}: {worst} > {bound}"
+                if compiled:  # the chunks ran the compiled layers (the default `prefix_reuse.LAYERS`)
+                    assert prefix_reuse.LAYERS == "compiled" and counters["stats"]["unique_graphs"] >= 1
         if rank == 0:  # chunk 0 kept states and convolution inputs; its dummy ran, keeping nothing
             assert any(n for dummy, n in kept_by if not dummy) and any(dummy for dummy, _ in kept_by)
         assert not any(n for dummy, n in kept_by if dummy)

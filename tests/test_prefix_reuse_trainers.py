@@ -403,10 +403,10 @@ def test_run_refusals(setting, match, monkeypatch):
     """What the trainers ask `prefix_reuse_refusal` at init, for settings a CPU test cannot start: DeepSpeed, FSDP1,
     FSDP2 over a `parallelism_config` (FSDP2 otherwise, hybrids too: accepted, its DDP checks not asked), CUDA with
     a `HF_TREE_ATTN_PREFIX_REUSE_CUDA` that names no path (flex, the default, and dense: accepted), a
-    `HF_TREE_ATTN_PREFIX_REUSE_LAYERS` that names no layers (eager, the default, and compiled: accepted), several
+    `HF_TREE_ATTN_PREFIX_REUSE_LAYERS` that names no layers (compiled, the default, and eager: accepted), several
     processes other than plain DDP (DDP: accepted)."""
     monkeypatch.setattr(prefix_reuse, "CUDA_PATH", setting.get("cuda_path", "flex"))
-    monkeypatch.setattr(prefix_reuse, "LAYERS", setting.get("layers", "eager"))
+    monkeypatch.setattr(prefix_reuse, "LAYERS", setting.get("layers", "compiled"))
     model, _ = hybrid_twin_models("qwen3_5") if setting.get("hybrid") else twin_models("qwen3")
     accelerator = SimpleNamespace(
         num_processes=setting.get("num_processes", 1),
