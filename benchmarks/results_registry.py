@@ -307,6 +307,8 @@ PREFIX_REUSE_GPU = [
     "prefix_reuse_gpu_h100_qwen3-1.7b_compiled_aligned.json",
     "prefix_reuse_gpu_h200_qwen3-8b_trajectory.json",
 ]
+# bench_async_grpo.py with prefix reuse through trainer.train() against the split and TRL's packing (`tree_reuse`).
+ASYNC_PREFIX_REUSE: list[str] = []
 # prefix_reuse_work.py over PREFIX_REUSE_GPU's files: each layout's executed FLOPs, predicted vs measured speed (CPU).
 PREFIX_REUSE_WORK = "prefix_reuse_work_cpu.json"
 # bench_prefix_reuse_gpu.py --methods reuse reuse_kept: every chunk's forward graph kept against recomputing them.

@@ -22,6 +22,7 @@ from pathlib import Path
 from results_registry import (
     ASYNC_ATTENTION_PATHS,
     ASYNC_PAIRED,
+    ASYNC_PREFIX_REUSE,
     ASYNC_TREE_ONLY,
     ASYNC_TREE_ONLY_FLA,
     BEYOND_GRPO,
@@ -485,6 +486,7 @@ def prefix_reuse_plan() -> list[str]:
         table(headers, rows)
         + notes.lines()
         + prefix_reuse_gpu()
+        + prefix_reuse_trainer()
         + prefix_reuse_work()
         + prefix_reuse_profiled()
         + flex_kernel_settings()
@@ -537,6 +539,49 @@ def prefix_reuse_gpu() -> list[str]:
                "prefix reuse: the same", "prefix reuse, every chunk's graph kept: the same",
                "split over reuse, per step", "split over reuse with graphs kept, per step", "source"]  # fmt: skip
     return table(headers, rows) + notes.lines()
+
+
+def prefix_reuse_trainer() -> list[str]:
+    """bench_async_grpo.py `--sides reference trl tree tree_reuse` on conversations that span a step's rows: prefix
+    reuse through `trainer.train()` against the same trainer's split and TRL's packing, paired per step."""
+    notes, rows = Notes(), []
+    for name in ASYNC_PREFIX_REUSE:
+        data = load(name)
+        for row in data["rows"]:
+            sides, spec = row["sides"], row["spec"]
+            cells = []
+            for side in ("trl", "tree", "tree_reuse"):
+                run = sides[side]
+                forwarded = sum(run["forwarded_tokens_per_step"]) / sum(run["unique_tokens_per_step"])
+                peak = "—" if run["peak_gib"] is None else f"{run['peak_gib']:.1f}"
+                cells.append(
+                    f"{step_range(run['median_step_s'], run['measured_step_s'])}, {x(forwarded)} forwarded, "
+                    f"MFU {pct(run['mfu'], 1)}, {peak} GiB, first step {run['first_step_s']:.1f} s"
+                )
+            checks = row["agreement"].values()
+            rows.append([
+                f"{MODELS[row['model']]}, {data['gpu']}",
+                f"{spec['system']:,}-token system prompt, {spec['turns']} turns × {spec['branches']} answers",
+                f"{data['gradient_accumulation_steps']} × {data['token_budget']:,}", *cells,
+                ranged(row["paired"].get("tree_reuse vs trl")), ranged(row["paired"].get("tree_reuse vs tree")),
+                ranged(row["paired"].get("tree vs trl")),
+                f"{sum(c['passed'] for c in checks)} of {len(checks)} pairs", notes.source(name),
+            ])  # fmt: skip
+    headers = ["model shape, device", "agent conversations", "rows × budget",
+               "TRL: median step [range], forwarded / unique, MFU, peak, first step", "tree, split: the same",
+               "tree, prefix reuse: the same", "reuse vs TRL", "reuse vs split", "split vs TRL", "agreement",
+               "source"]  # fmt: skip
+    if not rows:
+        return []
+    intro = (
+        "Through `trainer.train()`: `TreeAsyncGRPOTrainer` with `tree_prefix_reuse=True` (a step's rows scored as one "
+        "forest in chunks of the token budget) against the same trainer splitting the step into its rows and TRL's "
+        "`AsyncGRPOTrainer` packing them, each side in its own process, at their CUDA defaults (the tree's decoder "
+        "layers compiled in place, prefix reuse's chunks on them; TRL eager). A ratio is the baseline's step over "
+        "the candidate's on the same step, median [min, max] of 8. Agreement as in the trainer rows: each side's "
+        "first-micro-batch log-probabilities against TRL's trainer in float32."
+    )
+    return [intro, ""] + table(headers, rows) + notes.lines()
 
 
 def prefix_reuse_work() -> list[str]:
