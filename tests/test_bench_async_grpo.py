@@ -34,6 +34,25 @@ def test_prefix_reuse_forwards_each_step_s_unique_tokens_once_where_trl_repeats_
         assert check["passed"] and check["same_batches"] and check["tokens"] > 0, (key, check)
         assert pair["steps"] == 8 and not pair["failed"], (key, pair)
 
+    # The results table prints this file's row: each side's forwarded / unique tokens and the three paired ratios.
+    import results_tables
+
+    data = json.loads(out.read_text())
+    monkeypatch.setattr(results_tables, "load", lambda name: data)
+    monkeypatch.setattr(results_tables, "ASYNC_PREFIX_REUSE", ["run.json"])
+    monkeypatch.setitem(results_tables.SOURCES, "run.json", None)
+    monkeypatch.setitem(results_tables.MODELS, "tiny", "tiny")
+    (line,) = [line for line in results_tables.prefix_reuse_trainer() if line.startswith("| tiny, cpu")]
+    cells = [cell.strip() for cell in line.strip("|").split("|")]
+    assert cells[2] == "3 × 1,024"
+    for cell, side in zip(cells[3:6], ("trl", "tree", "tree_reuse")):
+        forwarded = sum(sides[side]["forwarded_tokens_per_step"]) / sum(unique)
+        assert f"{results_tables.x(forwarded)} forwarded" in cell, (side, cell)
+    assert "1.00× forwarded" in cells[5]
+    for cell, key in zip(cells[6:9], ("tree_reuse vs trl", "tree_reuse vs tree", "tree vs trl")):
+        assert cell == results_tables.ranged(row["paired"][key]), (key, cell)
+    assert cells[9] == "3 of 3 pairs"
+
 
 def test_a_flash_side_whose_backend_was_turned_off_is_a_failure(monkeypatch):
     """`tree_flash` asks for FlexAttention's FLASH backend (`tree` gets it by default where FlashAttention-4 is
