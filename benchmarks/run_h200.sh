@@ -654,6 +654,19 @@ c.set_checkpoint_debug_enabled(True).__enter__(); sys.exit(pytest.main(sys.argv[
       timeout 570 python3 benchmarks/bench_async_grpo.py --warmup 2 --steps 8 --resume --profile --models qwen3-1.7b \
         --workloads grpo_mixed --sides reference tree trl_compiled trl \
         --out "$OUT/async_grpo_${card}_qwen3-1.7b_default.json" 2>&1 | grep -E "^qwen|^  |rror:" ;;
+    async-grpo-warm-start-1.7b)  # what the tree's first step costs with an empty compile cache and again in a new
+      # process on the same machine with the caches the first left (inductor's and Triton's, both in fresh folders so
+      # that no earlier stage warms the first), on the FlexAttention Triton kernels (no carry but .whl); first step
+      # and the measured steps of each run
+      rm -rf /tmp/warm_start_inductor /tmp/warm_start_triton
+      export TORCHINDUCTOR_CACHE_DIR=/tmp/warm_start_inductor TRITON_CACHE_DIR=/tmp/warm_start_triton
+      timeout 280 python3 benchmarks/bench_async_grpo.py --warmup 2 --steps 8 --models qwen3-1.7b \
+        --workloads grpo_mixed --sides tree --out "$OUT/async_grpo_${card}_qwen3-1.7b_cold_start.json" 2>&1 \
+        | grep -E "^qwen|^  |rror:"
+      timeout 280 python3 benchmarks/bench_async_grpo.py --warmup 2 --steps 8 --models qwen3-1.7b \
+        --workloads grpo_mixed --sides tree --out "$OUT/async_grpo_${card}_qwen3-1.7b_warm_start.json" 2>&1 \
+        | grep -E "^qwen|^  |rror:"
+      unset TORCHINDUCTOR_CACHE_DIR TRITON_CACHE_DIR ;;
     async-grpo-default-1.7b-agent)  # the same on τ²-like agent conversations (carry .fa4/2 and .whl, after
       # `fa4-site-1` on the same machine)
       with_fa4 || continue
