@@ -59,7 +59,12 @@ with_fla06() {
   export PYTHONPATH=/tmp/fla06:$PYTHONPATH TRITON_CACHE_DIR=/tmp/triton FLA_CACHE_RESULTS=1
 }
 # FlashAttention-4 for FlexAttention's FLASH backend: the two halves of benchmarks/fa4_wheels.sh's packed site (the
-# first kept in /tmp by stage `fa4-site-1`, the second carried as .fa4/2), unpacked once per machine.
+# first kept in /tmp by stage `fa4-site-1`, the second carried as .fa4/2), unpacked once per machine. A call carries
+# at most 64 MiB with the work tree (about 20 MiB, most of it the result files' per-token log-probabilities): a half
+# (35 MiB) and .whl (22 MiB) do not fit together beside it. Where a stage says "carry .fa4/2 and .whl", run
+# `fa4-site-1` (carry .fa4/1), then any stage carrying .whl (its wheels stay installed in /tmp/site and /tmp/common
+# on the warm machine; `async-grpo-warm-start-1.7b` needs nothing more), then the stage carrying .fa4/2 alone, each
+# call within the 30 s a machine stays warm.
 with_fa4() {
   mkdir -p /tmp/fa4parts && cp .fa4/2/* /tmp/fa4parts/ 2>/dev/null
   if [ ! -d /tmp/fa4site/flash_attn ]; then
