@@ -567,12 +567,12 @@ def prefix_reuse_trainer() -> list[str]:
                 ranged(row["paired"].get("tree vs trl")),
                 f"{sum(c['passed'] for c in checks)} of {len(checks)} pairs", notes.source(name),
             ])  # fmt: skip
+    if not rows:
+        return []
     headers = ["model shape, device", "agent conversations", "rows × budget",
                "TRL: median step [range], forwarded / unique, MFU, peak, first step", "tree, split: the same",
                "tree, prefix reuse: the same", "reuse vs TRL", "reuse vs split", "split vs TRL", "agreement",
                "source"]  # fmt: skip
-    if not rows:
-        return []
     intro = (
         "Through `trainer.train()`: `TreeAsyncGRPOTrainer` with `tree_prefix_reuse=True` (a step's rows scored as one "
         "forest in chunks of the token budget) against the same trainer splitting the step into its rows and TRL's "
